@@ -1,0 +1,157 @@
+"""Causal self-attention: MHA / GQA / MQA, RoPE or no position embedding, optional qk-norm.
+
+Vaswani et al. 2017 §3.2: ``softmax(q k^T * scale + causal_mask) v`` per head, with key/value heads
+shared by ``n_heads / n_kv_heads`` query heads (GQA, Ainslie et al. 2023). RoPE (Su et al. 2021)
+in the rotate-half layout that transformers and Megatron use: channel ``i`` pairs with
+``i + d_rot/2``; only the first ``rotary_fraction * d_head`` channels rotate. Llama-3 frequency
+scaling divides low frequencies by ``factor`` and blends the middle band. qk-norm (Qwen3) is an
+RMSNorm over each head's channels, applied before RoPE.
+
+Legend: B batch, T time, D model width, H query heads, K kv heads, E head width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from composer.blocks.mlp import init_linear
+from composer.blocks.norm import RMSNorm
+from composer.config import AttentionConfig, ModelConfig, RopeScaling, d_head_of
+
+
+def rope_frequencies(d_rot: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies ``theta^(-2i/d_rot)``, with Llama-3 scaling when given (fp64)."""
+    # an explicit CPU device: the model may be built under a meta-device context
+    inv_freq = 1.0 / theta ** (torch.arange(0, d_rot, 2, dtype=torch.float64, device="cpu") / d_rot)
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(middle, blended, out)
+
+
+def rope_cos_sin(t: int, inv_freq: torch.Tensor, device: torch.device,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` tables ``[T, d_rot]`` in at least fp32 math, cast to ``dtype``."""
+    math_dtype = torch.promote_types(dtype, torch.float32)
+    pos = torch.arange(t, device=device, dtype=math_dtype)
+    angles = torch.outer(pos, inv_freq.to(device=device, dtype=math_dtype))
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x_BHTE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d_rot = cos.shape[-1]
+    rot, rest = x_BHTE[..., :d_rot], x_BHTE[..., d_rot:]
+    half = d_rot // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class Attention(nn.Module):
+    """``layers.i.mixer.{q_proj,k_proj,v_proj,o_proj}`` (+ ``q_norm``, ``k_norm``)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        a = cfg.attention
+        assert a is not None
+        self.n_heads = a.n_heads
+        self.n_kv_heads = a.n_kv_heads or a.n_heads
+        self.d_head = d_head_of(cfg)
+        self.scale = a.softmax_scale if a.softmax_scale is not None else self.d_head**-0.5
+        self.init_std = cfg.init_std
+        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.d_head, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.d_head, cfg.d_model, bias=a.out_bias)
+        self.qk_norm = a.qk_norm
+        if a.qk_norm:
+            self.q_norm = RMSNorm(self.d_head, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.d_head, cfg.norm_eps)
+        self.rope = a.position == "rope"
+        if self.rope:
+            d_rot = int(self.d_head * a.rotary_fraction)
+            self.inv_freq = rope_frequencies(d_rot, a.rope_theta, a.rope_scaling)
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            init_linear(linear, self.init_std, generator)
+        if self.qk_norm:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x_BTD.shape
+        q = self.q_proj(x_BTD).view(b, t, self.n_heads, self.d_head)
+        k = self.k_proj(x_BTD).view(b, t, self.n_kv_heads, self.d_head)
+        v = self.v_proj(x_BTD).view(b, t, self.n_kv_heads, self.d_head)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BHTE, k_BKTE, v_BKTE = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.rope:
+            cos, sin = rope_cos_sin(t, self.inv_freq, x_BTD.device, q.dtype)
+            q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
+        o_BHTE = F.scaled_dot_product_attention(
+            q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=self.scale,
+            enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(o_BHTE.transpose(1, 2).reshape(b, t, self.n_heads * self.d_head))
+
+    @staticmethod
+    def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+        """Projections ``2 * weights`` plus scores and weighted sum ``2 * 2 * H * E * seq_len``
+        (full, non-causal-discounted context, as Megatron and PaLM count it)."""
+        a = cfg.attention
+        assert a is not None
+        e, kv = d_head_of(cfg), a.n_kv_heads or a.n_heads
+        proj = cfg.d_model * e * (2 * a.n_heads + 2 * kv)
+        return 2 * proj + 4 * a.n_heads * e * seq_len
+
+
+def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfig, d_head: int,
+                  eps: float = 1e-5) -> torch.Tensor:
+    """Plain-math twin of :class:`Attention`: explicit pair rotations, explicit mask, loops over
+    heads. ``w`` holds ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` matrices (and optional
+    ``*_bias``, ``q_norm``, ``k_norm``)."""
+    b, t, _ = x.shape
+    kv = a.n_kv_heads or a.n_heads
+    q = (x @ w["q_proj"].T + w.get("q_bias", 0)).view(b, t, a.n_heads, d_head)
+    k = (x @ w["k_proj"].T + w.get("k_bias", 0)).view(b, t, kv, d_head)
+    v = (x @ w["v_proj"].T + w.get("v_bias", 0)).view(b, t, kv, d_head)
+    if "q_norm" in w:
+        q = w["q_norm"] * q / torch.sqrt((q * q).mean(-1, keepdim=True) + eps)
+        k = w["k_norm"] * k / torch.sqrt((k * k).mean(-1, keepdim=True) + eps)
+    if a.position == "rope":
+        d_rot = int(d_head * a.rotary_fraction)
+        inv_freq = rope_frequencies(d_rot, a.rope_theta, a.rope_scaling).to(x.dtype)
+        q, k = _rotate_pairs(q, inv_freq), _rotate_pairs(k, inv_freq)
+    scale = a.softmax_scale if a.softmax_scale is not None else d_head**-0.5
+    mask = torch.full((t, t), float("-inf"), dtype=x.dtype).triu(1)
+    heads = []
+    for h in range(a.n_heads):
+        g = h // (a.n_heads // kv)
+        scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) * scale + mask
+        heads.append(torch.softmax(scores, -1) @ v[:, :, g])
+    return torch.cat(heads, -1) @ w["o_proj"].T + w.get("o_bias", 0)
+
+
+def _rotate_pairs(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs ``(i, i + d_rot/2)`` by angle ``pos * inv_freq[i]``, one at a time."""
+    out = x.clone()
+    half = inv_freq.shape[0]
+    pos = torch.arange(x.shape[1], dtype=x.dtype).view(1, -1, 1)
+    for i in range(half):
+        ang = pos * inv_freq[i]
+        a, b = x[..., i], x[..., i + half]
+        out[..., i] = a * torch.cos(ang) - b * torch.sin(ang)
+        out[..., i + half] = a * torch.sin(ang) + b * torch.cos(ang)
+    return out

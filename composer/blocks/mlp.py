@@ -1,0 +1,100 @@
+"""Dense MLP: gated (SwiGLU/GeGLU, Shazeer 2020) or plain (squared ReLU, GELU, SiLU, ReLU).
+
+Gated: ``down(act(gate(x)) * up(x))``. Plain: ``down(act(up(x)))``. Squared ReLU
+(So et al. 2021, "Primer") is ``relu(x)^2``; Nemotron-H uses it without a gate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from composer.config import ModelConfig, is_gated
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "swiglu": F.silu,
+    "silu": F.silu,
+    "geglu": F.gelu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu2": relu2,
+    "relu": F.relu,
+}
+
+
+def activation_ref(name: str, x: torch.Tensor) -> torch.Tensor:
+    """Plain-math twin of :data:`ACTIVATIONS` (written from the formulas)."""
+    if name in ("swiglu", "silu"):
+        return x / (1 + torch.exp(-x))
+    if name in ("geglu", "gelu"):
+        return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+    if name == "gelu_tanh":
+        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    if name == "relu2":
+        return torch.clamp(x, min=0) ** 2
+    if name == "relu":
+        return torch.clamp(x, min=0)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def init_linear(linear: nn.Linear, std: float, generator: torch.Generator | None) -> None:
+    nn.init.normal_(linear.weight, 0.0, std, generator=generator)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+
+
+class MLP(nn.Module):
+    """``layers.i.mixer.{gate_proj,up_proj,down_proj}``; ``gate_proj`` only when gated."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, d_ff: int | None = None,
+                 activation: str | None = None) -> None:
+        super().__init__()
+        assert cfg.mlp is not None or (d_ff is not None and activation is not None)
+        mlp = cfg.mlp
+        d_ff = d_ff if d_ff is not None else mlp.d_ff
+        self.activation = activation if activation is not None else mlp.activation
+        bias = mlp.bias if mlp is not None else False
+        self.init_std = cfg.init_std
+        self.gated = is_gated(self.activation)
+        self.act = ACTIVATIONS[self.activation]
+        if self.gated:
+            self.gate_proj = nn.Linear(cfg.d_model, d_ff, bias=bias)
+        self.up_proj = nn.Linear(cfg.d_model, d_ff, bias=bias)
+        self.down_proj = nn.Linear(d_ff, cfg.d_model, bias=bias)
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        for linear in (self.up_proj, self.down_proj) + ((self.gate_proj,) if self.gated else ()):
+            init_linear(linear, self.init_std, generator)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            h = self.act(self.gate_proj(x_BTD)) * self.up_proj(x_BTD)
+        else:
+            h = self.act(self.up_proj(x_BTD))
+        return self.down_proj(h)
+
+    @staticmethod
+    def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+        """``2 * weights`` of the projections (activations are negligible)."""
+        assert cfg.mlp is not None
+        n_proj = 3 if is_gated(cfg.mlp.activation) else 2
+        return 2 * n_proj * cfg.d_model * cfg.mlp.d_ff
+
+
+def mlp_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: str,
+            gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-math twin of :class:`MLP` (weights as ``[out, in]`` matrices, no bias)."""
+    if gate is not None:
+        h = activation_ref(activation, x @ gate.T) * (x @ up.T)
+    else:
+        h = activation_ref(activation, x @ up.T)
+    return h @ down.T

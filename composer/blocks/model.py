@@ -1,0 +1,84 @@
+"""HybridModel: embedding -> residual layers (one per pattern symbol) -> final norm -> LM head.
+
+Layers live in a ``ModuleDict`` keyed by their global index, so state-dict keys
+(``layers.7.mixer.in_proj.weight``) are the same whatever pipeline stage holds the layer.
+With ``labels`` the forward also returns the mean next-token cross-entropy (labels are aligned
+with ``input_ids`` and shifted inside, positions labelled ``-100`` are ignored) plus the MoE
+load-balancing losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from composer.blocks.norm import RMSNorm
+from composer.config import ModelConfig
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ModelOutput:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    aux_loss: torch.Tensor
+
+
+class HybridModel(nn.Module):
+    """Keys: ``embed.weight``, ``layers.{i}.*``, ``final_norm.weight``, ``lm_head.weight``
+    (absent when ``tie_embeddings``)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        from composer.specs.registry import build_layer  # the registry imports the blocks
+
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        pattern = cfg.parsed
+        self.layers = nn.ModuleDict(
+            {str(i): build_layer(cfg, i, sym) for i, sym in enumerate(pattern.layers)})
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        nn.init.normal_(self.embed.weight, 0.0, self.config.init_std, generator=generator)
+        if not self.config.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, 0.0, self.config.init_std, generator=generator)
+        self.final_norm.reset_parameters()
+
+    def hidden_states(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        x_BTD = self.embed(input_ids_BT)
+        if self.config.embedding_multiplier != 1.0:
+            x_BTD = x_BTD * self.config.embedding_multiplier
+        for layer in self.layers.values():
+            x_BTD = layer(x_BTD)
+        return self.final_norm(x_BTD)
+
+    def forward(self, input_ids_BT: torch.Tensor,
+                labels_BT: torch.Tensor | None = None) -> torch.Tensor | ModelOutput:
+        logits_BTV = F.linear(self.hidden_states(input_ids_BT), self.output_weight())
+        if self.config.logits_scaling != 1.0:
+            logits_BTV = logits_BTV / self.config.logits_scaling
+        if labels_BT is None:
+            return logits_BTV
+        loss = F.cross_entropy(logits_BTV[:, :-1].flatten(0, 1).float(),
+                               labels_BT[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+        aux = self.aux_loss(logits_BTV)
+        return ModelOutput(loss=loss + aux, logits=logits_BTV, aux_loss=aux)
+
+    def aux_loss(self, like: torch.Tensor) -> torch.Tensor:
+        """Sum of the auxiliary losses the mixers stored during the last forward."""
+        total = like.new_zeros((), dtype=torch.float32)
+        for layer in self.layers.values():
+            aux = getattr(layer.mixer, "aux_loss", None)
+            if aux is not None:
+                total = total + aux
+        return total

@@ -1,0 +1,69 @@
+"""RMSNorm and the gated, grouped RMSNorm of Mamba-2.
+
+RMSNorm (Zhang & Sennrich 2019): ``y = w * x / sqrt(mean(x^2) + eps)``, computed in fp32 and cast
+back before the weight multiply, as transformers and Megatron do.
+
+Gated RMSNorm (Mamba-2 paper §7, "normalization"): ``y = w * rms_g(x * silu(z))`` where ``rms_g``
+normalises each group of ``group_size`` channels on its own. transformers 5.x and Megatron use
+``group_size = d_inner / n_groups``; older code normalised over the whole width (one group).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, d: int, group_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        if d % group_size:
+            raise ValueError(f"group size {group_size} must divide the width {d}")
+        self.eps = eps
+        self.group_size = group_size
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        h = x.float()
+        if gate is not None:
+            h = h * F.silu(gate.float())
+        shape = h.shape
+        h = h.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.view(shape).to(x.dtype)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain-math twin of :class:`RMSNorm` (use fp64 inputs)."""
+    return weight * x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps)
+
+
+def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor,
+                       group_size: int, eps: float) -> torch.Tensor:
+    """Plain-math twin of :class:`GatedRMSNorm`: loop over groups, no views."""
+    if z is not None:
+        x = x * z / (1 + torch.exp(-z))
+    out = []
+    for g in range(x.shape[-1] // group_size):
+        part = x[..., g * group_size:(g + 1) * group_size]
+        out.append(part / torch.sqrt((part * part).sum(-1, keepdim=True) / group_size + eps))
+    return weight * torch.cat(out, -1)

@@ -1,0 +1,197 @@
+"""The ``composer`` command (also ``python -m composer``).
+
+Every subcommand prints a readable table by default and one line of JSON on stdout with
+``--json``. Bad input is one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from composer.config import ConfigError, ModelConfig, apply_overrides
+from composer.specs.pattern import PatternError
+
+DEFAULT_PATTERN = "M-M*-ME"
+
+
+class UsageError(Exception):
+    """A user mistake: reported as one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def resolve_config(args: argparse.Namespace) -> ModelConfig:
+    from composer.zoo import get_preset
+
+    if args.preset and args.pattern:
+        raise UsageError("give --pattern or --preset, not both")
+    if args.preset:
+        cfg = get_preset(args.preset).config()
+    else:
+        cfg = ModelConfig(pattern=args.pattern or DEFAULT_PATTERN)
+    apply_overrides(cfg, args.set or [])
+    return cfg.validate()
+
+
+def stats_dict(cfg: ModelConfig, seq_len: int) -> dict[str, Any]:
+    from composer.specs.builder import build_model, model_stats
+
+    stats = model_stats(build_model(cfg, device="meta"), seq_len=seq_len)
+    return {
+        "pattern": cfg.parsed.format(),
+        "n_layers": stats.n_layers,
+        "layer_counts": stats.layer_counts,
+        "params_by_kind": stats.params_by_kind,
+        "n_params": stats.n_params,
+        "n_active_params": stats.n_active_params,
+        "flops_per_token": stats.flops_per_token,
+        "forward_flops_per_token": stats.forward_flops_per_token,
+        "seq_len": seq_len,
+        "bf16_bytes": stats.bf16_bytes,
+    }
+
+
+def print_stats(info: dict[str, Any]) -> None:
+    from composer.specs.registry import REGISTRY
+
+    rows = [("pattern", info["pattern"]), ("layers", str(info["n_layers"]))]
+    for sym, n in info["layer_counts"].items():
+        rows.append((f"  {sym} {REGISTRY[sym].name}", str(n)))
+    rows.append(("parameters", ""))
+    for kind, n in info["params_by_kind"].items():
+        rows.append((f"  {kind}", f"{n:,}"))
+    rows += [
+        ("total parameters", f"{info['n_params']:,} ({_human(info['n_params'])})"),
+        ("active parameters", f"{info['n_active_params']:,} ({_human(info['n_active_params'])})"),
+        (f"FLOPs/token (train, seq {info['seq_len']})", _human(info["flops_per_token"])),
+        ("FLOPs/token (forward)", _human(info["forward_flops_per_token"])),
+        ("weights in bf16", _bytes(info["bf16_bytes"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    info = stats_dict(cfg, args.seq_len)
+    if args.out:
+        from composer.specs.builder import build_model, save
+
+        start = time.perf_counter()
+        model = build_model(cfg, device="cpu", seed=args.seed)
+        save(model, args.out, force=args.force)
+        info["out"] = str(args.out)
+        info["build_seconds"] = round(time.perf_counter() - start, 3)
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print_stats(info)
+        if args.out:
+            print(f"wrote {args.out} (config.yaml, model.safetensors) "
+                  f"in {info['build_seconds']:.2f}s")
+    return 0
+
+
+def cmd_zoo_list(args: argparse.Namespace) -> int:
+    from composer.specs.builder import build_model, model_stats
+    from composer.zoo import presets
+
+    items = []
+    for preset in presets().values():
+        stats = model_stats(build_model(preset.config(), device="meta"))
+        items.append({"name": preset.name, "family": preset.family, "hf_id": preset.hf_id,
+                      "pattern": preset.config().parsed.format(), "n_params": stats.n_params,
+                      "n_active_params": stats.n_active_params})
+    if args.json:
+        print(json.dumps(items))
+        return 0
+    width = max(len(i["name"]) for i in items)
+    print(f"{'name':<{width}}  {'family':<10} {'params':>8} {'active':>8}  hf id")
+    for i in items:
+        print(f"{i['name']:<{width}}  {i['family']:<10} {_human(i['n_params']):>8} "
+              f"{_human(i['n_active_params']):>8}  {i['hf_id']}")
+    return 0
+
+
+def cmd_zoo_show(args: argparse.Namespace) -> int:
+    import yaml
+
+    from composer.zoo import get_preset
+
+    preset = get_preset(args.name)
+    cfg = preset.config()
+    info = stats_dict(cfg, args.seq_len)
+    if args.json:
+        print(json.dumps({"name": preset.name, "family": preset.family, "hf_id": preset.hf_id,
+                          "source": preset.source, "config": cfg.to_dict(), **info}))
+        return 0
+    print(f"{preset.name}  ({preset.family}; {preset.hf_id})\nsource: {preset.source}\n")
+    print_stats(info)
+    print("\nconfig:")
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+    return 0
+
+
+def make_parser() -> Parser:
+    parser = Parser(prog="composer", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    build = sub.add_parser("build", help="build a model from a pattern or preset and summarise it")
+    build.add_argument("--pattern", help=f"layer pattern (default {DEFAULT_PATTERN!r})")
+    build.add_argument("--preset", help="a zoo preset name (see `composer zoo list`)")
+    build.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="override a config field, e.g. attention.n_heads=8 (repeatable)")
+    build.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    build.add_argument("--seq-len", type=int, default=4096, help="sequence length for FLOPs")
+    build.add_argument("--out", help="materialise and write a portable checkpoint here")
+    build.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
+    build.add_argument("--json", action="store_true", help="one line of JSON on stdout")
+    build.set_defaults(func=cmd_build)
+
+    zoo = sub.add_parser("zoo", help="list and show model presets")
+    zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True, parser_class=Parser)
+    zl = zoo_sub.add_parser("list", help="list presets")
+    zl.add_argument("--json", action="store_true")
+    zl.set_defaults(func=cmd_zoo_list)
+    zs = zoo_sub.add_parser("show", help="show one preset's config and counts")
+    zs.add_argument("name")
+    zs.add_argument("--seq-len", type=int, default=4096)
+    zs.add_argument("--json", action="store_true")
+    zs.set_defaults(func=cmd_zoo_show)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = make_parser().parse_args(argv)
+        if getattr(args, "seq_len", 1) <= 0:
+            raise UsageError("--seq-len must be positive")
+        return args.func(args)
+    except (UsageError, ConfigError, PatternError, FileExistsError, FileNotFoundError) as exc:
+        print(f"composer: error: {exc}".replace("\n", " "), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("composer: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,396 @@
+"""Typed model configuration: nested dataclasses, YAML round trip, dotted overrides, validation.
+
+A model is a layer pattern (DESIGN §3) plus one sub-config per block kind the pattern uses. Sizes
+are ``d_*``, counts ``n_*``. Every error is a one-line :class:`ConfigError` (a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from composer.specs.pattern import Pattern, PatternError, parse_pattern
+
+Activation = Literal["swiglu", "geglu", "relu2", "gelu", "gelu_tanh", "silu", "relu"]
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value or override; the message is one line."""
+
+
+@dataclass
+class RopeScaling:
+    """Llama-3 style frequency scaling of RoPE (``rope_type: llama3`` in transformers)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass
+class AttentionConfig:
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    """Key/value heads (GQA); ``None`` means ``n_heads`` (MHA), 1 is MQA."""
+    d_head: int | None = None
+    """Per-head width; ``None`` means ``d_model // n_heads``."""
+    position: Literal["rope", "none"] = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rotary_fraction: float = 1.0
+    """Fraction of each head's channels that RoPE rotates (Bamba uses 0.5)."""
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False
+    softmax_scale: float | None = None
+    """Score scale; ``None`` means ``1/sqrt(d_head)``."""
+
+
+@dataclass
+class MambaConfig:
+    n_heads: int = 8
+    d_head: int = 64
+    n_groups: int = 1
+    d_state: int = 64
+    d_conv: int = 4
+    chunk_size: int = 64
+    norm_group_size: int | None = None
+    """Channels per gated-RMSNorm group; ``None`` means ``d_inner // n_groups`` (transformers 5.x,
+    Megatron). Set it to ``d_inner`` for the older whole-width normalisation."""
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+    a_init_range: tuple[float, float] = (1.0, 16.0)
+
+
+@dataclass
+class MLPConfig:
+    d_ff: int = 1024
+    activation: Activation = "swiglu"
+    bias: bool = False
+
+
+@dataclass
+class MoEConfig:
+    n_experts: int = 8
+    top_k: int = 2
+    d_ff: int = 512
+    activation: Activation = "swiglu"
+    n_shared_experts: int = 0
+    d_ff_shared: int | None = None
+    """Width of the shared-expert MLP; ``None`` means ``d_ff * n_shared_experts``."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True
+    """Divide the top-k weights by their sum."""
+    score_correction_bias: bool = False
+    """A per-expert fp32 bias added to the scores for choosing experts only (aux-loss-free)."""
+    routed_scaling_factor: float = 1.0
+    n_expert_groups: int = 1
+    topk_groups: int = 1
+    aux_loss_coeff: float = 0.0
+    """Weight of the switch-style load-balancing loss added to the training loss."""
+
+
+@dataclass
+class ModelConfig:
+    pattern: str = "M-M*-ME"
+    d_model: int = 256
+    vocab_size: int = 32000
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    """Logits are divided by this (Granite)."""
+    attention: AttentionConfig | None = field(default_factory=AttentionConfig)
+    mamba: MambaConfig | None = field(default_factory=MambaConfig)
+    mlp: MLPConfig | None = field(default_factory=MLPConfig)
+    moe: MoEConfig | None = field(default_factory=MoEConfig)
+
+    @property
+    def parsed(self) -> Pattern:
+        return parse_pattern(self.pattern)
+
+    def validate(self) -> ModelConfig:
+        """Raise :class:`ConfigError` on the first problem; return ``self``."""
+        validate(self)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        return _from_plain(cls, data, "")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of config fields")
+        return cls.from_dict(data)
+
+
+SUBCONFIGS: dict[str, type] = {
+    "attention": AttentionConfig,
+    "mamba": MambaConfig,
+    "mlp": MLPConfig,
+    "moe": MoEConfig,
+    "rope_scaling": RopeScaling,
+}
+SYMBOL_NEEDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+# ---------------------------------------------------------------- plain <-> dataclass
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown(key: str, valid: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean {where}{close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {where}{key!r}{hint} (valid: {', '.join(valid)})")
+
+
+def _from_plain(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in hints:
+            raise _unknown(str(key), list(hints), where)
+        kwargs[key] = _coerce(value, hints[key], f"{where}{key}")
+    return cls(**kwargs)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; convert where lossless (int -> float)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{name} cannot be {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{name} must be one of {', '.join(map(str, args))}; got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{name} expects a list of {len(args)} numbers, got {value!r}")
+        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return _from_plain(tp, value, f"{name}.")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "nan"):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{name} expects {_type_name(tp)}, got {value!r}")
+
+
+# ---------------------------------------------------------------- overrides
+
+
+def apply_overrides(config: ModelConfig, overrides: list[str]) -> ModelConfig:
+    """Apply ``key=value`` strings such as ``attention.n_heads=8`` (values parsed as YAML).
+
+    Setting a field of a sub-config that is ``None`` creates it with its defaults first;
+    ``moe=null`` removes one. Unknown keys are rejected with the nearest valid key.
+    """
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. d_model=512")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        set_field(config, key, value)
+    return config
+
+
+def set_field(config: Any, dotted: str, value: Any) -> None:
+    """Set one dotted field with type checking."""
+    target = config
+    parts = dotted.split(".")
+    where = ""
+    for part in parts[:-1]:
+        hints = _hints(type(target))
+        if part not in hints:
+            raise _unknown(part, list(hints), where)
+        child = getattr(target, part)
+        if not dataclasses.is_dataclass(child):
+            sub = SUBCONFIGS.get(part)
+            if sub is None:
+                raise ConfigError(f"{where}{part} is not a section; set it as {where}{part}=VALUE")
+            child = sub()
+            setattr(target, part, child)
+        target = child
+        where += part + "."
+    leaf = parts[-1]
+    hints = _hints(type(target))
+    if leaf not in hints:
+        raise _unknown(leaf, list(hints), where)
+    if isinstance(value, str) and hints[leaf] is not str and value.lower() in ("none", "null"):
+        value = None
+    setattr(target, leaf, _coerce(value, hints[leaf], where + leaf))
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _positive(obj: Any, prefix: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{prefix}{name} must be positive, got {value}")
+
+
+def validate(cfg: ModelConfig) -> None:
+    """Check a config for consistency; raises :class:`ConfigError` with a one-line reason."""
+    for f in dataclasses.fields(cfg):  # catches wrong types set by hand
+        _coerce(_to_plain(getattr(cfg, f.name)), _hints(ModelConfig)[f.name], f.name)
+    try:
+        pattern = parse_pattern(cfg.pattern)
+    except PatternError as exc:
+        raise ConfigError(str(exc)) from None
+    _positive(cfg, "", ("d_model", "vocab_size", "norm_eps", "init_std"))
+    for sym in sorted(set(pattern.layers + "".join(pattern.mtp))):
+        section = SYMBOL_NEEDS.get(sym)
+        if section and getattr(cfg, section) is None:
+            raise ConfigError(f"pattern symbol {sym!r} needs the '{section}' section, which is None")
+    if cfg.attention is not None:
+        _validate_attention(cfg.attention, cfg.d_model)
+    if cfg.mamba is not None:
+        _validate_mamba(cfg.mamba)
+    if cfg.mlp is not None:
+        _positive(cfg.mlp, "mlp.", ("d_ff",))
+    if cfg.moe is not None:
+        _validate_moe(cfg.moe)
+
+
+def _validate_attention(a: AttentionConfig, d_model: int) -> None:
+    _positive(a, "attention.", ("n_heads", "n_kv_heads", "d_head", "rope_theta", "softmax_scale"))
+    kv = a.n_kv_heads or a.n_heads
+    if a.n_heads % kv:
+        raise ConfigError(f"attention.n_heads ({a.n_heads}) must be divisible by "
+                          f"attention.n_kv_heads ({kv})")
+    if a.d_head is None and d_model % a.n_heads:
+        raise ConfigError(f"d_model ({d_model}) must be divisible by attention.n_heads "
+                          f"({a.n_heads}) unless attention.d_head is set")
+    d_head = a.d_head or d_model // a.n_heads
+    rotary = int(d_head * a.rotary_fraction)
+    if not 0.0 < a.rotary_fraction <= 1.0 or rotary % 2:
+        raise ConfigError(f"attention.rotary_fraction ({a.rotary_fraction}) must be in (0, 1] "
+                          f"and rotate an even number of the {d_head} head channels")
+
+
+def _validate_mamba(m: MambaConfig) -> None:
+    _positive(m, "mamba.", ("n_heads", "d_head", "n_groups", "d_state", "d_conv", "chunk_size",
+                            "norm_group_size"))
+    if m.n_heads % m.n_groups:
+        raise ConfigError(f"mamba.n_heads ({m.n_heads}) must be divisible by mamba.n_groups "
+                          f"({m.n_groups})")
+    d_inner = m.n_heads * m.d_head
+    if m.norm_group_size is not None and d_inner % m.norm_group_size:
+        raise ConfigError(f"mamba.norm_group_size ({m.norm_group_size}) must divide the inner "
+                          f"width n_heads*d_head ({d_inner})")
+    if not 0 < m.dt_min <= m.dt_max:
+        raise ConfigError(f"mamba.dt_min ({m.dt_min}) must be positive and <= dt_max ({m.dt_max})")
+    if m.dt_limit[0] > m.dt_limit[1]:
+        raise ConfigError(f"mamba.dt_limit {list(m.dt_limit)} must be increasing")
+    if not 0 < m.a_init_range[0] <= m.a_init_range[1]:
+        raise ConfigError(f"mamba.a_init_range {list(m.a_init_range)} must be positive, increasing")
+
+
+def _validate_moe(e: MoEConfig) -> None:
+    _positive(e, "moe.", ("n_experts", "top_k", "d_ff", "d_ff_shared", "routed_scaling_factor",
+                          "n_expert_groups", "topk_groups"))
+    if e.top_k > e.n_experts:
+        raise ConfigError(f"moe.top_k ({e.top_k}) must be <= moe.n_experts ({e.n_experts})")
+    if e.n_shared_experts < 0:
+        raise ConfigError(f"moe.n_shared_experts must be >= 0, got {e.n_shared_experts}")
+    if e.n_experts % e.n_expert_groups or e.topk_groups > e.n_expert_groups:
+        raise ConfigError(f"moe.n_experts ({e.n_experts}) must divide into moe.n_expert_groups "
+                          f"({e.n_expert_groups}) and moe.topk_groups ({e.topk_groups}) must not "
+                          "exceed it")
+    if e.n_expert_groups > 1 and e.top_k > e.topk_groups * (e.n_experts // e.n_expert_groups):
+        raise ConfigError(f"moe.top_k ({e.top_k}) exceeds the experts in moe.topk_groups groups")
+    if e.aux_loss_coeff < 0:
+        raise ConfigError(f"moe.aux_loss_coeff must be >= 0, got {e.aux_loss_coeff}")
+
+
+# ---------------------------------------------------------------- derived sizes
+
+
+def d_head_of(cfg: ModelConfig) -> int:
+    a = cfg.attention
+    assert a is not None
+    return a.d_head or cfg.d_model // a.n_heads
+
+
+def d_inner_of(m: MambaConfig) -> int:
+    return m.n_heads * m.d_head
+
+
+def d_ff_shared_of(e: MoEConfig) -> int:
+    return e.d_ff_shared if e.d_ff_shared is not None else e.d_ff * e.n_shared_experts
+
+
+def is_gated(activation: str) -> bool:
+    return activation in GATED_ACTIVATIONS

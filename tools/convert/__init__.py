@@ -1,0 +1,1 @@
+"""Hugging Face converters (installed as ``composer.convert``): one adapter per family."""

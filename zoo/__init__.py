@@ -1,0 +1,56 @@
+"""Presets of published models (installed as ``composer.zoo``).
+
+Each family module lists :class:`Preset` objects that reproduce a published configuration and cite
+it (the Hugging Face id and the source of the numbers). Every family also has a tiny ``-debug``
+flavour for tests. ``get_preset(name).config()`` returns a fresh :class:`ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from composer.config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    family: str
+    hf_id: str
+    source: str
+    make: Callable[[], ModelConfig]
+
+    def config(self) -> ModelConfig:
+        return self.make()
+
+
+def _collect() -> dict[str, Preset]:
+    from composer.zoo import llama, mamba2, mixtral, nemotron_h, qwen3
+
+    presets: dict[str, Preset] = {}
+    for module in (nemotron_h, llama, qwen3, mixtral, mamba2):
+        for preset in module.PRESETS:
+            assert preset.name not in presets, preset.name
+            presets[preset.name] = preset
+    return presets
+
+
+_PRESETS: dict[str, Preset] | None = None
+
+
+def presets() -> dict[str, Preset]:
+    global _PRESETS
+    if _PRESETS is None:
+        _PRESETS = _collect()
+    return _PRESETS
+
+
+def get_preset(name: str) -> Preset:
+    table = presets()
+    if name not in table:
+        close = difflib.get_close_matches(name, list(table), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown preset {name!r}{hint} (see `composer zoo list`)")
+    return table[name]
