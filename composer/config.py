@@ -220,7 +220,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{name} expects a list of {len(args)} numbers, got {value!r}")
-        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        pairs = enumerate(zip(value, args, strict=True))
+        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in pairs)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -234,8 +235,11 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "nan"):
-            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" and "inf" as strings
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -313,7 +317,8 @@ def validate(cfg: ModelConfig) -> None:
     for sym in sorted(set(pattern.layers + "".join(pattern.mtp))):
         section = SYMBOL_NEEDS.get(sym)
         if section and getattr(cfg, section) is None:
-            raise ConfigError(f"pattern symbol {sym!r} needs the '{section}' section, which is None")
+            raise ConfigError(
+                f"pattern symbol {sym!r} needs the '{section}' section, which is None")
     if cfg.attention is not None:
         _validate_attention(cfg.attention, cfg.d_model)
     if cfg.mamba is not None:

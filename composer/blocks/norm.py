@@ -15,6 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _math_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for half types, fp64 stays fp64 (the reference tests run in fp64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, d: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -25,7 +30,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
+        h = x.to(_math_dtype(x))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
@@ -43,9 +48,9 @@ class GatedRMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        h = x.float()
+        h = x.to(_math_dtype(x))
         if gate is not None:
-            h = h * F.silu(gate.float())
+            h = h * F.silu(gate.to(h.dtype))
         shape = h.shape
         h = h.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

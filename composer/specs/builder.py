@@ -196,6 +196,7 @@ def load(folder: str | Path, device: str | torch.device = "cpu") -> HybridModel:
                 loaded[key] = tensor
     missing = sorted(set(expected) - set(loaded))
     if missing:
-        raise ValueError(f"{folder}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        more = " ..." if len(missing) > 5 else ""
+        raise ValueError(f"{folder}: missing tensors {missing[:5]}{more}")
     model.load_state_dict(loaded, strict=True, assign=True)
     return model

@@ -230,7 +230,8 @@ def parse_pattern(text: str) -> Pattern:
             raise _error(text, cols[len(mtp_parts) + 1], "empty MTP part after '/'")
         body = "".join(s for s, _ in part)
         if mtp_parts and body != mtp_parts[0]:
-            raise _error(text, part[0][1], f"every MTP part must equal the first ({mtp_parts[0]!r})")
+            first = mtp_parts[0]
+            raise _error(text, part[0][1], f"every MTP part must equal the first ({first!r})")
         mtp_parts.append(body)
     return Pattern(segments=segments, mtp=tuple(mtp_parts))
 

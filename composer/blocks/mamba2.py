@@ -1,0 +1,198 @@
+"""The Mamba-2 mixer (Dao & Gu 2024, "Transformers are SSMs", §7 "The Mamba-2 architecture").
+
+One fused input projection gives, per token, ``[z, x, B, C, dt]`` (§7.1 "parallel parameter
+projections"); a short causal depthwise convolution plus SiLU mixes ``xBC`` over time; the SSD scan
+(§6, :mod:`composer.blocks.ssd`) runs with
+
+    dt = clamp(softplus(dt + dt_bias), dt_limit),   A = -exp(A_log),
+    y  = SSD(x, dt, A, B, C) + D * x,
+
+then the gated grouped RMSNorm (§7.2) ``norm(y * silu(z))`` and the output projection. This is
+the math of transformers' ``Mamba2Mixer`` / ``NemotronHMamba2Mixer`` torch path.
+
+Shape legend:
+    B batch, T time, D d_model, E d_inner (= H * P), H heads, P head dim, G groups of B/C,
+    N state size, X conv channels (E + 2 * G * N), K conv taps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from composer.blocks.mlp import init_linear
+from composer.blocks.norm import GatedRMSNorm, gated_rms_norm_ref
+from composer.blocks.ssd import ssd_scan, ssd_scan_ref
+from composer.config import MambaConfig, ModelConfig, d_inner_of
+
+
+def _norm_group_size(m: MambaConfig) -> int:
+    return m.norm_group_size or d_inner_of(m) // m.n_groups
+
+
+def _sizes(m: MambaConfig) -> tuple[int, int, int]:
+    """``(d_inner, d_bc, conv_dim)`` with ``d_bc = G * N`` the width of B (and of C)."""
+    d_inner = d_inner_of(m)
+    d_bc = m.n_groups * m.d_state
+    return d_inner, d_bc, d_inner + 2 * d_bc
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class Mamba2Mixer(nn.Module):
+    """``layers.i.mixer.{in_proj,conv1d,dt_bias,A_log,D,norm,out_proj}`` (transformers' names)."""
+
+    keep_fp32 = ("A_log",)
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        assert cfg.mamba is not None
+        m = cfg.mamba
+        self.mamba_cfg = m
+        self.layer_idx = layer_idx
+        self.init_std = cfg.init_std
+        d_inner, d_bc, conv_dim = _sizes(m)
+        self.d_inner, self.d_bc, self.conv_dim = d_inner, d_bc, conv_dim
+        self.in_proj = nn.Linear(cfg.d_model, d_inner + conv_dim + m.n_heads, bias=m.proj_bias)
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, m.d_conv, groups=conv_dim, bias=m.conv_bias, padding=m.d_conv - 1
+        )
+        self.dt_bias = nn.Parameter(torch.empty(m.n_heads))
+        self.A_log = nn.Parameter(torch.empty(m.n_heads))
+        self.D = nn.Parameter(torch.empty(m.n_heads))
+        self.norm = GatedRMSNorm(d_inner, _norm_group_size(m), eps=cfg.norm_eps)
+        self.out_proj = nn.Linear(d_inner, cfg.d_model, bias=m.proj_bias)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        m = self.mamba_cfg
+        init_linear(self.in_proj, self.init_std, generator)
+        init_linear(self.out_proj, self.init_std, generator)
+        # PyTorch's Conv1d default (kaiming_uniform with a=sqrt(5)): U(±1/sqrt(fan_in)), fan_in = K.
+        bound = 1.0 / math.sqrt(m.d_conv)
+        nn.init.uniform_(self.conv1d.weight, -bound, bound, generator=generator)
+        if self.conv1d.bias is not None:
+            nn.init.uniform_(self.conv1d.bias, -bound, bound, generator=generator)
+        # dt log-uniform in [dt_min, dt_max]; dt_bias is its inverse softplus so that at init
+        # softplus(0 + dt_bias) = dt.
+        u = torch.rand(m.n_heads, generator=generator, device=self.dt_bias.device)
+        log_lo, log_hi = math.log(m.dt_min), math.log(m.dt_max)
+        dt = torch.exp(u * (log_hi - log_lo) + log_lo).clamp(min=m.dt_init_floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        lo, hi = m.a_init_range
+        a = torch.empty(m.n_heads, device=self.A_log.device).uniform_(lo, hi, generator=generator)
+        self.A_log.copy_(torch.log(a))
+        nn.init.ones_(self.D)
+        self.norm.reset_parameters()
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        m = self.mamba_cfg
+        b, T, _ = x_BTD.shape
+        zxbcdt = self.in_proj(x_BTD)
+        z_BTE, xBC_BTX, dt_BTH = zxbcdt.split([self.d_inner, self.conv_dim, m.n_heads], dim=-1)
+        # Conv1d pads both sides by K - 1; keeping the first T outputs makes it causal.
+        xBC_BTX = F.silu(self.conv1d(xBC_BTX.transpose(1, 2))[..., :T].transpose(1, 2))
+        x_BTE, B_BTF, C_BTF = xBC_BTX.split([self.d_inner, self.d_bc, self.d_bc], dim=-1)
+        # dt, A and the scan in >= fp32, as the mamba_ssm kernels do (transformers' torch path does
+        # the softplus in the input dtype; identical in fp32).
+        dt_BTH = F.softplus(_at_least_fp32(dt_BTH) + self.dt_bias)
+        dt_BTH = dt_BTH.clamp(min=m.dt_limit[0], max=m.dt_limit[1])
+        A_H = -torch.exp(_at_least_fp32(self.A_log))
+        y_BTHP = ssd_scan(
+            _at_least_fp32(x_BTE).view(b, T, m.n_heads, m.d_head),
+            dt_BTH,
+            A_H,
+            B_BTF.view(b, T, m.n_groups, m.d_state),
+            C_BTF.view(b, T, m.n_groups, m.d_state),
+            m.chunk_size,
+            D_H=self.D,
+        )
+        # The D skip is inside the scan, so it is gated and normalised too (as in transformers);
+        # the scan output stays fp32 through the norm and is cast only for out_proj.
+        y_BTE = self.norm(y_BTHP.reshape(b, T, self.d_inner), gate=z_BTE)
+        return self.out_proj(y_BTE.to(x_BTD.dtype))
+
+    @staticmethod
+    def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+        """Forward FLOPs per token (a multiply-add is 2), averaged over a ``seq_len`` sequence.
+
+        With ``L = min(chunk_size, seq_len)``, ``n_chunks = ceil(seq_len / L)`` and the sequence
+        padded to ``T' = n_chunks * L``::
+
+            projections  2 * (params(in_proj) + params(out_proj))
+            conv         2 * X * K
+            SSD          [T' * (2 * L * (G*N + H*P) + 4 * H*P*N) + n_chunks * 2 * H*P*N] / seq_len
+
+        The SSD terms: per chunk the ``L x L`` scores ``C·B`` (per group) and their product with
+        ``x`` (per head), both computed densely as the chunked algorithm does; each chunk's end
+        state (``B ⊗ x``) and the read-out of its starting state (``C · state``); and the
+        recurrence over chunk boundaries as a sequential pass. Elementwise work (softplus, exp,
+        SiLU, the norm, the gate, the D skip) is not counted.
+        """
+        m = cfg.mamba
+        assert m is not None
+        d_inner, d_bc, conv_dim = _sizes(m)
+        bias = 1 if m.proj_bias else 0
+        in_params = (cfg.d_model + bias) * (d_inner + conv_dim + m.n_heads)
+        out_params = (d_inner + bias) * cfg.d_model
+        H, P, N, G = m.n_heads, m.d_head, m.d_state, m.n_groups
+        L = max(1, min(m.chunk_size, seq_len))
+        n_chunks = -(-max(seq_len, 1) // L)
+        padded = n_chunks * L
+        ssd = padded * (2 * L * (G * N + H * P) + 4 * H * P * N) + n_chunks * 2 * H * P * N
+        return 2 * (in_params + out_params) + 2 * conv_dim * m.d_conv + ssd // max(seq_len, 1)
+
+
+def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """Plain-math twin of :class:`Mamba2Mixer`; ``weights`` uses its state-dict names.
+
+    Uses the sequential :func:`ssd_scan_ref`, the causal convolution as a sum over taps, and
+    softplus as ``log1p(exp(.))``. Meant for fp64 inputs and weights.
+    """
+    m = cfg.mamba
+    assert m is not None
+    d_inner, d_bc, conv_dim = _sizes(m)
+    b, T, _ = x.shape
+    zxbcdt = x @ weights["in_proj.weight"].T
+    if "in_proj.bias" in weights:
+        zxbcdt = zxbcdt + weights["in_proj.bias"]
+    z = zxbcdt[..., :d_inner]
+    xbc = zxbcdt[..., d_inner : d_inner + conv_dim]
+    dt = zxbcdt[..., d_inner + conv_dim :]
+
+    # Tap k of the cross-correlation weight multiplies the input k - (K - 1) steps away.
+    w, K = weights["conv1d.weight"][:, 0, :], m.d_conv
+    conv = torch.zeros_like(xbc)
+    for k in range(K):
+        lag = K - 1 - k
+        if lag >= T:
+            continue
+        conv[:, lag:] = conv[:, lag:] + w[:, k] * xbc[:, : T - lag]
+    if "conv1d.bias" in weights:
+        conv = conv + weights["conv1d.bias"]
+    xbc = conv / (1 + torch.exp(-conv))
+    xs, B, C = xbc[..., :d_inner], xbc[..., d_inner : d_inner + d_bc], xbc[..., d_inner + d_bc :]
+
+    dt = torch.log1p(torch.exp(dt + weights["dt_bias"]))
+    dt = torch.clamp(dt, min=m.dt_limit[0], max=m.dt_limit[1])
+    A = -torch.exp(weights["A_log"])
+    y = ssd_scan_ref(
+        xs.reshape(b, T, m.n_heads, m.d_head),
+        dt,
+        A,
+        B.reshape(b, T, m.n_groups, m.d_state),
+        C.reshape(b, T, m.n_groups, m.d_state),
+        D_H=weights["D"],
+    )
+    y = gated_rms_norm_ref(
+        y.reshape(b, T, d_inner), z, weights["norm.weight"], _norm_group_size(m), cfg.norm_eps
+    )
+    out = y @ weights["out_proj.weight"].T
+    if "out_proj.bias" in weights:
+        out = out + weights["out_proj.bias"]
+    return out

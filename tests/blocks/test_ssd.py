@@ -1,0 +1,118 @@
+"""The chunked SSD scan against the step-by-step recurrence (fp64, atol 1e-10)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from composer.blocks.ssd import segsum, ssd_scan, ssd_scan_ref
+
+F64 = torch.float64
+
+
+def _inputs(
+    T: int,
+    H: int = 4,
+    G: int = 2,
+    P: int = 3,
+    N: int = 5,
+    b: int = 2,
+    dtype: torch.dtype = F64,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "x_BTHP": torch.randn(b, T, H, P, generator=g, dtype=dtype),
+        # Wide dt and A ranges so that some heads nearly forget within a chunk and others do not.
+        "dt_BTH": (torch.rand(b, T, H, generator=g, dtype=F64) * 0.9 + 0.01).to(dtype),
+        "A_H": -torch.exp(torch.randn(H, generator=g, dtype=F64)).to(dtype),
+        "B_BTGN": torch.randn(b, T, G, N, generator=g, dtype=dtype),
+        "C_BTGN": torch.randn(b, T, G, N, generator=g, dtype=dtype),
+    }
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-10) -> None:
+    torch.testing.assert_close(a, b, atol=atol, rtol=0)
+
+
+def test_segsum_matches_definition() -> None:
+    a = torch.randn(6, dtype=F64)
+    out = segsum(a)
+    for i in range(6):
+        for j in range(6):
+            want = a[j + 1 : i + 1].sum() if j <= i else torch.tensor(-torch.inf, dtype=F64)
+            _close(out[i, j], want)
+
+
+@pytest.mark.parametrize(("T", "chunk"), [(37, 8), (37, 16), (37, 64), (32, 8), (1, 4)])
+@pytest.mark.parametrize("with_D", [False, True])
+def test_scan_matches_recurrence(T: int, chunk: int, with_D: bool) -> None:
+    inp = _inputs(T)
+    D_H = torch.randn(4, dtype=F64) if with_D else None
+    _close(ssd_scan(**inp, chunk_size=chunk, D_H=D_H), ssd_scan_ref(**inp, D_H=D_H))
+
+
+@pytest.mark.parametrize(("T", "chunk"), [(37, 8), (32, 8), (5, 16)])
+def test_initial_and_final_state(T: int, chunk: int) -> None:
+    inp = _inputs(T, H=6, G=3)
+    h0 = torch.randn(2, 6, 3, 5, dtype=F64)
+    D_H = torch.randn(6, dtype=F64)
+    y, final = ssd_scan(
+        **inp, chunk_size=chunk, D_H=D_H, initial_state_BHPN=h0, return_final_state=True
+    )
+    y_ref, final_ref = ssd_scan_ref(**inp, D_H=D_H, initial_state_BHPN=h0, return_final_state=True)
+    _close(y, y_ref)
+    _close(final, final_ref)
+
+
+def test_final_state_continues_the_scan() -> None:
+    """Scanning [0, 20) then [20, 37) from the returned state equals one scan of [0, 37)."""
+    inp = _inputs(37)
+    y_all = ssd_scan(**inp, chunk_size=8)
+    first = {k: (v[:, :20] if v.dim() > 1 else v) for k, v in inp.items()}
+    rest = {k: (v[:, 20:] if v.dim() > 1 else v) for k, v in inp.items()}
+    y0, h = ssd_scan(**first, chunk_size=8, return_final_state=True)
+    y1 = ssd_scan(**rest, chunk_size=8, initial_state_BHPN=h)
+    _close(torch.cat([y0, y1], 1), y_all)
+
+
+def test_groups_are_shared_by_consecutive_heads() -> None:
+    """Head h reads group h // (H // G): G groups equal H heads with B/C repeated per head."""
+    inp = _inputs(19, H=4, G=2)
+    wide = dict(
+        inp,
+        B_BTGN=inp["B_BTGN"].repeat_interleave(2, 2),
+        C_BTGN=inp["C_BTGN"].repeat_interleave(2, 2),
+    )
+    _close(ssd_scan(**inp, chunk_size=8), ssd_scan(**wide, chunk_size=8))
+
+
+def test_bf16_in_bf16_out_and_close_to_fp32() -> None:
+    inp = _inputs(37, dtype=torch.float32)
+    y32 = ssd_scan(**inp, chunk_size=8)
+    y16 = ssd_scan(**{k: v.bfloat16() for k, v in inp.items()}, chunk_size=8)
+    assert y16.dtype == torch.bfloat16
+    y32_from16 = ssd_scan(**{k: v.bfloat16().float() for k, v in inp.items()}, chunk_size=8)
+    # Inside the scan bf16 inputs are upcast, so only the final rounding differs.
+    torch.testing.assert_close(y16.float(), y32_from16, atol=0, rtol=2**-8)
+    assert y32.dtype == torch.float32
+
+
+def test_causal() -> None:
+    inp = _inputs(37)
+    y = ssd_scan(**inp, chunk_size=8)
+    changed = {k: v.clone() for k, v in inp.items()}
+    for k in ("x_BTHP", "dt_BTH", "B_BTGN", "C_BTGN"):
+        changed[k][:, 21:] = changed[k][:, 21:] + 1.0
+    y2 = ssd_scan(**changed, chunk_size=8)
+    _close(y2[:, :21], y[:, :21], atol=0)
+    assert (y2[:, 21:] - y[:, 21:]).abs().max() > 1e-3
+
+
+def test_gradients_flow() -> None:
+    inp = {k: v.float().requires_grad_() for k, v in _inputs(37).items()}
+    y, h = ssd_scan(**inp, chunk_size=8, return_final_state=True)
+    (y.square().sum() + h.square().sum()).backward()
+    for name, t in inp.items():
+        assert t.grad is not None and torch.isfinite(t.grad).all(), name
+        assert t.grad.abs().sum() > 0, name

@@ -1,0 +1,116 @@
+"""Typed config: YAML round trip, overrides with type checks and suggestions, validation."""
+
+import math
+
+import pytest
+
+from composer import (
+    AttentionConfig,
+    ConfigError,
+    MambaConfig,
+    ModelConfig,
+    MoEConfig,
+    RopeScaling,
+    apply_overrides,
+)
+from composer.zoo import presets
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = ModelConfig(pattern="(M-)x2*E", d_model=96, tie_embeddings=True,
+                      attention=AttentionConfig(n_heads=6, n_kv_heads=2, d_head=16,
+                                                rope_scaling=RopeScaling(factor=4.0)),
+                      mamba=MambaConfig(n_groups=2, dt_limit=(0.0, math.inf)),
+                      moe=MoEConfig(score_func="sigmoid", n_shared_experts=1))
+    cfg.save(tmp_path / "c.yaml")
+    back = ModelConfig.load(tmp_path / "c.yaml")
+    assert back == cfg
+    assert isinstance(back.attention.rope_scaling, RopeScaling)
+    assert back.mamba.dt_limit == (0.0, math.inf)
+
+
+@pytest.mark.parametrize("name", sorted(presets()))
+def test_every_preset_round_trips(tmp_path, name):
+    cfg = presets()[name].config().validate()
+    cfg.save(tmp_path / "c.yaml")
+    assert ModelConfig.load(tmp_path / "c.yaml") == cfg
+
+
+def test_overrides_apply_and_coerce():
+    cfg = ModelConfig()
+    apply_overrides(cfg, ["attention.n_heads=8", "d_model=512", "norm_eps=1e-6",
+                          "tie_embeddings=true", "moe.score_func=sigmoid", "pattern=M*-",
+                          "attention.n_kv_heads=null", "mamba.dt_limit=[0.0, 0.5]"])
+    assert cfg.attention.n_heads == 8 and cfg.d_model == 512 and cfg.norm_eps == 1e-6
+    assert cfg.tie_embeddings is True and cfg.moe.score_func == "sigmoid"
+    assert cfg.pattern == "M*-" and cfg.attention.n_kv_heads is None
+    assert cfg.mamba.dt_limit == (0.0, 0.5)
+    apply_overrides(cfg, ["init_std=1"])  # int accepted for a float field
+    assert cfg.init_std == 1.0 and isinstance(cfg.init_std, float)
+
+
+def test_override_creates_missing_section_and_removes_one():
+    cfg = ModelConfig(moe=None)
+    apply_overrides(cfg, ["moe.n_experts=4"])
+    assert cfg.moe == MoEConfig(n_experts=4)
+    apply_overrides(cfg, ["attention.rope_scaling.factor=2"])
+    assert cfg.attention.rope_scaling == RopeScaling(factor=2.0)
+    apply_overrides(cfg, ["moe=null"])
+    assert cfg.moe is None
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("attention.n_head=8",
+         "unknown config key attention.'n_head'; did you mean attention.'n_heads'?"),
+        ("atention.n_heads=8", "unknown config key 'atention'; did you mean 'attention'?"),
+        ("d_modle=3", "unknown config key 'd_modle'; did you mean 'd_model'?"),
+        ("d_model=abc", "d_model expects int, got 'abc'"),
+        ("d_model=1.5", "d_model expects int, got 1.5"),
+        ("tie_embeddings=3", "tie_embeddings expects bool, got 3"),
+        ("mlp.activation=tanh", "mlp.activation must be one of swiglu, geglu"),
+        ("mamba.dt_limit=3", "mamba.dt_limit expects a list of 2 numbers, got 3"),
+        ("d_model", "override 'd_model' must look like key=value"),
+        ("d_model.x=3", "d_model is not a section"),
+    ],
+)
+def test_bad_overrides(override, message):
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(ModelConfig(), [override])
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (["attention.n_heads=6", "attention.n_kv_heads=4"],
+         "attention.n_heads (6) must be divisible by attention.n_kv_heads (4)"),
+        (["mamba.n_heads=6", "mamba.n_groups=4"],
+         "mamba.n_heads (6) must be divisible by mamba.n_groups (4)"),
+        (["moe.top_k=9"], "moe.top_k (9) must be <= moe.n_experts (8)"),
+        (["moe=null"], "pattern symbol 'E' needs the 'moe' section, which is None"),
+        (["pattern=M*Q"], "invalid symbol: character 'Q' at column 3"),
+        (["d_model=0"], "d_model must be positive, got 0"),
+        (["attention.n_heads=3"], "d_model (256) must be divisible by attention.n_heads (3)"),
+        (["mamba.norm_group_size=100"], "mamba.norm_group_size (100) must divide"),
+        (["attention.rotary_fraction=0.3"], "attention.rotary_fraction (0.3) must be in (0, 1]"),
+        (["moe.n_expert_groups=3"], "moe.n_experts (8) must divide into moe.n_expert_groups"),
+        (["mamba.dt_min=0.5"], "mamba.dt_min (0.5) must be positive and <= dt_max (0.1)"),
+    ],
+)
+def test_validation(changes, message):
+    cfg = apply_overrides(ModelConfig(), changes)
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    assert message in str(info.value)
+
+
+def test_load_rejects_unknown_yaml_key(tmp_path):
+    (tmp_path / "c.yaml").write_text("pattern: M\nmamba:\n  n_head: 4\n")
+    with pytest.raises(ConfigError, match="did you mean mamba.'n_heads'"):
+        ModelConfig.load(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        ModelConfig.load(tmp_path / "d.yaml")
