@@ -1,0 +1,121 @@
+"""The `composer` command: build, zoo, --json discipline, one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import composer
+from composer.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_build_default_table(capsys):
+    code, out, err = run(capsys, "build")
+    assert code == 0 and err == ""
+    assert "pattern" in out and "M-M*-ME" in out and "total parameters" in out
+    assert "weights in bf16" in out and "FLOPs/token" in out
+
+
+def test_build_json_is_one_line(capsys):
+    code, out, _ = run(capsys, "build", "--pattern", "(M-)x2 *E", "--json")
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) == 1
+    info = json.loads(lines[0])
+    assert info["pattern"] == "M-M-*E"
+    assert info["n_layers"] == 6
+    assert info["layer_counts"] == {"M": 2, "-": 2, "*": 1, "E": 1}
+    model = composer.build_model(composer.ModelConfig(pattern="M-M-*E"), device="meta")
+    stats = composer.model_stats(model)
+    assert info["n_params"] == stats.n_params
+    assert info["n_active_params"] == stats.n_active_params < stats.n_params
+    assert info["flops_per_token"] == stats.flops_per_token
+
+
+def test_build_set_and_seed_and_out(capsys, tmp_path):
+    code, out, _ = run(capsys, "build", "--pattern", "M*-", "--set", "d_model=64",
+                       "--set", "attention.n_heads=2", "--set", "vocab_size=128", "--seed", "3",
+                       "--out", str(tmp_path / "ck"), "--json")
+    assert code == 0
+    info = json.loads(out)
+    model = composer.load(tmp_path / "ck")
+    assert model.config.d_model == 64 and model.config.attention.n_heads == 2
+    assert sum(p.numel() for p in model.parameters()) == info["n_params"]
+    again = composer.build_model(model.config, seed=3)
+    assert all((a == b).all() for a, b in zip(model.state_dict().values(),
+                                              again.state_dict().values(), strict=True))
+
+
+def test_build_preset(capsys):
+    code, out, _ = run(capsys, "build", "--preset", "llama-3.1-8b", "--json")
+    assert code == 0
+    assert json.loads(out)["n_params"] == 8_030_261_248
+
+
+def test_zoo_list_and_show(capsys):
+    code, out, _ = run(capsys, "zoo", "list", "--json")
+    assert code == 0 and len(out.splitlines()) == 1
+    items = json.loads(out)
+    names = {i["name"] for i in items}
+    assert {"nemotron-h-8b", "qwen3-30b-a3b", "mamba2-2.7b", "llama-debug"} <= names
+    assert all({"name", "family", "n_params"} <= set(i) for i in items)
+    code, out, _ = run(capsys, "zoo", "list")
+    assert code == 0 and "nemotron-3-nano-30b-a3b" in out
+    code, out, _ = run(capsys, "zoo", "show", "qwen3-0.6b")
+    assert code == 0 and "Qwen/Qwen3-0.6B" in out and "qk_norm: true" in out
+    code, out, _ = run(capsys, "zoo", "show", "mixtral-8x7b", "--json")
+    assert json.loads(out)["config"]["moe"]["n_experts"] == 8
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["build", "--set", "attention.n_head=8"], "did you mean attention.'n_heads'?"),
+        (["build", "--set", "d_model=abc"], "d_model expects int, got 'abc'"),
+        (["build", "--set", "nonsense"], "must look like key=value"),
+        (["build", "--preset", "llama-3.1-9b"], "unknown preset 'llama-3.1-9b'; did you mean"),
+        (["build", "--pattern", "M*Q"], "character 'Q' at column 3"),
+        (["build", "--pattern", "MG"], "'G' (gated delta net) is recognised but not built yet"),
+        (["build", "--pattern", "M", "--preset", "llama-debug"], "not both"),
+        (["build", "--set", "moe.top_k=99"], "moe.top_k (99) must be <= moe.n_experts (8)"),
+        (["build", "--set", "moe=null"], "needs the 'moe' section"),
+        (["build", "--seed", "x"], "invalid int value"),
+        (["zoo", "show", "nope"], "unknown preset 'nope'"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_errors_are_one_line_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("composer: ")
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_out_refuses_non_empty_dir(capsys, tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "keep.txt").write_text("mine")
+    code, _, err = run(capsys, "build", "--pattern", "M", "--out", str(tmp_path / "x"))
+    assert code == 2 and "not empty" in err
+    assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    # run outside the checkout so the installed package is what gets imported
+    proc = subprocess.run([sys.executable, "-m", "composer", "build", "--pattern", "*-", "--json"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["pattern"] == "*-"
+    bad = subprocess.run([sys.executable, "-m", "composer", "build", "--pattern", "M)"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().count("\n") == 0

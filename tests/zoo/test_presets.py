@@ -1,0 +1,309 @@
+"""Zoo presets: every preset builds on meta quickly, and its size matches transformers exactly.
+
+The full-size presets are checked against the published Hugging Face ``config.json`` of their id,
+written out below as literal kwargs *independently of* ``composer.zoo`` (sources next to each
+entry); the ``-debug`` presets against an HF config derived from our :class:`ModelConfig` by a
+small mapping per family. Every count is the number of distinct parameters (tied weights once)
+of both models built on the meta device, so no memory is allocated.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Mamba2Config,
+    MixtralConfig,
+    NemotronHConfig,
+    PreTrainedConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+import composer
+from composer.config import ModelConfig, d_ff_shared_of, d_head_of
+from composer.zoo import get_preset, presets
+
+# ---------------------------------------------------------------- published configs
+# Nemotron-H fields shared by every published Nemotron-H / Nano v2 / Nemotron 3 Nano config.json.
+_NEMOTRON_COMMON = dict(
+    vocab_size=131072, tie_word_embeddings=False, head_dim=128, n_groups=8, conv_kernel=4,
+    expand=2, chunk_size=128, use_conv_bias=True, mamba_proj_bias=False, use_bias=False,
+    mlp_bias=False, attention_bias=False, mlp_hidden_act="relu2", layer_norm_epsilon=1e-5,
+    num_nextn_predict_layers=0,
+)
+_P_H_4B_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+# name -> (transformers config class, kwargs as in the id's config.json)
+PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
+    # Nemotron-H base models (nvidia/Nemotron-H-{4B,8B,47B,56B}-Base-8K). Values from the
+    # Megatron-Bridge NemotronHModelProvider{4B,8B,47B,56B} (which mirror the HF configs) and
+    # REFERENCE.md section 2. The older remote-code configs may spell the head width
+    # `attention_head_dim`; transformers 5 takes it as `head_dim`.
+    "nemotron-h-4b": (NemotronHConfig, dict(
+        _NEMOTRON_COMMON, hidden_size=3072, hybrid_override_pattern=_P_H_4B_8B,
+        num_attention_heads=32, num_key_value_heads=8, intermediate_size=12288,
+        mamba_num_heads=112, mamba_head_dim=64, ssm_state_size=128)),
+    "nemotron-h-8b": (NemotronHConfig, dict(
+        _NEMOTRON_COMMON, hidden_size=4096, hybrid_override_pattern=_P_H_4B_8B,
+        num_attention_heads=32, num_key_value_heads=8, intermediate_size=21504,
+        mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128)),
+    "nemotron-h-47b": (NemotronHConfig, dict(
+        _NEMOTRON_COMMON, hidden_size=8192,
+        hybrid_override_pattern="M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*"
+                                "-M-M-M-M-M-M-M---MM---M-M*-M-M-M-M-M-",
+        num_attention_heads=64, num_key_value_heads=8, intermediate_size=30720,
+        mamba_num_heads=256, mamba_head_dim=64, ssm_state_size=256)),
+    "nemotron-h-56b": (NemotronHConfig, dict(
+        _NEMOTRON_COMMON, hidden_size=8192,
+        hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*"
+                                "-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        num_attention_heads=64, num_key_value_heads=8, intermediate_size=32768,
+        mamba_num_heads=256, mamba_head_dim=64, ssm_state_size=256)),
+    # nvidia/NVIDIA-Nemotron-Nano-{9B,12B}-v2 config.json (also Megatron-Bridge
+    # NemotronNanoModelProvider{9Bv2,12Bv2}).
+    "nemotron-nano-9b-v2": (NemotronHConfig, dict(
+        _NEMOTRON_COMMON, hidden_size=4480,
+        hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
+        num_attention_heads=40, num_key_value_heads=8, intermediate_size=15680,
+        mamba_num_heads=128, mamba_head_dim=80, ssm_state_size=128)),
+    "nemotron-nano-12b-v2": (NemotronHConfig, dict(
+        _NEMOTRON_COMMON, hidden_size=5120,
+        hybrid_override_pattern="M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M-",
+        num_attention_heads=40, num_key_value_heads=8, intermediate_size=20480,
+        mamba_num_heads=128, mamba_head_dim=80, ssm_state_size=128)),
+    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 config.json.
+    "nemotron-3-nano-30b-a3b": (NemotronHConfig, dict(
+        _NEMOTRON_COMMON, hidden_size=2688,
+        hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        num_attention_heads=32, num_key_value_heads=2, intermediate_size=1856,
+        mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128,
+        n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+        n_shared_experts=1, moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5,
+        n_group=1, topk_group=1, norm_topk_prob=True)),
+    # meta-llama/Llama-3.1-8B and Llama-3.2-1B config.json.
+    "llama-3.1-8b": (LlamaConfig, dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=dict(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8192),
+        max_position_embeddings=131072, attention_bias=False, mlp_bias=False,
+        tie_word_embeddings=False)),
+    "llama-3.2-1b": (LlamaConfig, dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=dict(
+            rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8192),
+        max_position_embeddings=131072, attention_bias=False, mlp_bias=False,
+        tie_word_embeddings=True)),
+    # Qwen/Qwen3-0.6B, Qwen/Qwen3-8B and Qwen/Qwen3-30B-A3B config.json.
+    "qwen3-0.6b": (Qwen3Config, dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, attention_bias=False,
+        tie_word_embeddings=True)),
+    "qwen3-8b": (Qwen3Config, dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, attention_bias=False,
+        tie_word_embeddings=False)),
+    "qwen3-30b-a3b": (Qwen3MoeConfig, dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, attention_bias=False,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        router_aux_loss_coef=0.001, tie_word_embeddings=False)),
+    # mistralai/Mixtral-8x7B-v0.1 config.json.
+    "mixtral-8x7b": (MixtralConfig, dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6,
+        max_position_embeddings=32768, num_local_experts=8, num_experts_per_tok=2,
+        router_aux_loss_coef=0.02, tie_word_embeddings=False)),
+    # state-spaces/mamba2-2.7b ships a mamba_ssm config (d_model 2560, n_layer 64, vocab 50277
+    # padded to a multiple of 16, tied); the rest are mamba_ssm's Mamba2 defaults.
+    "mamba2-2.7b": (Mamba2Config, dict(
+        vocab_size=50288, hidden_size=2560, num_hidden_layers=64, state_size=128, expand=2,
+        head_dim=64, num_heads=80, n_groups=1, conv_kernel=4, use_bias=False,
+        use_conv_bias=True, tie_word_embeddings=True)),
+}
+
+LLAMA_3_1_8B_TOTAL = 8_030_261_248
+
+
+# ---------------------------------------------------------------- HF configs of the debug presets
+
+
+def _layers(cfg: ModelConfig, block: str) -> int:
+    """Number of HF decoder layers in a homogeneous pattern of ``block`` repeated."""
+    layers = cfg.parsed.layers
+    n = len(layers) // len(block)
+    assert layers == block * n, f"{cfg.pattern!r} is not a stack of {block!r}"
+    return n
+
+
+def _attention_kwargs(cfg: ModelConfig) -> dict:
+    a = cfg.attention
+    assert a is not None and not a.out_bias
+    return dict(hidden_size=cfg.d_model, vocab_size=cfg.vocab_size,
+                num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads or a.n_heads,
+                head_dim=d_head_of(cfg), tie_word_embeddings=cfg.tie_embeddings)
+
+
+def nemotron_h_kwargs(cfg: ModelConfig) -> dict:
+    a, m = cfg.attention, cfg.mamba
+    assert a is not None and m is not None and a.position == "none"
+    kw = dict(_attention_kwargs(cfg), hybrid_override_pattern=cfg.parsed.layers,
+              attention_bias=a.qkv_bias, layer_norm_epsilon=cfg.norm_eps,
+              mamba_num_heads=m.n_heads, mamba_head_dim=m.d_head, n_groups=m.n_groups,
+              ssm_state_size=m.d_state, conv_kernel=m.d_conv, chunk_size=m.chunk_size,
+              use_conv_bias=m.conv_bias, mamba_proj_bias=m.proj_bias, use_bias=m.proj_bias,
+              num_nextn_predict_layers=0)
+    if cfg.mlp is not None:
+        assert cfg.mlp.activation == "relu2"
+        kw.update(intermediate_size=cfg.mlp.d_ff, mlp_bias=cfg.mlp.bias, mlp_hidden_act="relu2")
+    if cfg.moe is not None:
+        e = cfg.moe
+        assert e.activation == "relu2" and e.score_func == "sigmoid" and e.n_shared_experts == 1
+        kw.update(n_routed_experts=e.n_experts, num_experts_per_tok=e.top_k,
+                  moe_intermediate_size=e.d_ff, n_shared_experts=e.n_shared_experts,
+                  moe_shared_expert_intermediate_size=d_ff_shared_of(e),
+                  routed_scaling_factor=e.routed_scaling_factor, n_group=e.n_expert_groups,
+                  topk_group=e.topk_groups, norm_topk_prob=e.renormalize)
+        kw.setdefault("intermediate_size", e.d_ff)
+    return kw
+
+
+def llama_kwargs(cfg: ModelConfig) -> dict:
+    a, mlp = cfg.attention, cfg.mlp
+    assert a is not None and mlp is not None and mlp.activation == "swiglu" and not a.qk_norm
+    kw = dict(_attention_kwargs(cfg), num_hidden_layers=_layers(cfg, "*-"),
+              intermediate_size=mlp.d_ff, rms_norm_eps=cfg.norm_eps, rope_theta=a.rope_theta,
+              attention_bias=a.qkv_bias, mlp_bias=mlp.bias)
+    if a.rope_scaling is not None:
+        s = a.rope_scaling
+        kw["rope_scaling"] = dict(rope_type="llama3", factor=s.factor,
+                                  low_freq_factor=s.low_freq_factor,
+                                  high_freq_factor=s.high_freq_factor,
+                                  original_max_position_embeddings=s.original_max_position)
+        kw["max_position_embeddings"] = int(s.original_max_position * s.factor)
+    return kw
+
+
+def qwen3_kwargs(cfg: ModelConfig) -> dict:
+    a, mlp = cfg.attention, cfg.mlp
+    assert a is not None and mlp is not None and mlp.activation == "swiglu" and a.qk_norm
+    return dict(_attention_kwargs(cfg), num_hidden_layers=_layers(cfg, "*-"),
+                intermediate_size=mlp.d_ff, rms_norm_eps=cfg.norm_eps, rope_theta=a.rope_theta,
+                attention_bias=a.qkv_bias)
+
+
+def qwen3_moe_kwargs(cfg: ModelConfig) -> dict:
+    a, e = cfg.attention, cfg.moe
+    assert a is not None and e is not None and a.qk_norm
+    assert e.activation == "swiglu" and e.score_func == "softmax" and e.n_shared_experts == 0
+    return dict(_attention_kwargs(cfg), num_hidden_layers=_layers(cfg, "*E"),
+                intermediate_size=e.d_ff, moe_intermediate_size=e.d_ff, num_experts=e.n_experts,
+                num_experts_per_tok=e.top_k, decoder_sparse_step=1, mlp_only_layers=[],
+                norm_topk_prob=e.renormalize, rms_norm_eps=cfg.norm_eps,
+                rope_theta=a.rope_theta, attention_bias=a.qkv_bias)
+
+
+def mixtral_kwargs(cfg: ModelConfig) -> dict:
+    a, e = cfg.attention, cfg.moe
+    assert a is not None and e is not None and not a.qk_norm and not a.qkv_bias
+    assert e.activation == "swiglu" and e.score_func == "softmax" and e.n_shared_experts == 0
+    return dict(_attention_kwargs(cfg), num_hidden_layers=_layers(cfg, "*E"),
+                intermediate_size=e.d_ff, num_local_experts=e.n_experts,
+                num_experts_per_tok=e.top_k, rms_norm_eps=cfg.norm_eps, rope_theta=a.rope_theta)
+
+
+def mamba2_kwargs(cfg: ModelConfig) -> dict:
+    m = cfg.mamba
+    assert m is not None
+    d_inner = m.n_heads * m.d_head
+    assert d_inner % cfg.d_model == 0, "transformers' Mamba2 needs d_inner = expand * d_model"
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                num_hidden_layers=_layers(cfg, "M"), state_size=m.d_state,
+                expand=d_inner // cfg.d_model, head_dim=m.d_head, num_heads=m.n_heads,
+                n_groups=m.n_groups, conv_kernel=m.d_conv, chunk_size=m.chunk_size,
+                use_bias=m.proj_bias, use_conv_bias=m.conv_bias,
+                layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings)
+
+
+DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
+    "nemotron-h-debug": (NemotronHConfig, nemotron_h_kwargs),
+    "nemotron-3-nano-debug": (NemotronHConfig, nemotron_h_kwargs),
+    "llama-debug": (LlamaConfig, llama_kwargs),
+    "qwen3-debug": (Qwen3Config, qwen3_kwargs),
+    "qwen3-moe-debug": (Qwen3MoeConfig, qwen3_moe_kwargs),
+    "mixtral-debug": (MixtralConfig, mixtral_kwargs),
+    "mamba2-debug": (Mamba2Config, mamba2_kwargs),
+}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def our_count(name: str) -> int:
+    model = composer.build_model(get_preset(name).config(), device="meta")
+    return sum(p.numel() for p in model.parameters())
+
+
+def hf_model(config_cls: type[PreTrainedConfig], kwargs: dict) -> torch.nn.Module:
+    cfg = config_cls(**kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    if cfg.tie_word_embeddings:  # then parameters() yields the shared tensor once
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return model
+
+
+def hf_count(config_cls: type[PreTrainedConfig], kwargs: dict) -> int:
+    return sum(p.numel() for p in hf_model(config_cls, kwargs).parameters())
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_every_preset_is_checked_against_transformers() -> None:
+    assert set(presets()) == set(PUBLISHED) | set(DEBUG)
+
+
+@pytest.mark.parametrize("name", sorted(presets()))
+def test_preset_builds_on_meta_quickly(name: str) -> None:
+    start = time.perf_counter()
+    model = composer.build_model(get_preset(name).config(), device="meta")
+    elapsed = time.perf_counter() - start
+    assert elapsed < 10.0, f"{name}: meta build took {elapsed:.1f} s"
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert composer.model_stats(model).n_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_preset_matches_transformers_count(name: str) -> None:
+    config_cls, kwargs = PUBLISHED[name]
+    hf = hf_model(config_cls, kwargs)
+    if config_cls is NemotronHConfig:  # same layer order, and no MTP layers on either side
+        assert hf.config.hybrid_override_pattern == get_preset(name).config().parsed.layers
+        assert not get_preset(name).config().parsed.mtp
+        assert not any(n.startswith(("mtp", "model.mtp")) for n, _ in hf.named_parameters())
+    assert our_count(name) == sum(p.numel() for p in hf.parameters())
+
+
+def test_llama_3_1_8b_well_known_total() -> None:
+    assert our_count("llama-3.1-8b") == LLAMA_3_1_8B_TOTAL
+    assert hf_count(*PUBLISHED["llama-3.1-8b"]) == LLAMA_3_1_8B_TOTAL
+
+
+@pytest.mark.parametrize("name", list(DEBUG))
+def test_debug_preset_matches_transformers_count(name: str) -> None:
+    config_cls, to_kwargs = DEBUG[name]
+    kwargs = to_kwargs(get_preset(name).config())
+    assert our_count(name) == hf_count(config_cls, kwargs)
