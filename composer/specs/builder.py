@@ -151,10 +151,16 @@ def save(model: HybridModel, folder: str | Path, force: bool = False) -> Path:
         raise FileExistsError(f"{folder} is not empty; pass force=True (--force) to replace it")
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         model.config.save(tmp / CONFIG_FILE)
         tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        # mkdtemp makes a private folder; give the result the usual permissions
+        os.chmod(tmp, 0o777 & ~umask)
+        for path in tmp.iterdir():
+            os.chmod(path, 0o666 & ~umask)
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
