@@ -56,13 +56,14 @@ class MLP(nn.Module):
     """``layers.i.mixer.{gate_proj,up_proj,down_proj}``; ``gate_proj`` only when gated."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, d_ff: int | None = None,
-                 activation: str | None = None) -> None:
+                 activation: str | None = None, bias: bool | None = None) -> None:
+        """Sizes come from ``cfg.mlp`` unless given (the MoE's shared experts give them)."""
         super().__init__()
-        assert cfg.mlp is not None or (d_ff is not None and activation is not None)
         mlp = cfg.mlp
+        assert mlp is not None or (d_ff is not None and activation is not None)
         d_ff = d_ff if d_ff is not None else mlp.d_ff
         self.activation = activation if activation is not None else mlp.activation
-        bias = mlp.bias if mlp is not None else False
+        bias = bias if bias is not None else (mlp.bias if mlp is not None else False)
         self.init_std = cfg.init_std
         self.gated = is_gated(self.activation)
         self.act = ACTIVATIONS[self.activation]

@@ -138,7 +138,8 @@ class MoE(nn.Module):
         self.router = Router(cfg.d_model, moe)
         self.experts = Experts(moe.n_experts, cfg.d_model, moe.d_ff, moe.activation)
         if moe.n_shared_experts > 0:
-            self.shared_experts = MLP(cfg, d_ff=d_ff_shared_of(moe), activation=moe.activation)
+            self.shared_experts = MLP(cfg, d_ff=d_ff_shared_of(moe), activation=moe.activation,
+                                      bias=False)
         else:
             self.shared_experts = None
         self.aux_loss = torch.zeros(())
