@@ -13,8 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from composer.config import ConfigError, ModelConfig, apply_overrides
-from composer.specs.pattern import PatternError
+from composer.config import ModelConfig, apply_overrides
 
 DEFAULT_PATTERN = "M-M*-ME"
 
@@ -155,6 +154,61 @@ def cmd_zoo_show(args: argparse.Namespace) -> int:
     return 0
 
 
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "keep": None}
+
+
+def _progress_bar(total: int, label: str):
+    """A byte-counting progress bar on stderr that shows only if the work takes > 1 s."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=label, delay=1.0, leave=False,
+                file=sys.stderr, dynamic_ncols=True, disable=not sys.stderr.isatty())
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from composer.convert import from_hf, to_hf
+    from composer.convert.io import parse_size
+
+    if args.dtype not in DTYPE_NAMES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}; got {args.dtype!r}")
+    dtype = DTYPE_NAMES[args.dtype]
+    try:
+        max_shard = parse_size(args.max_shard_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    kwargs = {"dtype": getattr(torch, dtype) if dtype else None, "force": args.force,
+              "max_shard_bytes": max_shard}
+    start = time.perf_counter()
+    bar = _progress_bar(0, f"convert {args.direction}")
+    kwargs["progress"] = bar.update
+    try:
+        if args.direction == "from-hf":
+            cfg = from_hf(args.src, args.dst, **kwargs)
+            pattern = cfg.parsed.format()
+        else:
+            hf = to_hf(args.src, args.dst, architecture=args.arch, **kwargs)
+            pattern = None
+            arch = hf["architectures"][0]
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    info: dict[str, Any] = {"direction": args.direction, "src": str(args.src),
+                            "dst": str(args.dst), "seconds": round(seconds, 3)}
+    if pattern is not None:
+        info["pattern"] = pattern
+    else:
+        info["architecture"] = arch
+    if args.json:
+        print(json.dumps(info))
+    else:
+        what = f"pattern {pattern}" if pattern else arch
+        print(f"wrote {args.dst} ({what}) in {seconds:.2f}s")
+    return 0
+
+
 def make_parser() -> Parser:
     parser = Parser(prog="composer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -169,6 +223,24 @@ def make_parser() -> Parser:
     build.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
     build.add_argument("--json", action="store_true", help="one line of JSON on stdout")
     build.set_defaults(func=cmd_build)
+
+    conv = sub.add_parser("convert", help="convert checkpoints to and from Hugging Face format")
+    conv_sub = conv.add_subparsers(dest="direction", required=True, parser_class=Parser)
+    for direction, help_text in (("from-hf", "Hugging Face folder or hub id -> composer"),
+                                 ("to-hf", "composer checkpoint -> Hugging Face folder")):
+        c = conv_sub.add_parser(direction, help=help_text)
+        c.add_argument("src")
+        c.add_argument("dst")
+        c.add_argument("--dtype", default="keep",
+                       help="float32, bfloat16, float16 or keep (default: each tensor's own)")
+        c.add_argument("--force", action="store_true", help="replace a non-empty DST")
+        c.add_argument("--max-shard-size", default="50GB",
+                       help="split the output into shards of at most this size (default 50GB)")
+        c.add_argument("--json", action="store_true", help="one line of JSON on stdout")
+        if direction == "to-hf":
+            c.add_argument("--arch", help="HF architecture to write (default: the source's, or "
+                                          "inferred from the config)")
+        c.set_defaults(func=cmd_convert, arch=None)
 
     zoo = sub.add_parser("zoo", help="list and show model presets")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True, parser_class=Parser)
@@ -189,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "seq_len", 1) <= 0:
             raise UsageError("--seq-len must be positive")
         return args.func(args)
-    except (UsageError, ConfigError, PatternError, FileExistsError, FileNotFoundError) as exc:
+    except (UsageError, ValueError, FileExistsError, FileNotFoundError,
+            PermissionError) as exc:  # ConfigError, PatternError, CheckpointError are ValueErrors
         print(f"composer: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,235 @@
+"""``from_hf`` and ``to_hf``: whole conversions, strict, streaming and atomic.
+
+Our checkpoint after ``from_hf`` is a portable checkpoint (``config.yaml``, ``model.safetensors``)
+plus ``hf/``: the source ``config.json``, the tokenizer and generation files, and
+``conversion.json`` (architecture, each HF tensor's source dtype, the expert layout). ``to_hf``
+uses ``hf/`` when present so that the export reproduces the source exactly: same keys, same
+dtypes, same bytes; without it (a model from ``composer build``) it writes a fresh config.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from composer.config import ConfigError, ModelConfig
+from composer.convert.base import Adapter, encode_floats, load_hf_config
+from composer.convert.io import (
+    DTYPE_NAMES,
+    DTYPES,
+    CheckpointError,
+    ShardedWriter,
+    TensorInfo,
+    TensorSource,
+    atomic_folder,
+    check_destination,
+)
+from composer.convert.plan import (
+    Link,
+    assembled_shape,
+    build_targets,
+    check_coverage,
+    execute,
+    part,
+    plan_tensors,
+)
+from composer.convert.sources import open_source, resolve_source
+from composer.specs.builder import CONFIG_FILE, build_model, check_buildable, fp32_names
+
+HF_DIR = "hf"
+CONVERSION_FILE = "conversion.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+DEFAULT_MAX_SHARD = 50 * 10**9
+Progress = Callable[[int], None]
+
+
+def adapters() -> list[Adapter]:
+    from composer.convert.families import ADAPTERS
+
+    return ADAPTERS
+
+
+def adapter_for_architecture(arch: str) -> Adapter:
+    for adapter in adapters():
+        if arch in adapter.architectures:
+            return adapter
+    supported = sorted(a for ad in adapters() for a in ad.architectures)
+    raise ConfigError(f"unsupported architecture {arch!r}; supported: {', '.join(supported)}")
+
+
+def _architecture(hf: dict[str, Any], where: Path) -> str:
+    archs = hf.get("architectures") or []
+    if not archs:
+        raise ConfigError(f"{where}: config.json has no 'architectures' field")
+    return archs[0]
+
+
+def _extra_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
+                  and p.name not in SKIP_FILES and not p.name.endswith(WEIGHT_SUFFIXES))
+
+
+def _choose_layout(adapter: Adapter, cfg: ModelConfig, names: set[str]) -> tuple[bool, list[Link]]:
+    """Per-expert or fused experts: the layout whose HF names the checkpoint holds."""
+    per_expert = adapter.links(cfg, fused_experts=False)
+    if not cfg.moe or all(link.hf in names for link in per_expert):
+        return False, per_expert
+    fused = adapter.links(cfg, fused_experts=True)
+    miss_fused = sum(link.hf not in names for link in fused)
+    miss_split = sum(link.hf not in names for link in per_expert)
+    return (True, fused) if miss_fused < miss_split else (False, per_expert)
+
+
+def _lm_head_tied(source: Any, links: list[Link], cfg: ModelConfig) -> set[str]:
+    """A tied model may still store ``lm_head.weight``: accept it only if it equals the
+    embeddings byte for byte (REFERENCE P9), and then ignore it."""
+    if not cfg.tie_embeddings or "lm_head.weight" not in source:
+        return set()
+    embed = next(link.hf for link in links if link.ours == "embed.weight")
+    if embed not in source or source.read_bytes("lm_head.weight") != source.read_bytes(embed):
+        raise CheckpointError("lm_head.weight differs from the input embeddings but the config "
+                              "says tie_word_embeddings=true")
+    return {"lm_head.weight"}
+
+
+def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
+            force: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD,
+            progress: Progress | None = None) -> ModelConfig:
+    """Convert a Hugging Face folder (or hub id) into a composer checkpoint at ``dst``."""
+    dst = Path(dst)
+    check_destination(dst, force)
+    folder = resolve_source(str(src))
+    hf_cfg = load_hf_config(folder / "config.json")
+    adapter = adapter_for_architecture(_architecture(hf_cfg, folder))
+    cfg = adapter.config_from_hf(hf_cfg)
+    try:
+        check_buildable(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{folder / 'config.json'}: {exc}") from None
+    source = open_source(folder)
+    canonical: dict[str, str] = {}
+    for name in source.names():
+        key = adapter.normalize(name)
+        if key in canonical:
+            raise CheckpointError(f"tensors {canonical[key]!r} and {name!r} are the same tensor "
+                                  "under two names")
+        canonical[key] = name
+    source = source.renamed({v: k for k, v in canonical.items()})
+    fused, links = _choose_layout(adapter, cfg, set(canonical))
+    tied_ignored = _lm_head_tied(source, links, cfg)
+    check_coverage(links, "hf", canonical, lambda n: n in tied_ignored or
+                   adapter.ignored(n, hf_cfg), str(folder))
+    meta = build_model(cfg, device="meta")
+    our_shapes = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+    check_coverage(links, "ours", our_shapes, lambda n: False, "our model")
+    hf_shapes = {n: tuple(info.shape) for n, info in source.tensors.items()}
+    targets = build_targets(links, "ours", our_shapes, hf_shapes)
+    keep32 = fp32_names(meta)
+    for t in targets:
+        src_dtype = source.tensors[t.pieces[0].source].torch_dtype
+        out = dtype if dtype is not None else src_dtype
+        if t.name in keep32 and out.itemsize < 4 and out.is_floating_point:
+            out = torch.float32
+        t.dtype = DTYPE_NAMES[out]
+    conversion = {
+        "architecture": _architecture(hf_cfg, folder),
+        "fused_experts": fused,
+        "source_dtypes": {n: source.tensors[n].dtype for n in sorted(source.tensors)},
+    }
+    with atomic_folder(dst, force) as tmp:
+        cfg.save(tmp / CONFIG_FILE)
+        order = list(our_shapes)
+        writer = ShardedWriter(tmp, plan_tensors(targets, order), max_shard_bytes)
+        execute(targets, source, writer, progress)
+        (tmp / HF_DIR).mkdir()
+        shutil.copy2(folder / "config.json", tmp / HF_DIR / "config.json")
+        for path in _extra_files(folder):
+            shutil.copy2(path, tmp / HF_DIR / path.name)
+        (tmp / HF_DIR / CONVERSION_FILE).write_text(json.dumps(conversion, indent=1) + "\n")
+    return cfg
+
+
+def infer_adapter(cfg: ModelConfig) -> Adapter:
+    """The first family whose config maps to HF and back to exactly ``cfg``."""
+    reasons = []
+    for adapter in adapters():
+        try:
+            back = adapter.config_from_hf(adapter.config_to_hf(cfg, {}))
+        except ConfigError as exc:
+            reasons.append(f"{adapter.family}: {exc}")
+            continue
+        if back == cfg:
+            return adapter
+        reasons.append(f"{adapter.family}: config does not round-trip")
+    raise ConfigError("no Hugging Face family can represent this model (" + "; ".join(reasons)
+                      + ")")
+
+
+def _hf_dtype(name: str, ours: list[TensorInfo], recorded: dict[str, str],
+              dtype: torch.dtype | None, adapter: Adapter) -> str:
+    if dtype is not None:
+        if name.endswith(adapter.hf_keep_fp32) and dtype.itemsize < 4:
+            return "F32"
+        return DTYPE_NAMES[dtype]
+    if name in recorded:
+        return recorded[name]
+    return ours[0].dtype
+
+
+def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
+          force: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD,
+          architecture: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
+    """Export a composer checkpoint at ``src`` as a Hugging Face folder at ``dst``."""
+    folder, dst = Path(src), Path(dst)
+    check_destination(dst, force)
+    if not (folder / CONFIG_FILE).exists():
+        raise ConfigError(f"{folder}: no {CONFIG_FILE}; not a composer checkpoint")
+    cfg = ModelConfig.load(folder / CONFIG_FILE).validate()
+    hf_dir = folder / HF_DIR
+    base = load_hf_config(hf_dir / "config.json") if (hf_dir / "config.json").exists() else {}
+    info = json.loads((hf_dir / CONVERSION_FILE).read_text()) \
+        if (hf_dir / CONVERSION_FILE).exists() else {}
+    arch = architecture or info.get("architecture")
+    adapter = adapter_for_architecture(arch) if arch else infer_adapter(cfg)
+    hf_cfg = adapter.config_to_hf(cfg, base)
+    if adapter.config_from_hf(hf_cfg) != cfg:
+        raise ConfigError(f"this model cannot be written as {adapter.architectures[0]} without "
+                          "changing its config")
+    source = TensorSource(folder)
+    fused = info.get("fused_experts", adapter.save_fused_experts) if not architecture \
+        else adapter.save_fused_experts
+    links = adapter.links(cfg, fused_experts=fused)
+    check_coverage(links, "ours", source.names(), lambda n: False, str(folder))
+    our_shapes = {n: tuple(i.shape) for n, i in source.tensors.items()}
+    parts: dict[str, list] = {}
+    for link in links:
+        _, shape = part(our_shapes[link.ours], link.ours_idx, link.ours)
+        parts.setdefault(link.hf, []).append((link.hf_idx, shape))
+    hf_shapes = {name: assembled_shape(p) for name, p in parts.items()}
+    targets = build_targets(links, "hf", hf_shapes, our_shapes)
+    recorded = info.get("source_dtypes", {})
+    for t in targets:
+        t.dtype = _hf_dtype(t.name, [source.tensors[p.source] for p in t.pieces], recorded,
+                            dtype, adapter)
+    counts = Counter(t.dtype for t in targets)
+    main_dtype = DTYPES[counts.most_common(1)[0][0]]
+    hf_cfg["dtype"] = str(main_dtype).removeprefix("torch.")
+    hf_cfg.pop("torch_dtype", None)
+    with atomic_folder(dst, force) as tmp:
+        writer = ShardedWriter(tmp, plan_tensors(targets, [t.name for t in targets]),
+                               max_shard_bytes)
+        execute(targets, source, writer, progress)
+        if hf_dir.exists():
+            for path in _extra_files(hf_dir):
+                if path.name != CONVERSION_FILE:
+                    shutil.copy2(path, tmp / path.name)
+        (tmp / "config.json").write_text(json.dumps(encode_floats(hf_cfg), indent=2,
+                                                    sort_keys=True) + "\n")
+    return hf_cfg

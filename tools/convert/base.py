@@ -1,0 +1,179 @@
+"""What every family adapter provides, and the HF-config helpers they share.
+
+An adapter maps one Hugging Face architecture both ways: its ``config.json`` to our
+:class:`ModelConfig` (and back onto a base ``config.json``, keeping the fields we do not model),
+and its tensor names to ours as :class:`~composer.convert.plan.Link` lists. Adapters never touch
+tensors: the engine in :mod:`composer.convert.plan` does the streaming.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from composer.config import AttentionConfig, ConfigError, ModelConfig, RopeScaling
+from composer.convert.plan import Link
+
+HF_ACT_TO_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
+GATED_TO_HF_ACT = {"swiglu": "silu", "geglu": "gelu"}
+
+
+class Adapter:
+    """One HF architecture. Subclasses set the class attributes and implement the methods."""
+
+    family: str = ""
+    architectures: tuple[str, ...] = ()
+    model_type: str = ""
+    save_fused_experts: bool = False
+    """The expert layout ``transformers``' ``save_pretrained`` writes for this family."""
+    hf_keep_fp32: tuple[str, ...] = ()
+    """HF name suffixes that transformers keeps in fp32 even in a bf16 checkpoint."""
+
+    def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
+        raise NotImplementedError
+
+    def config_to_hf(self, cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def links(self, cfg: ModelConfig, fused_experts: bool) -> list[Link]:
+        raise NotImplementedError
+
+    def normalize(self, name: str) -> str:
+        """Map an on-disk HF name to the canonical name the links use (prefix variants)."""
+        return name
+
+    def ignored(self, name: str, hf: dict[str, Any]) -> bool:
+        """Source tensors that are deliberately not converted (e.g. rotary caches)."""
+        return name.endswith("rotary_emb.inv_freq")
+
+
+# ---------------------------------------------------------------- HF config helpers
+
+
+def decode_floats(obj: Any) -> Any:
+    """transformers writes inf as ``{"__float__": "Infinity"}``; decode such values."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"}:
+            return float(obj["__float__"])
+        return {k: decode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_floats(v) for v in obj]
+    return obj
+
+
+def encode_floats(obj: Any) -> Any:
+    if isinstance(obj, float) and (math.isinf(obj) or math.isnan(obj)):
+        text = "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
+        return {"__float__": text}
+    if isinstance(obj, dict):
+        return {k: encode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [encode_floats(v) for v in obj]
+    return obj
+
+
+def load_hf_config(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"{path.parent}: no config.json; not a Hugging Face model folder")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return decode_floats(data)
+
+
+def require(hf: dict[str, Any], key: str, *alternatives: str) -> Any:
+    for k in (key, *alternatives):
+        if hf.get(k) is not None:
+            return hf[k]
+    raise ConfigError(f"config.json: missing field {key!r}")
+
+
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``.
+    """
+    params = dict(hf.get("rope_parameters") or {})
+    if hf.get("rope_scaling"):
+        params = {**hf["rope_scaling"], **params}
+    if "rope_theta" not in params and hf.get("rope_theta") is not None:
+        params["rope_theta"] = hf["rope_theta"]
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    return params
+
+
+def attention_from_hf(hf: dict[str, Any], *, qk_norm: bool = False, position: str = "rope",
+                      default_theta: float = 10000.0) -> AttentionConfig:
+    n_heads = require(hf, "num_attention_heads")
+    d_model = require(hf, "hidden_size")
+    params = rope_parameters(hf)
+    rope_type = params.get("rope_type", "default")
+    scaling = None
+    if position == "rope":
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=float(params["factor"]),
+                low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                original_max_position=int(params["original_max_position_embeddings"]))
+        elif rope_type != "default":
+            raise ConfigError(f"config.json: rope type {rope_type!r} is not supported yet "
+                              "(supported: default, llama3)")
+    bias = bool(hf.get("attention_bias", False))
+    return AttentionConfig(
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        d_head=hf.get("head_dim") or d_model // n_heads,
+        position=position,  # type: ignore[arg-type]
+        rope_theta=float(params.get("rope_theta", default_theta)),
+        rope_scaling=scaling,
+        rotary_fraction=float(params.get("partial_rotary_factor", 1.0)),
+        qk_norm=qk_norm,
+        qkv_bias=bias,
+        out_bias=bias,
+    )
+
+
+def attention_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
+    a = cfg.attention
+    assert a is not None
+    if a.qkv_bias != a.out_bias:
+        raise ConfigError("HF attention has one attention_bias; qkv_bias and out_bias differ")
+    out.update(num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads or a.n_heads,
+               head_dim=a.d_head or cfg.d_model // a.n_heads, attention_bias=a.qkv_bias)
+    if a.position == "rope":
+        params: dict[str, Any] = {"rope_type": "default", "rope_theta": a.rope_theta}
+        if a.rope_scaling is not None:
+            s = a.rope_scaling
+            params.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+                          high_freq_factor=s.high_freq_factor,
+                          original_max_position_embeddings=s.original_max_position)
+        if a.rotary_fraction != 1.0:
+            params["partial_rotary_factor"] = a.rotary_fraction
+        out["rope_parameters"] = params
+        out.pop("rope_theta", None)
+        out.pop("rope_scaling", None)
+
+
+def gated_activation(hf_act: str, field: str = "hidden_act") -> str:
+    if hf_act not in HF_ACT_TO_GATED:
+        raise ConfigError(f"config.json: {field}={hf_act!r} is not supported for a gated MLP "
+                          f"(supported: {', '.join(HF_ACT_TO_GATED)})")
+    return HF_ACT_TO_GATED[hf_act]
+
+
+def common_to_hf(cfg: ModelConfig, base: dict[str, Any], architecture: str,
+                 model_type: str) -> dict[str, Any]:
+    out = dict(base)
+    out.update(architectures=[architecture], model_type=model_type, hidden_size=cfg.d_model,
+               vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings,
+               initializer_range=cfg.init_std)
+    return out
+
+
+def layer_pattern_error(family: str, pattern: str, why: str) -> ConfigError:
+    return ConfigError(f"pattern {pattern!r} cannot be written as {family}: {why}")

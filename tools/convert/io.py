@@ -1,0 +1,344 @@
+"""Streaming safetensors reading and writing, checked against headers, written atomically.
+
+A checkpoint folder holds ``model.safetensors`` or shards listed by
+``model.safetensors.index.json``. :class:`TensorSource` reads every shard's header (8-byte length,
+JSON) up front and checks it against the index and the file size, so a truncated shard, an index
+naming a missing shard or a tensor the shard lacks is an error before any work. Tensors are read as
+byte ranges with ``readinto``: nothing is unpickled and memory holds one piece at a time.
+
+:class:`ShardedWriter` is given the full plan (names, dtypes, shapes) first, writes each shard's
+header, then takes each tensor's bytes in order and checks that every planned tensor is written
+exactly once with exactly its size. :func:`atomic_folder` makes the output appear only complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A malformed or inconsistent checkpoint; the message names the file and tensor."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    """Absolute byte offset of the data in ``file``."""
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse one safetensors file's header and check it against the file size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path.name}: truncated (no safetensors header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(size - 8, 100 * 2**20):
+            raise CheckpointError(f"{path.name}: header length {n} does not fit the file "
+                                  f"({size} bytes): truncated or not safetensors")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(f"{path.name}: unreadable safetensors header") from None
+    base = 8 + n
+    out: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = meta["data_offsets"]
+        if meta["dtype"] not in DTYPES:
+            raise CheckpointError(f"{path.name}: tensor {name!r} has unsupported dtype "
+                                  f"{meta['dtype']}")
+        shape = tuple(meta["shape"])
+        expected = DTYPES[meta["dtype"]].itemsize * _numel(shape)
+        if end - begin != expected:
+            raise CheckpointError(f"{path.name}: tensor {name!r} spans {end - begin} bytes, its "
+                                  f"shape {list(shape)} needs {expected}")
+        if base + end > size:
+            raise CheckpointError(f"{path.name}: truncated: tensor {name!r} ends at byte "
+                                  f"{base + end}, the file has {size}")
+        out[name] = TensorInfo(name, path, meta["dtype"], shape, base + begin, end - begin)
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class TensorSource:
+    """All tensors of a checkpoint folder (single file or index + shards), read lazily."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.tensors: dict[str, TensorInfo] = {}
+        index = folder / INDEX_NAME
+        if index.exists():
+            self._read_index(index)
+        elif (folder / SINGLE_NAME).exists():
+            self.tensors = read_header(folder / SINGLE_NAME)
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{folder}: no {SINGLE_NAME}, {INDEX_NAME} or "
+                                      "*.safetensors file")
+            for path in files:
+                self._add(read_header(path))
+
+    def _add(self, infos: dict[str, TensorInfo]) -> None:
+        for name, info in infos.items():
+            if name in self.tensors:
+                raise CheckpointError(f"tensor {name!r} appears in both "
+                                      f"{self.tensors[name].file.name} and {info.file.name}")
+            self.tensors[name] = info
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index.name}: not a valid index (no weight_map)") from None
+        headers: dict[str, dict[str, TensorInfo]] = {}
+        for shard in dict.fromkeys(weight_map.values()):
+            path = self.folder / shard
+            if not path.exists():
+                raise CheckpointError(f"{index.name} names shard {shard!r}, which is missing")
+            headers[shard] = read_header(path)
+        for name, shard in weight_map.items():
+            if name not in headers[shard]:
+                raise CheckpointError(f"{index.name} puts {name!r} in {shard}, which lacks it")
+            self.tensors[name] = headers[shard][name]
+        for shard, infos in headers.items():
+            extra = sorted(set(infos) - set(weight_map))
+            if extra:
+                raise CheckpointError(f"{shard} holds {extra[0]!r}, which {index.name} does "
+                                      "not list")
+
+    def renamed(self, new_names: dict[str, str]) -> TensorSource:
+        """The same tensors under other names (``old -> new``)."""
+        out = object.__new__(type(self))
+        out.__dict__.update(self.__dict__)
+        out.tensors = {new_names.get(k, k): v for k, v in self.tensors.items()}
+        return out
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def read_bytes(self, name: str, offset: int = 0, nbytes: int | None = None) -> bytearray:
+        """``nbytes`` bytes of tensor ``name`` starting ``offset`` bytes into its data."""
+        info = self.tensors[name]
+        nbytes = info.nbytes - offset if nbytes is None else nbytes
+        buf = bytearray(nbytes)
+        with open(info.file, "rb") as f:
+            f.seek(info.start + offset)
+            if f.readinto(buf) != nbytes:
+                raise CheckpointError(f"{info.file.name}: truncated while reading {name!r}")
+        return buf
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.tensors[name]
+        return bytes_to_tensor(self.read_bytes(name), info.torch_dtype, info.shape)
+
+
+def bytes_to_tensor(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not buf:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a tensor, without a copy when it is contiguous."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+# ---------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return DTYPES[self.dtype].itemsize * _numel(self.shape)
+
+
+class ShardedWriter:
+    """Write planned tensors in order into shards of at most ``max_shard_bytes`` each."""
+
+    def __init__(self, folder: Path, plan: list[PlannedTensor], max_shard_bytes: int,
+                 metadata: dict[str, str] | None = None, prefix: str = "model") -> None:
+        self.folder = folder
+        self.plan = plan
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.shards = _split_into_shards(plan, max_shard_bytes)
+        n = len(self.shards)
+        self.files = ([f"{prefix}.safetensors"] if n == 1 else
+                      [f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+        self._order = [t for shard in self.shards for t in shard]
+        self._shard_index = [i for i, shard in enumerate(self.shards) for _ in shard]
+        self._next = 0
+        self._shard = -1
+        self._handle = None
+        self._written_in_tensor = 0
+
+    def plan_order(self) -> list[PlannedTensor]:
+        """The order in which tensors must be written (shard by shard)."""
+        return list(self._order)
+
+    def _open_shard(self, i: int) -> None:
+        if self._handle is not None:
+            self._handle.close()
+        header: dict[str, object] = {"__metadata__": self.metadata}
+        offset = 0
+        for t in self.shards[i]:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
+                              "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned
+        self._handle = open(self.folder / self.files[i], "wb")
+        self._handle.write(struct.pack("<Q", len(raw)) + raw)
+        self._shard = i
+
+    def write(self, name: str, data: memoryview | bytes | bytearray) -> None:
+        """Append bytes of tensor ``name``; a tensor may arrive in several consecutive calls."""
+        if self._next >= len(self._order):
+            raise CheckpointError(f"tensor {name!r} written after the plan was complete")
+        planned = self._order[self._next]
+        if name != planned.name:
+            raise CheckpointError(f"tensor {name!r} written out of order (expected "
+                                  f"{planned.name!r})")
+        if self._written_in_tensor == 0 and self._shard_index[self._next] != self._shard:
+            self._open_shard(self._shard_index[self._next])
+        n = len(data) if not isinstance(data, memoryview) else data.nbytes
+        if self._written_in_tensor + n > planned.nbytes:
+            raise CheckpointError(f"tensor {name!r}: more bytes than its shape "
+                                  f"{list(planned.shape)} holds")
+        self._handle.write(data)
+        self._written_in_tensor += n
+        if self._written_in_tensor == planned.nbytes:
+            self._next += 1
+            self._written_in_tensor = 0
+
+    def close(self) -> None:
+        """Finish: every planned tensor must be complete; writes the index when sharded."""
+        while self._next < len(self._order) and self._order[self._next].nbytes == 0:
+            self.write(self._order[self._next].name, b"")
+        if self._next != len(self._order) or self._written_in_tensor:
+            missing = self._order[self._next].name
+            raise CheckpointError(f"tensor {missing!r} was never (fully) written")
+        if self._handle is None and self.shards:
+            self._open_shard(0)
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        if len(self.files) > 1:
+            weight_map = {t.name: self.files[i] for i, s in enumerate(self.shards) for t in s}
+            total = sum(t.nbytes for t in self.plan)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _split_into_shards(plan: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in plan:
+        if shards[-1] and size + t.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"``, ``"1000"`` -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    s = text.strip().upper().replace(" ", "")
+    digits = s.rstrip("KMGTIB")
+    unit = s[len(digits):]
+    try:
+        value = float(digits)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise ValueError(f"cannot read size {text!r}; use e.g. 5GB, 500MB or 2GiB")
+    return int(value * units[unit])
+
+
+# ---------------------------------------------------------------- atomic output
+
+
+def check_destination(dst: Path, force: bool) -> None:
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"{dst} exists and is not a folder")
+    if dst.exists() and any(dst.iterdir()) and not force:
+        raise FileExistsError(f"{dst} is not empty; pass --force to replace it")
+
+
+@contextmanager
+def atomic_folder(dst: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary folder beside ``dst``; on success it replaces ``dst``, on any failure
+    it is removed and ``dst`` is untouched."""
+    check_destination(dst, force)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for path in tmp.rglob("*"):
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+        if dst.exists():
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

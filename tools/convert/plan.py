@@ -1,0 +1,198 @@
+"""The strict tensor map between a Hugging Face checkpoint and ours, and its streaming execution.
+
+A family adapter lists :class:`Link` objects, each saying "this part of our tensor is that part
+of an HF tensor". A part is a contiguous block of rows: the whole tensor ``()``, one leading index
+``(e,)`` (expert ``e`` of a fused ``[E, F, D]`` tensor), a row range ``((a, b),)``, or rows of one
+leading index ``(e, (a, b))`` (the gate half of a fused ``gate_up [E, 2F, D]``). Because every part
+is a contiguous byte range, a conversion is a sequence of byte copies (with a dtype cast when
+asked), in the target's order, one bounded chunk at a time.
+
+Strictness (DESIGN §6, REFERENCE P12): every target tensor must be tiled exactly once by its parts,
+every source tensor must be consumed or explicitly ignored, and every part's shape must equal the
+config's; an error names the tensor and both shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from composer.convert.io import (
+    DTYPE_NAMES,
+    DTYPES,
+    CheckpointError,
+    PlannedTensor,
+    ShardedWriter,
+    TensorSource,
+    bytes_to_tensor,
+    tensor_bytes,
+)
+
+Index = tuple
+CHUNK_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class Link:
+    ours: str
+    hf: str
+    ours_idx: Index = ()
+    hf_idx: Index = ()
+
+
+@dataclass(frozen=True)
+class Piece:
+    source: str
+    offset: int
+    """Element offset of the part inside the source tensor."""
+    numel: int
+    target_offset: int
+
+
+@dataclass
+class Target:
+    name: str
+    shape: tuple[int, ...]
+    pieces: list[Piece]
+    dtype: str = ""
+
+
+def _prod(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def part(shape: tuple[int, ...], idx: Index, name: str) -> tuple[int, tuple[int, ...]]:
+    """Element offset and shape of part ``idx`` of a tensor of ``shape``."""
+    def bad() -> CheckpointError:
+        return CheckpointError(f"tensor {name!r} with shape {list(shape)} has no part {idx}")
+
+    if idx == ():
+        return 0, shape
+    lead, rest = idx[0], idx[1:]
+    if isinstance(lead, int):
+        if not shape or not 0 <= lead < shape[0]:
+            raise bad()
+        offset = lead * _prod(shape[1:])
+        if not rest:
+            return offset, shape[1:]
+        (a, b), = rest
+        if len(shape) < 2 or not 0 <= a < b <= shape[1]:
+            raise bad()
+        return offset + a * _prod(shape[2:]), (b - a, *shape[2:])
+    a, b = lead
+    if rest or not shape or not 0 <= a < b <= shape[0]:
+        raise bad()
+    return a * _prod(shape[1:]), (b - a, *shape[1:])
+
+
+def assembled_shape(parts: list[tuple[Index, tuple[int, ...]]]) -> tuple[int, ...]:
+    """The shape of a tensor assembled from parts given as ``(idx, part_shape)``."""
+    idx0, shape0 = parts[0]
+    if idx0 == ():
+        return shape0
+    if isinstance(idx0[0], int):
+        n_lead = max(idx[0] for idx, _ in parts) + 1
+        if len(idx0) == 1:
+            return (n_lead, *shape0)
+        rows = max(idx[1][1] for idx, _ in parts)
+        return (n_lead, rows, *shape0[1:])
+    rows = max(idx[0][1] for idx, _ in parts)
+    return (rows, *shape0[1:])
+
+
+def build_targets(links: list[Link], target_side: str, target_shapes: dict[str, tuple[int, ...]],
+                  source_shapes: dict[str, tuple[int, ...]]) -> list[Target]:
+    """Group links by target tensor, check shapes, and check that parts tile every target."""
+    src_side = "hf" if target_side == "ours" else "ours"
+    grouped: dict[str, list[Link]] = {}
+    for link in links:
+        grouped.setdefault(getattr(link, target_side), []).append(link)
+    targets = []
+    for name, group in grouped.items():
+        if name not in target_shapes:
+            raise CheckpointError(f"no shape known for target tensor {name!r}")
+        shape = target_shapes[name]
+        pieces = []
+        for link in group:
+            src = getattr(link, src_side)
+            src_offset, src_part = part(source_shapes[src], getattr(link, f"{src_side}_idx"), src)
+            dst_offset, dst_part = part(shape, getattr(link, f"{target_side}_idx"), name)
+            if tuple(src_part) != tuple(dst_part):
+                raise CheckpointError(
+                    f"shape mismatch: {src!r}{_fmt(getattr(link, f'{src_side}_idx'))} is "
+                    f"{list(src_part)}, {name!r}{_fmt(getattr(link, f'{target_side}_idx'))} "
+                    f"needs {list(dst_part)} for this config")
+            pieces.append(Piece(src, src_offset, _prod(src_part), dst_offset))
+        pieces.sort(key=lambda p: p.target_offset)
+        covered = 0
+        for p in pieces:
+            if p.target_offset != covered:
+                what = "written twice" if p.target_offset < covered else "left unwritten"
+                raise CheckpointError(f"tensor {name!r}: part at element {covered} is {what}")
+            covered += p.numel
+        if covered != _prod(shape):
+            raise CheckpointError(f"tensor {name!r}: only {covered} of {_prod(shape)} elements "
+                                  "are mapped")
+        targets.append(Target(name, shape, pieces))
+    return targets
+
+
+def _fmt(idx: Index) -> str:
+    if idx == ():
+        return ""
+    return "[" + ", ".join(str(i) if isinstance(i, int) else f"{i[0]}:{i[1]}" for i in idx) + "]"
+
+
+def check_coverage(links: list[Link], side: str, available: Iterable[str],
+                   ignored: Callable[[str], bool], where: str) -> None:
+    """Every name on ``side`` used by a link must exist; every available name must be used or
+    ignored."""
+    used = {getattr(link, side) for link in links}
+    available = set(available)
+    missing = sorted(used - available)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing{more}")
+    unexpected = sorted(n for n in available - used if not ignored(n))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r}{more}")
+
+
+def execute(targets: list[Target], source: TensorSource, writer: ShardedWriter,
+            progress: Callable[[int], None] | None = None) -> None:
+    """Stream every target's parts from ``source`` into ``writer`` (in the writer's order)."""
+    by_name = {t.name: t for t in targets}
+    for planned in writer.plan_order():
+        target = by_name[planned.name]
+        out_dtype = DTYPES[target.dtype]
+        for p in target.pieces:
+            info = source.tensors[p.source]
+            in_dtype = info.torch_dtype
+            step = max(1, CHUNK_BYTES // in_dtype.itemsize)
+            for start in range(0, p.numel, step):
+                n = min(step, p.numel - start)
+                buf = source.read_bytes(p.source, (p.offset + start) * in_dtype.itemsize,
+                                        n * in_dtype.itemsize)
+                if out_dtype == in_dtype:
+                    writer.write(target.name, buf)
+                else:
+                    t = bytes_to_tensor(buf, in_dtype, (n,)).to(out_dtype)
+                    writer.write(target.name, tensor_bytes(t))
+                if progress is not None:
+                    progress(n * out_dtype.itemsize)
+    writer.close()
+
+
+def plan_tensors(targets: list[Target], order: list[str]) -> list[PlannedTensor]:
+    by_name = {t.name: t for t in targets}
+    return [PlannedTensor(n, by_name[n].dtype, by_name[n].shape) for n in order]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES[dtype]
