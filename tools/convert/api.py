@@ -130,7 +130,8 @@ def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
     our_shapes = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
     check_coverage(links, "ours", our_shapes, lambda n: False, "our model")
     hf_shapes = {n: tuple(info.shape) for n, info in source.tensors.items()}
-    targets = build_targets(links, "ours", our_shapes, hf_shapes)
+    files = {n: info.file.name for n, info in source.tensors.items()}
+    targets = build_targets(links, "ours", our_shapes, hf_shapes, files)
     keep32 = fp32_names(meta)
     for t in targets:
         src_dtype = source.tensors[t.pieces[0].source].torch_dtype
@@ -198,10 +199,14 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
         if (hf_dir / CONVERSION_FILE).exists() else {}
     arch = architecture or info.get("architecture")
     adapter = adapter_for_architecture(arch) if arch else infer_adapter(cfg)
-    hf_cfg = adapter.config_to_hf(cfg, base)
-    if adapter.config_from_hf(hf_cfg) != cfg:
-        raise ConfigError(f"this model cannot be written as {adapter.architectures[0]} without "
-                          "changing its config")
+    try:
+        hf_cfg = adapter.config_to_hf(cfg, base)
+        same = adapter.config_from_hf(hf_cfg) == cfg
+    except ConfigError as exc:
+        raise ConfigError(f"this model cannot be written as {adapter.family}: {exc}") from None
+    if not same:
+        raise ConfigError(f"this model cannot be written as {adapter.family} without changing "
+                          "its config")
     source = TensorSource(folder)
     fused = info.get("fused_experts", adapter.save_fused_experts) if not architecture \
         else adapter.save_fused_experts

@@ -201,6 +201,12 @@ class MixtralAdapter(DecoderAdapter):
     def is_sparse(self, hf: dict[str, Any], layer: int) -> bool:
         return True
 
+    def layer_kinds(self, cfg: ModelConfig) -> list[bool]:
+        kinds = super().layer_kinds(cfg)
+        if not all(kinds):
+            raise layer_pattern_error(self.family, cfg.pattern, "every Mixtral layer is '*E'")
+        return kinds
+
     def moe_from_hf(self, hf: dict[str, Any]) -> MoEConfig:
         return MoEConfig(
             n_experts=require(hf, "num_local_experts"), top_k=require(hf, "num_experts_per_tok"),
@@ -216,8 +222,6 @@ class MixtralAdapter(DecoderAdapter):
         return super().config_from_hf(hf)
 
     def moe_to_hf(self, cfg: ModelConfig, sparse: list[bool], out: dict[str, Any]) -> None:
-        if not all(sparse):
-            raise layer_pattern_error(self.family, cfg.pattern, "every Mixtral layer is '*E'")
         _check_softmax_moe(self.family, cfg)
         if not cfg.moe.renormalize:
             raise ConfigError("Mixtral renormalises its top-k weights (moe.renormalize=true)")

@@ -106,8 +106,10 @@ def assembled_shape(parts: list[tuple[Index, tuple[int, ...]]]) -> tuple[int, ..
 
 
 def build_targets(links: list[Link], target_side: str, target_shapes: dict[str, tuple[int, ...]],
-                  source_shapes: dict[str, tuple[int, ...]]) -> list[Target]:
-    """Group links by target tensor, check shapes, and check that parts tile every target."""
+                  source_shapes: dict[str, tuple[int, ...]],
+                  source_files: dict[str, str] | None = None) -> list[Target]:
+    """Group links by target tensor, check shapes, and check that parts tile every target.
+    ``source_files`` names the file of each source tensor, for error messages."""
     src_side = "hf" if target_side == "ours" else "ours"
     grouped: dict[str, list[Link]] = {}
     for link in links:
@@ -123,8 +125,9 @@ def build_targets(links: list[Link], target_side: str, target_shapes: dict[str, 
             src_offset, src_part = part(source_shapes[src], getattr(link, f"{src_side}_idx"), src)
             dst_offset, dst_part = part(shape, getattr(link, f"{target_side}_idx"), name)
             if tuple(src_part) != tuple(dst_part):
+                where = f" (in {source_files[src]})" if source_files else ""
                 raise CheckpointError(
-                    f"shape mismatch: {src!r}{_fmt(getattr(link, f'{src_side}_idx'))} is "
+                    f"shape mismatch: {src!r}{_fmt(getattr(link, f'{src_side}_idx'))}{where} is "
                     f"{list(src_part)}, {name!r}{_fmt(getattr(link, f'{target_side}_idx'))} "
                     f"needs {list(dst_part)} for this config")
             pieces.append(Piece(src, src_offset, _prod(src_part), dst_offset))
