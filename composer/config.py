@@ -132,6 +132,19 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
 
+    def canonical(self) -> ModelConfig:
+        """A copy with the flat pattern and the sections the pattern does not use set to None,
+        so that two configs that build the same model compare equal."""
+        pattern = self.parsed
+        used = {SYMBOL_NEEDS[s] for s in pattern.layers + "".join(pattern.mtp)
+                if s in SYMBOL_NEEDS}
+        out = ModelConfig.from_dict(self.to_dict())
+        out.pattern = pattern.format()
+        for section in ("attention", "mamba", "mlp", "moe"):
+            if section not in used:
+                setattr(out, section, None)
+        return out
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
@@ -378,6 +391,20 @@ def _validate_moe(e: MoEConfig) -> None:
         raise ConfigError(f"moe.top_k ({e.top_k}) exceeds the experts in moe.topk_groups groups")
     if e.aux_loss_coeff < 0:
         raise ConfigError(f"moe.aux_loss_coeff must be >= 0, got {e.aux_loss_coeff}")
+
+
+def config_diff(a: ModelConfig, b: ModelConfig) -> str | None:
+    """The first dotted field where two configs differ, as ``field: a != b``; None if equal."""
+    def walk(x: Any, y: Any, prefix: str) -> str | None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for key in x:
+                found = walk(x[key], y.get(key), f"{prefix}{key}.")
+                if found:
+                    return found
+            return None
+        return None if x == y else f"{prefix.rstrip('.')}: {x!r} != {y!r}"
+
+    return walk(a.to_dict(), b.to_dict(), "")
 
 
 # ---------------------------------------------------------------- derived sizes

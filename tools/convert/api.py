@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from composer.config import ConfigError, ModelConfig
+from composer.config import ConfigError, ModelConfig, config_diff
 from composer.convert.base import Adapter, encode_floats, load_hf_config
 from composer.convert.io import (
     DTYPE_NAMES,
@@ -157,18 +157,24 @@ def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
     return cfg
 
 
+def round_trip_problem(adapter: Adapter, cfg: ModelConfig, base: dict[str, Any]) -> str | None:
+    """Why ``cfg`` cannot be written as this family exactly, or None if it can."""
+    try:
+        back = adapter.config_from_hf(adapter.config_to_hf(cfg, base))
+    except ConfigError as exc:
+        return str(exc)
+    diff = config_diff(cfg.canonical(), back.canonical())
+    return f"the HF config would change {diff}" if diff else None
+
+
 def infer_adapter(cfg: ModelConfig) -> Adapter:
     """The first family whose config maps to HF and back to exactly ``cfg``."""
     reasons = []
     for adapter in adapters():
-        try:
-            back = adapter.config_from_hf(adapter.config_to_hf(cfg, {}))
-        except ConfigError as exc:
-            reasons.append(f"{adapter.family}: {exc}")
-            continue
-        if back == cfg:
+        problem = round_trip_problem(adapter, cfg, {})
+        if problem is None:
             return adapter
-        reasons.append(f"{adapter.family}: config does not round-trip")
+        reasons.append(f"{adapter.family}: {problem}")
     raise ConfigError("no Hugging Face family can represent this model (" + "; ".join(reasons)
                       + ")")
 
@@ -199,14 +205,10 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
         if (hf_dir / CONVERSION_FILE).exists() else {}
     arch = architecture or info.get("architecture")
     adapter = adapter_for_architecture(arch) if arch else infer_adapter(cfg)
-    try:
-        hf_cfg = adapter.config_to_hf(cfg, base)
-        same = adapter.config_from_hf(hf_cfg) == cfg
-    except ConfigError as exc:
-        raise ConfigError(f"this model cannot be written as {adapter.family}: {exc}") from None
-    if not same:
-        raise ConfigError(f"this model cannot be written as {adapter.family} without changing "
-                          "its config")
+    problem = round_trip_problem(adapter, cfg, base)
+    if problem:
+        raise ConfigError(f"this model cannot be written as {adapter.family}: {problem}")
+    hf_cfg = adapter.config_to_hf(cfg, base)
     source = TensorSource(folder)
     fused = info.get("fused_experts", adapter.save_fused_experts) if not architecture \
         else adapter.save_fused_experts
