@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from composer.config import AttentionConfig, ConfigError, ModelConfig, RopeScaling
+from composer.config import AttentionConfig, ConfigError, MambaConfig, ModelConfig, RopeScaling
 from composer.convert.plan import Link
 
 HF_ACT_TO_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
@@ -173,6 +173,29 @@ def common_to_hf(cfg: ModelConfig, base: dict[str, Any], architecture: str,
                vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings,
                initializer_range=cfg.init_std)
     return out
+
+
+def attention_links(ours: str, hf: str, a: AttentionConfig) -> list[Link]:
+    """q/k/v/o projections (and biases, qk-norms); HF and we use the same names per prefix."""
+    links = []
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        links.append(Link(f"{ours}.{proj}.weight", f"{hf}.{proj}.weight"))
+        if a.qkv_bias:
+            links.append(Link(f"{ours}.{proj}.bias", f"{hf}.{proj}.bias"))
+    if a.qk_norm:
+        links += [Link(f"{ours}.{n}.weight", f"{hf}.{n}.weight") for n in ("q_norm", "k_norm")]
+    return links
+
+
+def mamba_links(ours: str, hf: str, m: MambaConfig) -> list[Link]:
+    """The Mamba-2 mixer's tensors; HF and we use the same names under each prefix."""
+    names = ["in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight",
+             "out_proj.weight"]
+    if m.conv_bias:
+        names.append("conv1d.bias")
+    if m.proj_bias:
+        names += ["in_proj.bias", "out_proj.bias"]
+    return [Link(f"{ours}.{n}", f"{hf}.{n}") for n in names]
 
 
 def layer_pattern_error(family: str, pattern: str, why: str) -> ConfigError:

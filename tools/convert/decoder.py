@@ -19,6 +19,7 @@ from composer.convert.base import (
     GATED_TO_HF_ACT,
     Adapter,
     attention_from_hf,
+    attention_links,
     attention_to_hf,
     common_to_hf,
     gated_activation,
@@ -117,13 +118,7 @@ class DecoderAdapter(Adapter):
             hf, a, m = f"model.layers.{i}", f"layers.{2 * i}", f"layers.{2 * i + 1}"
             links.append(Link(f"{a}.norm.weight", f"{hf}.input_layernorm.weight"))
             links.append(Link(f"{m}.norm.weight", f"{hf}.post_attention_layernorm.weight"))
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                links.append(Link(f"{a}.mixer.{proj}.weight", f"{hf}.self_attn.{proj}.weight"))
-                if cfg.attention.qkv_bias:
-                    links.append(Link(f"{a}.mixer.{proj}.bias", f"{hf}.self_attn.{proj}.bias"))
-            if cfg.attention.qk_norm:
-                for norm in ("q_norm", "k_norm"):
-                    links.append(Link(f"{a}.mixer.{norm}.weight", f"{hf}.self_attn.{norm}.weight"))
+            links += attention_links(f"{a}.mixer", f"{hf}.self_attn", cfg.attention)
             if is_sparse:
                 moe = cfg.moe
                 hf_moe = f"{hf}.{self.moe_key}" if not fused_experts else f"{hf}.mlp"

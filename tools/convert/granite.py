@@ -39,10 +39,12 @@ from composer.convert.base import (
     GATED_TO_HF_ACT,
     Adapter,
     attention_from_hf,
+    attention_links,
     attention_to_hf,
     common_to_hf,
     gated_activation,
     layer_pattern_error,
+    mamba_links,
     require,
     rope_parameters,
 )
@@ -160,25 +162,6 @@ def hybrid_attention_to_hf(family: str, cfg: ModelConfig, base: dict[str, Any],
 
 
 # ---------------------------------------------------------------- links
-
-
-def attention_links(ours: str, hf: str, a: AttentionConfig) -> list[Link]:
-    links = []
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        links.append(Link(f"{ours}.{proj}.weight", f"{hf}.{proj}.weight"))
-        if a.qkv_bias:
-            links.append(Link(f"{ours}.{proj}.bias", f"{hf}.{proj}.bias"))
-    return links
-
-
-def mamba_links(ours: str, hf: str, m: MambaConfig) -> list[Link]:
-    names = ["in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight",
-             "out_proj.weight"]
-    if m.conv_bias:
-        names.append("conv1d.bias")
-    if m.proj_bias:
-        names += ["in_proj.bias", "out_proj.bias"]
-    return [Link(f"{ours}.{n}", f"{hf}.{n}") for n in names]
 
 
 class HybridMambaAdapter(Adapter):

@@ -41,9 +41,11 @@ from composer.config import (
 from composer.convert.base import (
     Adapter,
     attention_from_hf,
+    attention_links,
     attention_to_hf,
     common_to_hf,
     layer_pattern_error,
+    mamba_links,
     require,
 )
 from composer.convert.plan import Link
@@ -52,8 +54,6 @@ HF_TO_ACT = {"relu2": "relu2", "relu": "relu", "silu": "silu", "swish": "silu", 
              "gelu_pytorch_tanh": "gelu_tanh"}
 ACT_TO_HF = {"relu2": "relu2", "relu": "relu", "silu": "silu", "gelu": "gelu",
              "gelu_tanh": "gelu_pytorch_tanh"}
-MAMBA_KEYS = ("in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight",
-              "out_proj.weight")
 
 # Defaults of the transformers 5.24 config classes: a field missing from config.json means these.
 MAMBA2_DEFAULTS: dict[str, Any] = dict(
@@ -83,16 +83,6 @@ SYMBOL_TO_TYPE = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E
 
 
 # ---------------------------------------------------------------- shared helpers
-
-
-def mamba_links(ours: str, hf: str, m: MambaConfig) -> list[Link]:
-    """The Mamba-2 mixer's tensors; HF and we use the same names under each prefix."""
-    names = list(MAMBA_KEYS)
-    if m.conv_bias:
-        names.append("conv1d.bias")
-    if m.proj_bias:
-        names += ["in_proj.bias", "out_proj.bias"]
-    return [Link(f"{ours}.{n}", f"{hf}.{n}") for n in names]
 
 
 def _activation(hf_act: str, field: str) -> str:
@@ -390,8 +380,7 @@ class NemotronHAdapter(Adapter):
             if sym == "M":
                 links += mamba_links(ours, hf, cfg.mamba)
             elif sym == "*":
-                links += [Link(f"{ours}.{p}.weight", f"{hf}.{p}.weight")
-                          for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+                links += attention_links(ours, hf, cfg.attention)
             elif sym == "-":
                 suffixes = ("weight", "bias") if cfg.mlp.bias else ("weight",)
                 links += [Link(f"{ours}.{p}.{s}", f"{hf}.{p}.{s}")
