@@ -7,31 +7,14 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import composer
 from composer.config import ConfigError
 from composer.convert import from_hf, infer_adapter, to_hf
 from composer.convert.mamba import Mamba2Adapter, NemotronHAdapter
+from composer.testing import assert_same_tensors, read_all, rel_err
 from composer.zoo import get_preset
-
-
-def read_all(folder):
-    return {k: v for path in sorted(folder.glob("*.safetensors")) for k, v in
-            load_file(path).items()}
-
-
-def assert_same_tensors(a, b):
-    """Same names, dtypes and bytes (conftest has the same check; tests cannot import it)."""
-    x, y = read_all(a), read_all(b)
-    assert sorted(x) == sorted(y), sorted(set(x) ^ set(y))[:10]
-    for k in x:
-        assert x[k].dtype == y[k].dtype and torch.equal(x[k].view(torch.uint8),
-                                                        y[k].view(torch.uint8)), k
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def mamba2_kwargs(**kw):

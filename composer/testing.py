@@ -1,0 +1,45 @@
+"""Helpers for tests of models and converters (also useful to users checking their own
+conversions): random weights that expose a wrong mapping, and exact tensor comparisons."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> None:
+    """Random weights (not default init) so that a swapped or dropped tensor shows in logits;
+    norm-like vectors are centred on 1, buffers (e.g. score-correction biases) get noise too."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if not p.is_floating_point() or "inv_freq" in name:
+                continue
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32) * std
+            centre = 1.0 if (p.ndim == 1 and ("norm" in name or name.endswith(".D"))) else 0.0
+            p.copy_((noise + centre).to(p.dtype))
+
+
+def read_all(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for k in f.keys():
+                out[k] = f.get_tensor(k)
+    return out
+
+
+def assert_same_tensors(a: Path, b: Path) -> None:
+    x, y = read_all(a), read_all(b)
+    assert sorted(x) == sorted(y), (sorted(set(x) ^ set(y)))[:10]
+    for k in x:
+        assert x[k].dtype == y[k].dtype, (k, x[k].dtype, y[k].dtype)
+        assert x[k].shape == y[k].shape, k
+        assert torch.equal(x[k].view(torch.uint8) if x[k].dtype != torch.bool else x[k],
+                           y[k].view(torch.uint8) if y[k].dtype != torch.bool else y[k]), k
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
