@@ -25,6 +25,7 @@ from torch import nn
 
 from composer.blocks.mlp import init_linear
 from composer.blocks.norm import GatedRMSNorm, gated_rms_norm_ref
+from composer.blocks.split import SplitCausalConv1d, SplitLinear
 from composer.blocks.ssd import ssd_scan, ssd_scan_ref
 from composer.config import MambaConfig, ModelConfig, d_inner_of
 
@@ -58,10 +59,12 @@ class Mamba2Mixer(nn.Module):
         self.init_std = cfg.init_std
         d_inner, d_bc, conv_dim = _sizes(m)
         self.d_inner, self.d_bc, self.conv_dim = d_inner, d_bc, conv_dim
-        self.in_proj = nn.Linear(cfg.d_model, d_inner + conv_dim + m.n_heads, bias=m.proj_bias)
-        self.conv1d = nn.Conv1d(
-            conv_dim, conv_dim, m.d_conv, groups=conv_dim, bias=m.conv_bias, padding=m.d_conv - 1
-        )
+        # Each component is its own parameter so tensor parallelism can shard it (split.py);
+        # the state dict shows the fused in_proj.weight / conv1d.weight of transformers.
+        self.in_proj = SplitLinear(cfg.d_model, {"z": d_inner, "x": d_inner, "B": d_bc,
+                                                 "C": d_bc, "dt": m.n_heads}, bias=m.proj_bias)
+        self.conv1d = SplitCausalConv1d({"x": d_inner, "B": d_bc, "C": d_bc}, m.d_conv,
+                                        bias=m.conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(m.n_heads))
         self.A_log = nn.Parameter(torch.empty(m.n_heads))
         self.D = nn.Parameter(torch.empty(m.n_heads))
@@ -71,13 +74,9 @@ class Mamba2Mixer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         m = self.mamba_cfg
-        init_linear(self.in_proj, self.init_std, generator)
+        self.in_proj.reset_parameters(self.init_std, generator)
         init_linear(self.out_proj, self.init_std, generator)
-        # PyTorch's Conv1d default (kaiming_uniform with a=sqrt(5)): U(±1/sqrt(fan_in)), fan_in = K.
-        bound = 1.0 / math.sqrt(m.d_conv)
-        nn.init.uniform_(self.conv1d.weight, -bound, bound, generator=generator)
-        if self.conv1d.bias is not None:
-            nn.init.uniform_(self.conv1d.bias, -bound, bound, generator=generator)
+        self.conv1d.reset_parameters(generator)
         # dt log-uniform in [dt_min, dt_max]; dt_bias is its inverse softplus so that at init
         # softplus(0 + dt_bias) = dt.
         u = torch.rand(m.n_heads, generator=generator, device=self.dt_bias.device)
@@ -95,8 +94,7 @@ class Mamba2Mixer(nn.Module):
         b, T, _ = x_BTD.shape
         zxbcdt = self.in_proj(x_BTD)
         z_BTE, xBC_BTX, dt_BTH = zxbcdt.split([self.d_inner, self.conv_dim, m.n_heads], dim=-1)
-        # Conv1d pads both sides by K - 1; keeping the first T outputs makes it causal.
-        xBC_BTX = F.silu(self.conv1d(xBC_BTX.transpose(1, 2))[..., :T].transpose(1, 2))
+        xBC_BTX = F.silu(self.conv1d(xBC_BTX))
         x_BTE, B_BTF, C_BTF = xBC_BTX.split([self.d_inner, self.d_bc, self.d_bc], dim=-1)
         # dt, A and the scan in >= fp32, as the mamba_ssm kernels do (transformers' torch path does
         # the softplus in the input dtype; identical in fp32).

@@ -106,7 +106,7 @@ def test_cast_keeps_fp32_tensors():
     model = build_model(tiny("ME"), dtype=torch.bfloat16)
     assert model.layers["0"].mixer.A_log.dtype == torch.float32
     assert model.layers["1"].mixer.router.weight.dtype == torch.float32
-    assert model.layers["0"].mixer.in_proj.weight.dtype == torch.bfloat16
+    assert model.layers["0"].mixer.in_proj.weight_z.dtype == torch.bfloat16
     assert model(torch.randint(0, 97, (1, 5))).dtype == torch.bfloat16
 
 

@@ -1,0 +1,128 @@
+"""Fused projections stored as named parts, so that tensor parallelism can shard each part.
+
+Mamba-2's input projection packs ``[z, x, B, C, dt]`` and its depthwise convolution
+``[x, B, C]``; Megatron-Core shards each component separately over the tensor-parallel ranks
+(REFERENCE P4). Keeping every component its own parameter makes that a plain row split of each
+part (``Shard(0)``) whose global shape is independent of the layout, so sharded checkpoints
+reshard on load. The state dict still shows one fused ``weight`` (and ``bias``): the canonical
+keys of DESIGN §4 and Hugging Face's layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A part as one whole tensor: DTensor parts are gathered (collective on every rank)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class SplitParams(nn.Module):
+    """Parameters ``weight_<part>`` (and ``bias_<part>``) fused along dim 0 in the state dict."""
+
+    def __init__(self, sizes: dict[str, int], trailing: tuple[int, ...], bias: bool) -> None:
+        super().__init__()
+        self.parts = tuple(sizes)
+        self.has_bias = bias
+        for name, n in sizes.items():
+            self.register_parameter(f"weight_{name}", nn.Parameter(torch.empty(n, *trailing)))
+            if bias:
+                self.register_parameter(f"bias_{name}", nn.Parameter(torch.empty(n)))
+
+    def weights(self) -> list[nn.Parameter]:
+        return [getattr(self, f"weight_{p}") for p in self.parts]
+
+    def biases(self) -> list[nn.Parameter]:
+        return [getattr(self, f"bias_{p}") for p in self.parts] if self.has_bias else []
+
+    def fused_weight(self) -> torch.Tensor:
+        """The local fused weight (this rank's rows of every part, in part order)."""
+        return torch.cat([local(w) for w in self.weights()], dim=0)
+
+    def fused_bias(self) -> torch.Tensor | None:
+        return torch.cat([local(b) for b in self.biases()], dim=0) if self.has_bias else None
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        for kind, tensors in (("weight", self.weights()), ("bias", self.biases())):
+            if tensors:
+                fused = torch.cat([_full(t) for t in tensors], dim=0)
+                destination[prefix + kind] = fused if keep_vars else fused.detach()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: Any,
+                              strict: bool, missing_keys: list, unexpected_keys: list,
+                              error_msgs: list) -> None:
+        assign = local_metadata.get("assign_to_params_buffers", False)
+        for kind, tensors in (("weight", self.weights()), ("bias", self.biases())):
+            if not tensors:
+                continue
+            key = prefix + kind
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            rows = sum(t.shape[0] for t in tensors)
+            want = (rows, *tensors[0].shape[1:])
+            if tuple(value.shape) != want:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(value.shape)}, the model needs {want}")
+                continue
+            names = [f"{kind}_{p}" for p in self.parts]
+            for name, piece in zip(names, value.split([t.shape[0] for t in tensors]), strict=True):
+                if assign:
+                    setattr(self, name, nn.Parameter(piece.clone()))
+                else:
+                    with torch.no_grad():
+                        getattr(self, name).copy_(piece)
+        if strict:
+            expected = {prefix + "weight"} | ({prefix + "bias"} if self.has_bias else set())
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix)
+                                   and k not in expected and "." not in k[len(prefix):])
+
+
+class SplitLinear(SplitParams):
+    """``y = x W^T + b`` with ``W`` the row-concatenation of the parts."""
+
+    def __init__(self, d_in: int, sizes: dict[str, int], bias: bool) -> None:
+        super().__init__(sizes, (d_in,), bias)
+
+    def reset_parameters(self, std: float, generator: torch.Generator | None) -> None:
+        for w in self.weights():
+            nn.init.normal_(w, 0.0, std, generator=generator)
+        for b in self.biases():
+            nn.init.zeros_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.fused_weight(), self.fused_bias())
+
+
+class SplitCausalConv1d(SplitParams):
+    """Depthwise causal convolution over channels ``[B, T, C]``, weight ``[C, 1, K]``."""
+
+    def __init__(self, sizes: dict[str, int], kernel: int, bias: bool) -> None:
+        super().__init__(sizes, (1, kernel), bias)
+        self.kernel = kernel
+
+    def reset_parameters(self, generator: torch.Generator | None) -> None:
+        # PyTorch's Conv1d default for a depthwise conv: U(+-1/sqrt(fan_in)), fan_in = K.
+        bound = 1.0 / math.sqrt(self.kernel)
+        for t in self.weights() + self.biases():
+            nn.init.uniform_(t, -bound, bound, generator=generator)
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        t = x_BTC.shape[1]
+        w = self.fused_weight()
+        # Padding K - 1 on both sides and keeping the first T outputs makes it causal.
+        y = F.conv1d(x_BTC.transpose(1, 2), w, self.fused_bias(), padding=self.kernel - 1,
+                     groups=w.shape[0])
+        return y[..., :t].transpose(1, 2)

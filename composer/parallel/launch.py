@@ -1,0 +1,91 @@
+"""Starting processes: under ``torchrun`` (the CLI) or spawned here (tests, small runs).
+
+``init_distributed()`` joins the group described by torchrun's environment, with NCCL on GPUs and
+gloo on CPU. ``run_distributed(fn, n, *args)`` spawns ``n`` gloo processes on this machine, runs
+``fn(*args)`` in each once the group is up, and returns every rank's result in rank order; any
+rank's exception is raised here with its traceback text.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def init_distributed() -> bool:
+    """Join the process group torchrun describes; False when not launched by torchrun."""
+    if dist.is_initialized():
+        return True
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    return True
+
+
+def is_main_process() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple,
+            queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(*args)
+        queue.put((rank, True, result))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
+                    timeout: float = 300.0) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the results in rank order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    for _ in range(world_size):
+        try:
+            rank, ok, payload = queue.get(timeout=timeout)
+        except Exception:  # queue.Empty: a rank hung or died without reporting
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+            errors.append(f"no result within {timeout:.0f}s (ranks exited early: {dead})")
+            break
+        if ok:
+            results[rank] = payload
+        else:
+            errors.append(f"rank {rank} failed:\n{payload}")
+            break
+    for p in procs:
+        p.join(timeout=timeout if not errors else 5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
