@@ -13,6 +13,7 @@ Legend: B batch, T time, D model width, H query heads, K kv heads, E head width.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ from torch import nn
 from composer.blocks.mlp import init_linear
 from composer.blocks.norm import RMSNorm
 from composer.config import AttentionConfig, ModelConfig, RopeScaling, d_head_of
+
+if TYPE_CHECKING:
+    from composer.parallel.tensor import TPContext
 
 
 def rope_frequencies(d_rot: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -90,11 +94,17 @@ class Attention(nn.Module):
             self.q_norm.reset_parameters()
             self.k_norm.reset_parameters()
 
+    kv_select: tuple[int, int] | None = None
+    """Under tensor parallelism with fewer kv heads than ranks: the kv heads this rank uses."""
+
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         b, t, _ = x_BTD.shape
-        q = self.q_proj(x_BTD).view(b, t, self.n_heads, self.d_head)
-        k = self.k_proj(x_BTD).view(b, t, self.n_kv_heads, self.d_head)
-        v = self.v_proj(x_BTD).view(b, t, self.n_kv_heads, self.d_head)
+        # -1: under tensor parallelism each rank holds a slice of the heads
+        q = self.q_proj(x_BTD).view(b, t, -1, self.d_head)
+        k = self.k_proj(x_BTD).view(b, t, -1, self.d_head)
+        v = self.v_proj(x_BTD).view(b, t, -1, self.d_head)
+        if self.kv_select is not None:
+            k, v = k[:, :, slice(*self.kv_select)], v[:, :, slice(*self.kv_select)]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHTE, k_BKTE, v_BKTE = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -103,8 +113,33 @@ class Attention(nn.Module):
             q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
         o_BHTE = F.scaled_dot_product_attention(
             q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=self.scale,
-            enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.o_proj(o_BHTE.transpose(1, 2).reshape(b, t, self.n_heads * self.d_head))
+            enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
+        return self.o_proj(o_BHTE.transpose(1, 2).reshape(b, t, -1))
+
+    def apply_tp(self, tp: TPContext) -> None:
+        """Heads split over ``tp``: q/k/v column parallel, o row parallel. With fewer kv heads
+        than ranks every rank computes all kv heads and keeps the one its q heads share."""
+        from composer.parallel.tensor import (
+            PARTIAL,
+            to_column,
+            to_replicated,
+            to_replicated_linear,
+            to_row,
+        )
+
+        to_column(self.q_proj, tp)
+        if self.n_kv_heads % tp.size == 0:
+            to_column(self.k_proj, tp)
+            to_column(self.v_proj, tp)
+        else:
+            to_replicated_linear(self.k_proj, tp, PARTIAL)
+            to_replicated_linear(self.v_proj, tp, PARTIAL)
+            first = tp.rank * (self.n_heads // tp.size) // (self.n_heads // self.n_kv_heads)
+            self.kv_select = (first, first + 1)
+        to_row(self.o_proj, tp)
+        if self.qk_norm:
+            to_replicated(self.q_norm, ("weight",), tp, PARTIAL)
+            to_replicated(self.k_norm, ("weight",), tp, PARTIAL)
 
     @staticmethod
     def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -23,9 +23,14 @@ class Layer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = mixer
         self.residual_multiplier = cfg.residual_multiplier
+        self.tp = None  # a TPContext once tensor parallel (composer.parallel.tensor)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        out = self.mixer(self.norm(x_BTD))
+        h = self.norm(x_BTD)
+        if self.tp is not None:  # gather the sequence (SP) for the mixer, reduce its output
+            out = self.tp.leave(self.mixer(self.tp.enter(h)))
+        else:
+            out = self.mixer(h)
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
         return x_BTD + out

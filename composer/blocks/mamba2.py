@@ -18,6 +18,7 @@ Shape legend:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +26,12 @@ from torch import nn
 
 from composer.blocks.mlp import init_linear
 from composer.blocks.norm import GatedRMSNorm, gated_rms_norm_ref
-from composer.blocks.split import SplitCausalConv1d, SplitLinear
+from composer.blocks.split import SplitCausalConv1d, SplitLinear, local
 from composer.blocks.ssd import ssd_scan, ssd_scan_ref
 from composer.config import MambaConfig, ModelConfig, d_inner_of
+
+if TYPE_CHECKING:
+    from composer.parallel.tensor import TPContext
 
 
 def _norm_group_size(m: MambaConfig) -> int:
@@ -92,28 +96,48 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         m = self.mamba_cfg
         b, T, _ = x_BTD.shape
+        # Local sizes: under tensor parallelism this rank holds a slice of heads and groups.
+        dt_bias, A_log, D = local(self.dt_bias), local(self.A_log), local(self.D)
+        H = dt_bias.shape[0]
+        G = H * m.n_groups // m.n_heads
+        E, F_ = H * m.d_head, G * m.d_state
         zxbcdt = self.in_proj(x_BTD)
-        z_BTE, xBC_BTX, dt_BTH = zxbcdt.split([self.d_inner, self.conv_dim, m.n_heads], dim=-1)
+        z_BTE, xBC_BTX, dt_BTH = zxbcdt.split([E, E + 2 * F_, H], dim=-1)
         xBC_BTX = F.silu(self.conv1d(xBC_BTX))
-        x_BTE, B_BTF, C_BTF = xBC_BTX.split([self.d_inner, self.d_bc, self.d_bc], dim=-1)
+        x_BTE, B_BTF, C_BTF = xBC_BTX.split([E, F_, F_], dim=-1)
         # dt, A and the scan in >= fp32, as the mamba_ssm kernels do (transformers' torch path does
         # the softplus in the input dtype; identical in fp32).
-        dt_BTH = F.softplus(_at_least_fp32(dt_BTH) + self.dt_bias)
+        dt_BTH = F.softplus(_at_least_fp32(dt_BTH) + dt_bias)
         dt_BTH = dt_BTH.clamp(min=m.dt_limit[0], max=m.dt_limit[1])
-        A_H = -torch.exp(_at_least_fp32(self.A_log))
+        A_H = -torch.exp(_at_least_fp32(A_log))
         y_BTHP = ssd_scan(
-            _at_least_fp32(x_BTE).view(b, T, m.n_heads, m.d_head),
+            _at_least_fp32(x_BTE).view(b, T, H, m.d_head),
             dt_BTH,
             A_H,
-            B_BTF.view(b, T, m.n_groups, m.d_state),
-            C_BTF.view(b, T, m.n_groups, m.d_state),
+            B_BTF.view(b, T, G, m.d_state),
+            C_BTF.view(b, T, G, m.d_state),
             m.chunk_size,
-            D_H=self.D,
+            D_H=D,
         )
         # The D skip is inside the scan, so it is gated and normalised too (as in transformers);
         # the scan output stays fp32 through the norm and is cast only for out_proj.
-        y_BTE = self.norm(y_BTHP.reshape(b, T, self.d_inner), gate=z_BTE)
+        y_BTE = self.norm(y_BTHP.reshape(b, T, E), gate=z_BTE)
         return self.out_proj(y_BTE.to(x_BTD.dtype))
+
+    def apply_tp(self, tp: TPContext) -> None:
+        """Heads and groups split over ``tp``, every component of in_proj and conv1d row-split
+        on its own (Megatron's per-component sharding); out_proj row parallel."""
+        from torch.distributed.tensor import Shard
+
+        from composer.parallel.tensor import distribute_param, to_row
+
+        for module in (self.in_proj, self.conv1d):
+            for name, _ in list(module.named_parameters(recurse=False)):
+                distribute_param(module, name, tp.mesh, Shard(0))
+        for name in ("dt_bias", "A_log", "D"):
+            distribute_param(self, name, tp.mesh, Shard(0))
+        distribute_param(self.norm, "weight", tp.mesh, Shard(0))
+        to_row(self.out_proj, tp)
 
     @staticmethod
     def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from composer.config import ModelConfig, is_gated
+
+if TYPE_CHECKING:
+    from composer.parallel.tensor import TPContext
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +86,14 @@ class MLP(nn.Module):
         else:
             h = self.act(self.up_proj(x_BTD))
         return self.down_proj(h)
+
+    def apply_tp(self, tp: TPContext) -> None:
+        """Hidden units split over ``tp``: gate/up column parallel, down row parallel."""
+        from composer.parallel.tensor import to_column, to_row
+
+        for linear in (self.gate_proj, self.up_proj) if self.gated else (self.up_proj,):
+            to_column(linear, tp)
+        to_row(self.down_proj, tp)
 
     @staticmethod
     def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -24,7 +24,8 @@ IGNORE_INDEX = -100
 @dataclass
 class ModelOutput:
     loss: torch.Tensor
-    logits: torch.Tensor
+    logits: torch.Tensor | None
+    """``None`` under tensor parallelism, where the loss never gathers the logits."""
     aux_loss: torch.Tensor
 
 
@@ -44,6 +45,7 @@ class HybridModel(nn.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tp = None  # a TPContext once tensor parallel (composer.parallel.tensor)
 
     def output_weight(self) -> torch.Tensor:
         return self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
@@ -64,6 +66,10 @@ class HybridModel(nn.Module):
 
     def forward(self, input_ids_BT: torch.Tensor,
                 labels_BT: torch.Tensor | None = None) -> torch.Tensor | ModelOutput:
+        if self.tp is not None:
+            from composer.parallel.tensor import tp_forward
+
+            return tp_forward(self, input_ids_BT, labels_BT)
         logits_BTV = F.linear(self.hidden_states(input_ids_BT), self.output_weight())
         if self.config.logits_scaling != 1.0:
             logits_BTV = logits_BTV / self.config.logits_scaling

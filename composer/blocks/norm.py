@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer.blocks.split import local
+
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
     """fp32 for half types, fp64 stays fp64 (the reference tests run in fp64)."""
@@ -32,7 +34,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(_math_dtype(x))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return local(self.weight) * h.to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -54,7 +56,7 @@ class GatedRMSNorm(nn.Module):
         shape = h.shape
         h = h.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.view(shape).to(x.dtype)
+        return local(self.weight) * h.view(shape).to(x.dtype)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ rank's exception is raised here with its traceback text.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -50,7 +51,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(*args)
-        queue.put((rank, True, result))
+        # As bytes: a tensor sent through the queue would live in shared memory that dies
+        # with this process; torch.save output is read back with weights_only=True.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -78,7 +83,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
             errors.append(f"no result within {timeout:.0f}s (ranks exited early: {dead})")
             break
         if ok:
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=True)
         else:
             errors.append(f"rank {rank} failed:\n{payload}")
             break

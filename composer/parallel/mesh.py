@@ -47,6 +47,9 @@ class ParallelDims:
     sequence_parallel: bool
     world_size: int
     mesh: DeviceMesh | None = None
+    dp_mesh: DeviceMesh | None = None
+    """The flattened ``dp_outer x ep`` dimension (kept here: slicing it from the root mesh is
+    deprecated)."""
 
     @property
     def dp_outer(self) -> int:
@@ -57,7 +60,7 @@ class ParallelDims:
         return self.world_size > 1
 
     def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
 
     def tp_rank(self) -> int:
         return self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
@@ -127,6 +130,6 @@ def build_parallel_dims(pc: ParallelConfig, cfg: ModelConfig | None = None) -> P
         device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device, (dims.dp_outer, dims.ep, dims.tp),
                                 mesh_dim_names=("dp_outer", "ep", "tp"))
-        mesh["dp_outer", "ep"]._flatten("dp")
+        dims.dp_mesh = mesh["dp_outer", "ep"]._flatten("dp")
         dims.mesh = mesh
     return dims
