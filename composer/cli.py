@@ -209,6 +209,79 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layout(args: argparse.Namespace):
+    from composer.parallel.mesh import ParallelConfig
+
+    return ParallelConfig(tp=args.tp, ep=args.ep, dp=args.dp, dp_mode=args.dp_mode,
+                          sequence_parallel=not args.no_sequence_parallel)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from composer.parallel.launch import init_distributed, is_main_process
+    from composer.run import check_vocab, evaluate, load_tokens, prepare
+
+    init_distributed()
+    rows = load_tokens(args.tokens, args.seq_len)
+    model, dims, _, _ = prepare(args.ckpt, _layout(args))
+    check_vocab(rows, model.config, args.tokens)
+    loss, n = evaluate(model, dims, rows, args.batch_size)
+    if is_main_process():
+        if args.json:
+            print(json.dumps({"loss": loss, "n_tokens": n}))
+        else:
+            print(f"loss {loss:.6f} over {n:,} predicted tokens "
+                  f"(tp={dims.tp} ep={dims.ep} dp={dims.dp})")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from composer.parallel.checkpoint import save_checkpoint
+    from composer.parallel.launch import init_distributed, is_main_process
+    from composer.run import check_vocab, load_tokens, prepare, train
+
+    if args.steps < 1 or args.batch_size < 1 or args.lr <= 0:
+        raise UsageError("--steps and --batch-size must be >= 1 and --lr > 0")
+    init_distributed()
+    torch_seed(args.seed)
+    rows = load_tokens(args.tokens, args.seq_len)
+    model, dims, opt, start = prepare(args.source, _layout(args), seed=args.seed,
+                                      optimizer_lr=args.lr)
+    check_vocab(rows, model.config, args.tokens)
+    main_rank = is_main_process()
+
+    def report(step: int, loss: float) -> None:
+        if main_rank and not args.json:
+            print(f"step {step:>6}  loss {loss:.6f}", flush=True)
+
+    result = train(model, dims, opt, rows, args.steps, args.batch_size, args.seed, start, report)
+    if args.save:
+        save_checkpoint(args.save, result.step, model, opt)
+    if main_rank:
+        if args.json:
+            print(json.dumps({"losses": result.losses}))
+        elif args.save:
+            print(f"saved step {result.step} to {args.save}")
+    return 0
+
+
+def torch_seed(seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def _add_layout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides dp)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: the rest)")
+    p.add_argument("--dp-mode", choices=("shard", "replicate"), default="shard",
+                   help="FSDP2 sharding (default) or plain replication")
+    p.add_argument("--no-sequence-parallel", action="store_true",
+                   help="keep activations replicated across tp ranks")
+    p.add_argument("--seq-len", type=int, default=None, help="cut a 1-D token array this long")
+    p.add_argument("--json", action="store_true", help="one line of JSON on stdout")
+
+
 def make_parser() -> Parser:
     parser = Parser(prog="composer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -242,6 +315,24 @@ def make_parser() -> Parser:
                                           "inferred from the config)")
         c.set_defaults(func=cmd_convert, arch=None)
 
+    ev = sub.add_parser("eval", help="mean next-token loss of a checkpoint on a token file")
+    ev.add_argument("ckpt", help="a portable checkpoint or a `train --save` folder")
+    ev.add_argument("--tokens", required=True, help="a .npy array of token ids (1-D or 2-D)")
+    ev.add_argument("--batch-size", type=int, default=8, help="sequences per forward per rank")
+    _add_layout(ev)
+    ev.set_defaults(func=cmd_eval)
+
+    tr = sub.add_parser("train", help="train with AdamW at a constant learning rate")
+    tr.add_argument("source", help="a checkpoint folder (portable or --save) or a preset name")
+    tr.add_argument("--tokens", required=True, help="a .npy array of token ids (1-D or 2-D)")
+    tr.add_argument("--steps", type=int, required=True)
+    tr.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
+    tr.add_argument("--lr", type=float, default=3e-4)
+    tr.add_argument("--seed", type=int, default=0, help="init (for presets) and data order")
+    tr.add_argument("--save", help="write a DCP checkpoint folder here at the end")
+    _add_layout(tr)
+    tr.set_defaults(func=cmd_train)
+
     zoo = sub.add_parser("zoo", help="list and show model presets")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True, parser_class=Parser)
     zl = zoo_sub.add_parser("list", help="list presets")
@@ -255,15 +346,22 @@ def make_parser() -> Parser:
     return parser
 
 
+def _is_main_rank() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = make_parser().parse_args(argv)
-        if getattr(args, "seq_len", 1) <= 0:
+        if (getattr(args, "seq_len", 1) or 1) <= 0:
             raise UsageError("--seq-len must be positive")
         return args.func(args)
     except (UsageError, ValueError, FileExistsError, FileNotFoundError,
             PermissionError) as exc:  # ConfigError, PatternError, CheckpointError are ValueErrors
-        print(f"composer: error: {exc}".replace("\n", " "), file=sys.stderr)
+        if _is_main_rank():
+            print(f"composer: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("composer: interrupted", file=sys.stderr)

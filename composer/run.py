@@ -1,0 +1,159 @@
+"""Evaluation and training loops, the same code for one process and for any parallel layout.
+
+Data: a ``.npy`` array of token ids (read with ``allow_pickle=False``). A 2-D array is one sequence
+per row; a 1-D array is cut into ``seq_len`` pieces (the last may be shorter). The global batch
+and its order depend only on the data, the batch size and the seed, never on the layout: every
+data-parallel rank takes its contiguous share of each global batch, tensor-parallel ranks take the
+same rows. Losses are next-token cross-entropy, averaged over every predicted token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from composer.blocks.model import HybridModel
+from composer.config import ConfigError, ModelConfig
+from composer.parallel.checkpoint import is_training_checkpoint, load_checkpoint
+from composer.parallel.data import finish_grads
+from composer.parallel.mesh import ParallelConfig, ParallelDims, build_parallel_dims
+from composer.parallel.parallelize import parallelize
+from composer.specs.builder import CONFIG_FILE, build_model, load
+
+
+def load_tokens(path: str | Path, seq_len: int | None) -> list[np.ndarray]:
+    """Rows of token ids from a ``.npy`` file (no pickles)."""
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read tokens ({str(exc).splitlines()[0]})") from None
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ConfigError(f"{path}: token ids must be integers, got {arr.dtype}")
+    if arr.ndim == 2:
+        rows = list(arr)
+    elif arr.ndim == 1:
+        if not seq_len:
+            raise ConfigError(f"{path} is 1-D: give --seq-len to cut it into sequences")
+        rows = [arr[i:i + seq_len] for i in range(0, len(arr), seq_len)]
+    else:
+        raise ConfigError(f"{path}: expected a 1-D or 2-D array, got {arr.ndim}-D")
+    rows = [r for r in rows if len(r) >= 2]
+    if not rows:
+        raise ConfigError(f"{path}: no sequence of at least 2 tokens")
+    return rows
+
+
+def check_vocab(rows: list[np.ndarray], cfg: ModelConfig, path: str | Path) -> None:
+    top = max(int(r.max()) for r in rows)
+    low = min(int(r.min()) for r in rows)
+    if low < 0 or top >= cfg.vocab_size:
+        raise ConfigError(f"{path}: token ids span [{low}, {top}], the model's vocabulary is "
+                          f"{cfg.vocab_size}")
+
+
+def prepare(source: str, pc: ParallelConfig, seed: int = 0,
+            optimizer_lr: float | None = None) -> tuple[HybridModel, ParallelDims,
+                                                         torch.optim.Optimizer | None, int]:
+    """Model (portable checkpoint, training checkpoint or preset), layout, optimizer, step."""
+    from composer.zoo import get_preset, presets
+
+    folder = Path(source)
+    if folder.is_dir() and is_training_checkpoint(folder):
+        cfg, model = ModelConfig.load(folder / CONFIG_FILE), None
+    elif folder.is_dir():
+        model = load(folder)
+        cfg = model.config
+    elif source in presets():
+        cfg, model = get_preset(source).config(), None
+    else:
+        raise ConfigError(f"{source}: not a checkpoint folder or a preset name")
+    dims = build_parallel_dims(pc, cfg)
+    if model is None:
+        model = build_model(cfg, seed=seed)
+    parallelize(model, dims)
+    opt = None
+    if optimizer_lr is not None:
+        opt = torch.optim.AdamW(model.parameters(), lr=optimizer_lr)
+    step = 0
+    if folder.is_dir() and is_training_checkpoint(folder):
+        step = load_checkpoint(folder, model, opt)
+    return model, dims, opt, step
+
+
+def _dp_sum(values: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    if dims.dp > 1:
+        dist.all_reduce(values, group=dims.dp_mesh.get_group())
+    return values
+
+
+@torch.no_grad()
+def evaluate(model: HybridModel, dims: ParallelDims, rows: list[np.ndarray],
+             batch_size: int = 8) -> tuple[float, int]:
+    """Mean next-token cross-entropy over every predicted token, and their number."""
+    model.eval()
+    width = len(rows[0])
+    full = [r for r in rows if len(r) == width]
+    tail = [r for r in rows if len(r) != width]  # the short last piece of a 1-D array
+    mine = full[dims.dp_rank()::dims.dp]
+    n_batches = math.ceil(math.ceil(len(full) / dims.dp) / batch_size)
+    totals = torch.zeros(2, dtype=torch.float64)
+
+    def add(batch: list[np.ndarray], weight: float) -> None:
+        ids = torch.from_numpy(np.stack(batch)).long()
+        out = model(ids, ids)
+        n = ids.shape[0] * (ids.shape[1] - 1)
+        ce = float(out.loss - out.aux_loss)
+        totals.add_(torch.tensor([ce * n * weight, n * weight], dtype=torch.float64))
+
+    for b in range(n_batches):
+        batch = mine[b * batch_size:(b + 1) * batch_size]
+        # every rank runs the same forwards (they hold collectives); a padding batch counts 0
+        add(batch or full[:1], 1.0 if batch else 0.0)
+    for row in tail:  # run everywhere, counted once
+        add([row], 1.0 if dims.dp_rank() == 0 else 0.0)
+    totals = _dp_sum(totals, dims)
+    return float(totals[0] / totals[1]), int(totals[1])
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]
+    step: int
+
+
+def train(model: HybridModel, dims: ParallelDims, opt: torch.optim.Optimizer,
+          rows: list[np.ndarray], steps: int, batch_size: int, seed: int,
+          start_step: int = 0, on_step=None) -> TrainResult:
+    """AdamW at a constant learning rate on a layout-independent sequence of global batches."""
+    lengths = {len(r) for r in rows}
+    if len(lengths) != 1:
+        raise ConfigError("training needs sequences of one length (a 2-D array, or a 1-D array "
+                          "whose length is a multiple of --seq-len)")
+    if batch_size % dims.dp:
+        raise ConfigError(f"--batch-size ({batch_size}) must be divisible by dp ({dims.dp})")
+    data = np.stack(rows)
+    rng = np.random.default_rng(seed)
+    order = np.concatenate([rng.permutation(len(data)) for _ in
+                            range(math.ceil((start_step + steps) * batch_size / len(data)) + 1)])
+    share = batch_size // dims.dp
+    model.train()
+    losses = []
+    for step in range(start_step, start_step + steps):
+        batch = order[step * batch_size:(step + 1) * batch_size]
+        local = batch[dims.dp_rank() * share:(dims.dp_rank() + 1) * share]
+        ids = torch.from_numpy(data[local]).long()
+        out = model(ids, ids)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        finish_grads(model, dims)
+        opt.step()
+        loss = _dp_sum(out.loss.detach().double().reshape(1), dims) / dims.dp
+        losses.append(float(loss))
+        if on_step is not None:
+            on_step(step + 1, losses[-1])
+    return TrainResult(losses=losses, step=start_step + steps)
