@@ -75,7 +75,8 @@ class HybridModel(nn.Module):
             logits_BTV = logits_BTV / self.config.logits_scaling
         if labels_BT is None:
             return logits_BTV
-        loss = F.cross_entropy(logits_BTV[:, :-1].flatten(0, 1).float(),
+        math_dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
+        loss = F.cross_entropy(logits_BTV[:, :-1].flatten(0, 1).to(math_dtype),
                                labels_BT[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
         aux = self.aux_loss(logits_BTV)
         return ModelOutput(loss=loss + aux, logits=logits_BTV, aux_loss=aux)

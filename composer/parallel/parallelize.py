@@ -18,17 +18,21 @@ from composer.parallel.tensor import TPContext, apply_tp
 def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
     if dims.mesh is None:
         return model
+    moes = [layer.mixer for layer in model.layers.values() if hasattr(layer.mixer, "experts")]
     if dims.tp > 1:
         tp_mesh = dims.mesh["tp"]
         apply_tp(model, TPContext(mesh=tp_mesh, group=tp_mesh.get_group(), size=dims.tp,
                                   rank=tp_mesh.get_local_rank(),
-                                  sequence_parallel=dims.sequence_parallel))
-    if dims.ep > 1:
-        from composer.parallel.expert import apply_ep
+                                  sequence_parallel=dims.sequence_parallel,
+                                  experts_on_ep=dims.ep > 1))
+    if moes and dims.dp > 1:
+        from composer.parallel.expert import apply_ep, sum_over
 
-        for layer in model.layers.values():
-            if hasattr(layer.mixer, "experts"):
-                apply_ep(layer.mixer, dims.mesh["ep"])
+        for moe in moes:
+            if dims.ep > 1:
+                apply_ep(moe, dims.mesh["ep"], dims.mesh["ep", "tp"] if dims.tp > 1 else None)
+            # the load-balancing loss of the global batch, not of each rank's share
+            moe.stats_reduce = sum_over(dims.dp_mesh.get_group())
     if dims.dp > 1 and dims.dp_mode == "shard":
         apply_fsdp(model, dims)
     model.parallel_dims = dims

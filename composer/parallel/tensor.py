@@ -42,6 +42,8 @@ class TPContext:
     sequence_parallel: bool
     last_sp: bool = False
     """Whether the latest forward ran sequence parallel (it needs T divisible by tp)."""
+    experts_on_ep: bool = False
+    """Expert parallelism will shard routed experts on the 2-D ep x tp mesh; leave them."""
 
     def sp_active(self, t: int) -> bool:
         return self.sequence_parallel and t % self.size == 0
@@ -260,7 +262,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int,
                 group: dist.ProcessGroup) -> torch.Tensor:
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         top = logits.max(dim=-1).values if logits.shape[-1] else \
             logits.new_full(logits.shape[:-1], float("-inf"))
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
