@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -75,18 +77,23 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
         p.start()
     results: dict[int, Any] = {}
     errors = []
-    for _ in range(world_size):
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size and not errors:
         try:
-            rank, ok, payload = queue.get(timeout=timeout)
-        except Exception:  # queue.Empty: a rank hung or died without reporting
-            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
-            errors.append(f"no result within {timeout:.0f}s (ranks exited early: {dead})")
-            break
+            rank, ok, payload = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            # a rank that crashed (segfault, OOM kill) never reports: notice it at once
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                errors.append(f"ranks {dead} exited with codes "
+                              f"{[procs[r].exitcode for r in dead]} without a result")
+            elif time.monotonic() > deadline:
+                errors.append(f"no result within {timeout:.0f}s")
+            continue
         if ok:
             results[rank] = torch.load(io.BytesIO(payload), weights_only=True)
         else:
             errors.append(f"rank {rank} failed:\n{payload}")
-            break
     for p in procs:
         p.join(timeout=timeout if not errors else 5)
         if p.is_alive():
