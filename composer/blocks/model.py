@@ -38,7 +38,10 @@ class HybridModel(nn.Module):
 
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # _weight skips nn.Embedding's own init (reset_parameters does ours); on the meta device
+        # that init would import torch._dynamo (~1.5 s)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model,
+                                  _weight=torch.empty(cfg.vocab_size, cfg.d_model))
         pattern = cfg.parsed
         self.layers = nn.ModuleDict(
             {str(i): build_layer(cfg, i, sym) for i, sym in enumerate(pattern.layers)})

@@ -87,13 +87,25 @@ def _choose_layout(adapter: Adapter, cfg: ModelConfig, names: set[str]) -> tuple
     return (True, fused) if miss_fused < miss_split else (False, per_expert)
 
 
+def _same_bytes(source: Any, a: str, b: str, chunk: int = 8 * 2**20) -> bool:
+    """Whether two tensors hold the same bytes, compared chunk by chunk (bounded memory)."""
+    ia, ib = source.tensors[a], source.tensors[b]
+    if (ia.dtype, ia.shape) != (ib.dtype, ib.shape):
+        return False
+    for start in range(0, ia.nbytes, chunk):
+        n = min(chunk, ia.nbytes - start)
+        if source.read_bytes(a, start, n) != source.read_bytes(b, start, n):
+            return False
+    return True
+
+
 def _lm_head_tied(source: Any, links: list[Link], cfg: ModelConfig) -> set[str]:
     """A tied model may still store ``lm_head.weight``: accept it only if it equals the
     embeddings byte for byte (REFERENCE P9), and then ignore it."""
     if not cfg.tie_embeddings or "lm_head.weight" not in source:
         return set()
     embed = next(link.hf for link in links if link.ours == "embed.weight")
-    if embed not in source or source.read_bytes("lm_head.weight") != source.read_bytes(embed):
+    if embed not in source or not _same_bytes(source, "lm_head.weight", embed):
         raise CheckpointError("lm_head.weight differs from the input embeddings but the config "
                               "says tie_word_embeddings=true")
     return {"lm_head.weight"}
@@ -154,6 +166,7 @@ def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
         for path in _extra_files(folder):
             shutil.copy2(path, tmp / HF_DIR / path.name)
         (tmp / HF_DIR / CONVERSION_FILE).write_text(json.dumps(conversion, indent=1) + "\n")
+    source.close()
     return cfg
 
 
@@ -239,4 +252,5 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
                     shutil.copy2(path, tmp / path.name)
         (tmp / "config.json").write_text(json.dumps(encode_floats(hf_cfg), indent=2,
                                                     sort_keys=True) + "\n")
+    source.close()
     return hf_cfg

@@ -150,6 +150,7 @@ class TensorSource:
         """The same tensors under other names (``old -> new``)."""
         out = object.__new__(type(self))
         out.__dict__.update(self.__dict__)
+        out.__dict__.pop("_handles", None)
         out.tensors = {new_names.get(k, k): v for k, v in self.tensors.items()}
         return out
 
@@ -164,11 +165,24 @@ class TensorSource:
         info = self.tensors[name]
         nbytes = info.nbytes - offset if nbytes is None else nbytes
         buf = bytearray(nbytes)
-        with open(info.file, "rb") as f:
-            f.seek(info.start + offset)
-            if f.readinto(buf) != nbytes:
-                raise CheckpointError(f"{info.file.name}: truncated while reading {name!r}")
+        self.read_into(name, offset, memoryview(buf))
         return buf
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes of tensor ``name`` from ``offset``; each shard stays open, and
+        the caller reuses ``out``, so no fresh memory is touched per chunk."""
+        info = self.tensors[name]
+        handles: dict[Path, object] = self.__dict__.setdefault("_handles", {})
+        f = handles.get(info.file)
+        if f is None:
+            f = handles[info.file] = open(info.file, "rb")  # noqa: SIM115 - closed in close()
+        f.seek(info.start + offset)
+        if f.readinto(out) != out.nbytes:
+            raise CheckpointError(f"{info.file.name}: truncated while reading {name!r}")
+
+    def close(self) -> None:
+        for f in self.__dict__.pop("_handles", {}).values():
+            f.close()
 
     def read(self, name: str) -> torch.Tensor:
         info = self.tensors[name]

@@ -26,12 +26,11 @@ from composer.convert.io import (
     PlannedTensor,
     ShardedWriter,
     TensorSource,
-    bytes_to_tensor,
     tensor_bytes,
 )
 
 Index = tuple
-CHUNK_BYTES = 64 * 2**20
+CHUNK_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True)
@@ -171,21 +170,21 @@ def execute(targets: list[Target], source: TensorSource, writer: ShardedWriter,
             progress: Callable[[int], None] | None = None) -> None:
     """Stream every target's parts from ``source`` into ``writer`` (in the writer's order)."""
     by_name = {t.name: t for t in targets}
+    buffer = memoryview(bytearray(CHUNK_BYTES))  # reused: fresh memory per chunk costs faults
     for planned in writer.plan_order():
         target = by_name[planned.name]
         out_dtype = DTYPES[target.dtype]
         for p in target.pieces:
-            info = source.tensors[p.source]
-            in_dtype = info.torch_dtype
+            in_dtype = source.tensors[p.source].torch_dtype
             step = max(1, CHUNK_BYTES // in_dtype.itemsize)
             for start in range(0, p.numel, step):
                 n = min(step, p.numel - start)
-                buf = source.read_bytes(p.source, (p.offset + start) * in_dtype.itemsize,
-                                        n * in_dtype.itemsize)
+                chunk = buffer[:n * in_dtype.itemsize]
+                source.read_into(p.source, (p.offset + start) * in_dtype.itemsize, chunk)
                 if out_dtype == in_dtype:
-                    writer.write(target.name, buf)
+                    writer.write(target.name, chunk)
                 else:
-                    t = bytes_to_tensor(buf, in_dtype, (n,)).to(out_dtype)
+                    t = torch.frombuffer(chunk, dtype=in_dtype, count=n).to(out_dtype)
                     writer.write(target.name, tensor_bytes(t))
                 if progress is not None:
                     progress(n * out_dtype.itemsize)

@@ -70,10 +70,9 @@ class BinSource(TensorSource):
         out._data = {new_names.get(k, k): v for k, v in self._data.items()}
         return out
 
-    def read_bytes(self, name: str, offset: int = 0, nbytes: int | None = None) -> bytearray:
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
         t = self._data[name].reshape(-1).view(torch.uint8)
-        end = t.numel() if nbytes is None else offset + nbytes
-        return bytearray(t[offset:end].numpy().tobytes())
+        out[:] = t[offset:offset + out.nbytes].numpy().tobytes()
 
 
 def open_source(folder: Path) -> TensorSource:
