@@ -102,12 +102,22 @@ def test_four_processes(reference, layout):
     check_same(run_distributed(case, 4, layout, tiny_cfg().to_dict(), tokens(), 3)[0], reference)
 
 
-@pytest.mark.parametrize("world, layout", [(2, {"tp": 2}), (4, {"tp": 2, "ep": 2})],
-                         ids=["tp2", "tp2-ep2"])
-def test_exact_in_fp64(world, layout):
+def mqa_cfg() -> ModelConfig:
+    """One kv head for two tp ranks: every rank computes it (replicated kv projections)."""
+    cfg = tiny_cfg()
+    cfg.attention.n_kv_heads = 1
+    cfg.attention.qkv_bias = cfg.attention.out_bias = True
+    return cfg
+
+
+@pytest.mark.parametrize("world, layout, cfg", [(2, {"tp": 2}, tiny_cfg()),
+                                                (2, {"tp": 2}, mqa_cfg()),
+                                                (4, {"tp": 2, "ep": 2}, tiny_cfg())],
+                         ids=["tp2", "tp2-mqa-bias", "tp2-ep2"])
+def test_exact_in_fp64(world, layout, cfg):
     """In fp64 every layout equals one process to rounding, through three AdamW steps at lr 1e-2:
     the fp32 tolerances above are rounding, not approximation."""
-    args = (tiny_cfg().to_dict(), tokens(), 3, True, 1e-2)
+    args = (cfg.to_dict(), tokens(), 3, True, 1e-2)
     check_same(run_distributed(case, world, layout, *args)[0], case({}, *args), tol=1e-10,
                loss_tol=1e-12)
 
