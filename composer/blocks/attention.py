@@ -22,6 +22,7 @@ from torch import nn
 from composer.blocks.mlp import init_linear
 from composer.blocks.norm import RMSNorm
 from composer.config import AttentionConfig, ModelConfig, RopeScaling, d_head_of
+from composer.kernels import sdpa_context
 
 if TYPE_CHECKING:
     from composer.parallel.tensor import TPContext
@@ -111,9 +112,10 @@ class Attention(nn.Module):
         if self.rope:
             cos, sin = rope_cos_sin(t, self.inv_freq, x_BTD.device, q.dtype)
             q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
-        o_BHTE = F.scaled_dot_product_attention(
-            q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=self.scale,
-            enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
+        with sdpa_context(q_BHTE):  # flash first on CUDA; CPU untouched (composer.kernels.sdpa)
+            o_BHTE = F.scaled_dot_product_attention(
+                q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=self.scale,
+                enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
         return self.o_proj(o_BHTE.transpose(1, 2).reshape(b, t, -1))
 
     def apply_tp(self, tp: TPContext) -> None:

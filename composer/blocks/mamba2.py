@@ -21,14 +21,14 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.mlp import init_linear
 from composer.blocks.norm import GatedRMSNorm, gated_rms_norm_ref
 from composer.blocks.split import SplitCausalConv1d, SplitLinear, local
-from composer.blocks.ssd import ssd_scan, ssd_scan_ref
+from composer.blocks.ssd import ssd_scan_ref
 from composer.config import MambaConfig, ModelConfig, d_inner_of
+from composer.kernels import conv_silu, mamba_scan
 
 if TYPE_CHECKING:
     from composer.parallel.tensor import TPContext
@@ -103,21 +103,20 @@ class Mamba2Mixer(nn.Module):
         E, F_ = H * m.d_head, G * m.d_state
         zxbcdt = self.in_proj(x_BTD)
         z_BTE, xBC_BTX, dt_BTH = zxbcdt.split([E, E + 2 * F_, H], dim=-1)
-        xBC_BTX = F.silu(self.conv1d(xBC_BTX))
+        xBC_BTX = conv_silu(xBC_BTX, self.conv1d)  # causal_conv1d on CUDA, else the module
         x_BTE, B_BTF, C_BTF = xBC_BTX.split([E, F_, F_], dim=-1)
-        # dt, A and the scan in >= fp32, as the mamba_ssm kernels do (transformers' torch path does
-        # the softplus in the input dtype; identical in fp32).
-        dt_BTH = F.softplus(_at_least_fp32(dt_BTH) + dt_bias)
-        dt_BTH = dt_BTH.clamp(min=m.dt_limit[0], max=m.dt_limit[1])
+        # dt = clamp(softplus(dt + dt_bias), dt_limit), then the scan, all in >= fp32 as the
+        # mamba_ssm kernel does (it fuses them on CUDA; transformers' torch path does the
+        # softplus in the input dtype, identical in fp32).
         A_H = -torch.exp(_at_least_fp32(A_log))
-        y_BTHP = ssd_scan(
-            _at_least_fp32(x_BTE).view(b, T, H, m.d_head),
+        y_BTHP = mamba_scan(
+            x_BTE.view(b, T, H, m.d_head),
             dt_BTH,
             A_H,
             B_BTF.view(b, T, G, m.d_state),
             C_BTF.view(b, T, G, m.d_state),
             m.chunk_size,
-            D_H=D,
+            D_H=D, dt_bias_H=dt_bias, dt_softplus=True, dt_limit=m.dt_limit,
         )
         # The D skip is inside the scan, so it is gated and normalised too (as in transformers);
         # the scan output stays fp32 through the norm and is cast only for out_proj.

@@ -1,0 +1,48 @@
+"""Optional GPU kernels behind the torch blocks, chosen per call by the tensors' device (DESIGN §4).
+
+| hook (block)                  | kernel (package)                            | torch path        |
+|-------------------------------|---------------------------------------------|-------------------|
+| ``mamba_scan`` (Mamba-2 scan) | ``mamba_chunk_scan_combined`` (mamba_ssm)   | ``blocks.ssd``    |
+| ``conv_silu`` (Mamba-2 conv)  | ``causal_conv1d_fn`` (causal_conv1d)        | the conv module   |
+| ``sdpa_context`` (attention)  | SDPA flash / cuDNN / efficient (torch)      | SDPA's own choice |
+| ``te_linear`` (nn.Linear)     | ``te.pytorch.Linear`` (transformer_engine)  | ``F.linear``      |
+
+Rules: nothing optional is imported when ``composer`` is; a CPU tensor always takes the torch path
+and never triggers an import; a kernel is used only when its import succeeds (any ``Exception``
+means "absent") and ``COMPOSER_DISABLE_KERNELS`` (names or ``all``) does not name it. Each hook
+keeps the block's parameters and keys; each wrapper translates the kernel's argument conventions
+and is tested against the torch path with stand-in modules (``tests/kernels``) and on a GPU by
+``bench/gpu_check.py``. The device rule lives in one function, ``probe.on_gpu``.
+"""
+
+from composer.kernels.conv import conv1d_silu_kernel, conv1d_silu_torch, conv_silu, select_conv
+from composer.kernels.probe import (
+    ENV_DISABLE,
+    KERNELS,
+    available,
+    reset,
+    why_unavailable,
+)
+from composer.kernels.scan import mamba_scan, select_scan, ssd_scan_kernel, ssd_scan_torch
+from composer.kernels.sdpa import sdpa_backends, sdpa_context
+from composer.kernels.te import te_linear, te_linear_available
+
+__all__ = [
+    "ENV_DISABLE",
+    "KERNELS",
+    "available",
+    "conv1d_silu_kernel",
+    "conv1d_silu_torch",
+    "conv_silu",
+    "mamba_scan",
+    "reset",
+    "sdpa_backends",
+    "sdpa_context",
+    "select_conv",
+    "select_scan",
+    "ssd_scan_kernel",
+    "ssd_scan_torch",
+    "te_linear",
+    "te_linear_available",
+    "why_unavailable",
+]

@@ -1,0 +1,113 @@
+"""The Mamba-2 SSD scan, from raw ``dt``: mamba_ssm's Triton kernel on CUDA, else our torch scan.
+
+Both functions here take the arguments of mamba_ssm's ``mamba_chunk_scan_combined`` (Dao & Gu
+2024, §6; ``mamba_ssm/ops/triton/ssd_combined.py``) and compute
+
+    dt = clamp(softplus?(dt + dt_bias), dt_limit),   y = SSD(x, dt, A, B, C) + D * x,
+
+exactly as that kernel's ``_chunk_cumsum_fwd`` does: the bias is added in fp32, softplus is the
+identity above 20 (as ``F.softplus``), and the clamp is always applied (a no-op for
+``(0, inf)`` after softplus). Passing the raw ``dt`` lets the kernel fuse the softplus and clamp
+and differentiate through them; the torch path does them as the mixer always has.
+
+Precision contract (both paths): ``y`` comes back in ``promote(x.dtype, fp32)``, the final state
+in the same dtype. The torch path computes in that dtype from the start; the kernel takes ``x``,
+``B``, ``C`` in their own dtype (bf16 operands, fp32 accumulation and fp32 dt / decay) and its
+output, in ``x``'s dtype, is upcast.
+
+Shape legend: B batch, T time, H heads, P head dim, G groups, N state size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from composer.blocks.ssd import ssd_scan
+from composer.kernels import probe
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NO_LIMIT = (0.0, float("inf"))
+
+ScanOut = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def ssd_scan_torch(
+    x_BTHP: torch.Tensor,
+    dt_BTH: torch.Tensor,
+    A_H: torch.Tensor,
+    B_BTGN: torch.Tensor,
+    C_BTGN: torch.Tensor,
+    chunk_size: int,
+    *,
+    D_H: torch.Tensor | None = None,
+    dt_bias_H: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = NO_LIMIT,
+    initial_state_BHPN: torch.Tensor | None = None,
+    return_final_state: bool = False,
+) -> ScanOut:
+    """Torch path: the mixer's dt arithmetic, then :func:`composer.blocks.ssd.ssd_scan`."""
+    dtype = _compute_dtype(x_BTHP)
+    dt_BTH = dt_BTH.to(torch.promote_types(dt_BTH.dtype, torch.float32))
+    if dt_bias_H is not None:
+        dt_BTH = dt_BTH + dt_bias_H
+    if dt_softplus:
+        dt_BTH = F.softplus(dt_BTH)
+    dt_BTH = dt_BTH.clamp(min=dt_limit[0], max=dt_limit[1])
+    return ssd_scan(x_BTHP.to(dtype), dt_BTH, A_H, B_BTGN, C_BTGN, chunk_size, D_H=D_H,
+                    initial_state_BHPN=initial_state_BHPN, return_final_state=return_final_state)
+
+
+def ssd_scan_kernel(
+    x_BTHP: torch.Tensor,
+    dt_BTH: torch.Tensor,
+    A_H: torch.Tensor,
+    B_BTGN: torch.Tensor,
+    C_BTGN: torch.Tensor,
+    chunk_size: int,
+    *,
+    D_H: torch.Tensor | None = None,
+    dt_bias_H: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = NO_LIMIT,
+    initial_state_BHPN: torch.Tensor | None = None,
+    return_final_state: bool = False,
+) -> ScanOut:
+    """mamba_ssm's ``mamba_chunk_scan_combined``; same arguments and results as the torch path.
+
+    Our layouts are already the kernel's (``x`` (B, T, H, P), ``dt`` (B, T, H), ``A`` (H,),
+    ``B``/``C`` (B, T, G, N), ``D`` (H,), initial state (B, H, P, N)); the gate ``z`` is not
+    fused here because the mixer's gated RMSNorm applies it. The kernel itself makes ``B``/``C``
+    contiguous in their last dim when needed.
+    """
+    fn = probe.module("mamba_ssm").mamba_chunk_scan_combined
+    out = fn(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, chunk_size, D=D_H, z=None, dt_bias=dt_bias_H,
+             initial_states=initial_state_BHPN, seq_idx=None, dt_softplus=dt_softplus,
+             dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
+             return_final_states=return_final_state)
+    dtype = _compute_dtype(x_BTHP)
+    if return_final_state:
+        y, final = out
+        return y.to(dtype), final.to(dtype)
+    return out.to(dtype)
+
+
+def select_scan(x_BTHP: torch.Tensor) -> Callable[..., ScanOut]:
+    """:func:`ssd_scan_kernel` for a CUDA ``x`` of a kernel dtype when mamba_ssm imports, else
+    :func:`ssd_scan_torch`. A CPU tensor never probes (never imports mamba_ssm)."""
+    if (probe.on_gpu(x_BTHP) and x_BTHP.dtype in KERNEL_DTYPES
+            and probe.available("mamba_ssm")):
+        return ssd_scan_kernel
+    return ssd_scan_torch
+
+
+def mamba_scan(x_BTHP: torch.Tensor, *args, **kwargs) -> ScanOut:
+    """The mixer's hook: the scan that :func:`select_scan` picks for ``x``, called."""
+    return select_scan(x_BTHP)(x_BTHP, *args, **kwargs)
