@@ -21,6 +21,11 @@ from composer.config import ModelConfig
 IGNORE_INDEX = -100
 
 
+def shift_labels(labels_BT: torch.Tensor) -> torch.Tensor:
+    """Position t predicts token t + 1; the last position predicts nothing (ignored)."""
+    return F.pad(labels_BT[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
 @dataclass
 class ModelOutput:
     loss: torch.Tensor
@@ -79,8 +84,9 @@ class HybridModel(nn.Module):
         if labels_BT is None:
             return logits_BTV
         math_dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
-        loss = F.cross_entropy(logits_BTV[:, :-1].flatten(0, 1).to(math_dtype),
-                               labels_BT[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+        # Shift the labels, not the logits: slicing the logits copies them (and their gradient)
+        loss = F.cross_entropy(logits_BTV.flatten(0, 1).to(math_dtype),
+                               shift_labels(labels_BT).flatten(), ignore_index=IGNORE_INDEX)
         aux = self.aux_loss(logits_BTV)
         return ModelOutput(loss=loss + aux, logits=logits_BTV, aux_loss=aux)
 

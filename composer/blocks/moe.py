@@ -127,18 +127,19 @@ class Experts(nn.Module):
         up, down = _local(self.up_proj), _local(self.down_proj)
         # torch._grouped_mm would replace this loop, but on CPU (torch 2.13) it rejects fp64 and
         # its backward fails, so we loop over experts (never over tokens) and skip empty ones.
+        # unbind/split once: indexing w[e] per expert makes the backward zero-fill a whole-weight
+        # gradient per expert.
+        gates = gate.unbind(0) if gate is not None else None
+        ups, downs = up.unbind(0), down.unbind(0)
         y_AD = []
-        start = 0
-        for e, n in enumerate(n_tokens_E):
-            if n == 0:
+        for e, x_nD in enumerate(x_AD.split(list(n_tokens_E), dim=0)):
+            if x_nD.shape[0] == 0:
                 continue
-            x_nD = x_AD[start:start + n]
-            start += n
-            if gate is not None:
-                h_nF = self.act(F.linear(x_nD, gate[e])) * F.linear(x_nD, up[e])
+            if gates is not None:
+                h_nF = self.act(F.linear(x_nD, gates[e])) * F.linear(x_nD, ups[e])
             else:
-                h_nF = self.act(F.linear(x_nD, up[e]))
-            y_AD.append(F.linear(h_nF, down[e]))
+                h_nF = self.act(F.linear(x_nD, ups[e]))
+            y_AD.append(F.linear(h_nF, downs[e]))
         if not y_AD:
             # No rows (an EP rank may receive none): stay in the graph of x and the weights, so
             # that this rank joins the backward all-to-all like the others and its experts get

@@ -318,7 +318,7 @@ def reduce_tp_grads(model: nn.Module) -> None:
 
 def tp_forward(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor | None):
     """HybridModel.forward with vocab-parallel embedding, head and loss (see the module doc)."""
-    from composer.blocks.model import IGNORE_INDEX, ModelOutput
+    from composer.blocks.model import IGNORE_INDEX, ModelOutput, shift_labels
 
     cfg, tp = model.config, model.tp
     tp.last_sp = tp.sp_active(ids.shape[1])
@@ -333,7 +333,7 @@ def tp_forward(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor | None)
         logits_local = logits_local / cfg.logits_scaling
     if labels is None:
         return gather_vocab(logits_local, tp, vocab_sizes(cfg.vocab_size, tp.size))
-    loss = cross_entropy(logits_local[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+    loss = cross_entropy(logits_local.flatten(0, 1), shift_labels(labels).flatten(),
                          cfg.vocab_size, tp, IGNORE_INDEX)
     aux = model.aux_loss(loss)
     return ModelOutput(loss=loss + aux, logits=None, aux_loss=aux)
