@@ -345,7 +345,10 @@ def apply_tp(model: nn.Module, tp: TPContext) -> None:
     for layer in model.layers.values():
         to_replicated(layer.norm, ("weight",), tp, PARTIAL_IF_SP)
         if not hasattr(layer.mixer, "apply_tp"):
-            raise NotImplementedError(f"{type(layer.mixer).__name__} has no tensor-parallel plan")
+            from composer.parallel.mesh import LayoutError
+
+            raise LayoutError(f"{type(layer.mixer).__name__} (symbol {layer.symbol!r}) has no "
+                              "tensor-parallel plan (apply_tp); use --tp 1")
         layer.mixer.apply_tp(tp)
         layer.tp = tp
     to_replicated(model.final_norm, ("weight",), tp, PARTIAL_IF_SP)
