@@ -57,8 +57,10 @@ def rope_cos_sin(t: int, inv_freq: torch.Tensor, device: torch.device,
 
 def apply_rope(x_BHTE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     d_rot = cos.shape[-1]
-    rot, rest = x_BHTE[..., :d_rot], x_BHTE[..., d_rot:]
     half = d_rot // 2
+    if d_rot == x_BHTE.shape[-1]:  # the whole head rotates: no slicing, one concat
+        return x_BHTE * cos + torch.cat([-x_BHTE[..., half:], x_BHTE[..., :half]], -1) * sin
+    rot, rest = x_BHTE[..., :d_rot], x_BHTE[..., d_rot:]
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
     return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
@@ -110,13 +112,23 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHTE, k_BKTE, v_BKTE = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rope:
-            cos, sin = rope_cos_sin(t, self.inv_freq, x_BTD.device, q.dtype)
+            cos, sin = self._cos_sin(t, x_BTD.device, q.dtype)
             q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
         with sdpa_context(q_BHTE):  # flash first on CUDA; CPU untouched (composer.kernels.sdpa)
             o_BHTE = F.scaled_dot_product_attention(
                 q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=self.scale,
                 enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
         return self.o_proj(o_BHTE.transpose(1, 2).reshape(b, t, -1))
+
+    def _cos_sin(self, t: int, device: torch.device,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables for length ``t``, kept while the length, device and dtype repeat."""
+        key = (t, device, dtype)
+        cached = getattr(self, "_rope_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, *rope_cos_sin(t, self.inv_freq, device, dtype))
+            self._rope_cache = cached
+        return cached[1], cached[2]
 
     def apply_tp(self, tp: TPContext) -> None:
         """Heads split over ``tp``: q/k/v column parallel, o row parallel. With fewer kv heads
