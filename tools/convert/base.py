@@ -8,6 +8,7 @@ tensors: the engine in :mod:`composer.convert.plan` does the streaming.
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 from pathlib import Path
@@ -20,7 +21,7 @@ HF_ACT_TO_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
 GATED_TO_HF_ACT = {"swiglu": "silu", "geglu": "gelu"}
 
 
-class Adapter:
+class Adapter(abc.ABC):
     """One HF architecture. Subclasses set the class attributes and implement the methods."""
 
     family: str = ""
@@ -31,14 +32,17 @@ class Adapter:
     hf_keep_fp32: tuple[str, ...] = ()
     """HF name suffixes that transformers keeps in fp32 even in a bf16 checkpoint."""
 
+    @abc.abstractmethod
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
-        raise NotImplementedError
+        """See the class docstring."""
 
+    @abc.abstractmethod
     def config_to_hf(self, cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
+        """See the class docstring."""
 
+    @abc.abstractmethod
     def links(self, cfg: ModelConfig, fused_experts: bool) -> list[Link]:
-        raise NotImplementedError
+        """See the class docstring."""
 
     def normalize(self, name: str) -> str:
         """Map an on-disk HF name to the canonical name the links use (prefix variants)."""
@@ -185,6 +189,13 @@ def attention_links(ours: str, hf: str, a: AttentionConfig) -> list[Link]:
     if a.qk_norm:
         links += [Link(f"{ours}.{n}.weight", f"{hf}.{n}.weight") for n in ("q_norm", "k_norm")]
     return links
+
+
+def gated_mlp_links(ours: str, hf: str, bias: bool) -> list[Link]:
+    """gate/up/down projections (and biases); HF and we use the same names under each prefix."""
+    suffixes = ("weight", "bias") if bias else ("weight",)
+    return [Link(f"{ours}.{p}.{s}", f"{hf}.{p}.{s}")
+            for p in ("gate_proj", "up_proj", "down_proj") for s in suffixes]
 
 
 def mamba_links(ours: str, hf: str, m: MambaConfig) -> list[Link]:

@@ -23,6 +23,7 @@ from composer.convert.base import (
     attention_to_hf,
     common_to_hf,
     gated_activation,
+    gated_mlp_links,
     layer_pattern_error,
     require,
 )
@@ -126,10 +127,7 @@ class DecoderAdapter(Adapter):
                 links += expert_links(f"{m}.mixer", hf_moe, moe.n_experts, moe.d_ff,
                                       fused_experts, self.expert_names)
             else:
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    links.append(Link(f"{m}.mixer.{proj}.weight", f"{hf}.mlp.{proj}.weight"))
-                    if cfg.mlp.bias:
-                        links.append(Link(f"{m}.mixer.{proj}.bias", f"{hf}.mlp.{proj}.bias"))
+                links += gated_mlp_links(f"{m}.mixer", f"{hf}.mlp", cfg.mlp.bias)
         return links
 
 

@@ -21,6 +21,7 @@ Both Mamba mixers are transformers' Mamba-2 torch path with the gated RMSNorm pe
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any
 
@@ -43,6 +44,7 @@ from composer.convert.base import (
     attention_to_hf,
     common_to_hf,
     gated_activation,
+    gated_mlp_links,
     layer_pattern_error,
     mamba_links,
     require,
@@ -183,8 +185,9 @@ class HybridMambaAdapter(Adapter):
                                       f"every layer must be {want}, the same MLP kind throughout")
         return mixers, mlps.pop()
 
+    @abc.abstractmethod
     def mlp_links(self, cfg: ModelConfig, ours: str, hf: str, fused_experts: bool) -> list[Link]:
-        raise NotImplementedError
+        """The MLP part of one HF layer (Bamba: dense; Granite: shared MLP and MoE)."""
 
     def links(self, cfg: ModelConfig, fused_experts: bool) -> list[Link]:
         links = [Link("embed.weight", "model.embed_tokens.weight"),
@@ -262,12 +265,7 @@ class BambaAdapter(HybridMambaAdapter):
         return out
 
     def mlp_links(self, cfg: ModelConfig, ours: str, hf: str, fused_experts: bool) -> list[Link]:
-        links = []
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            links.append(Link(f"{ours}.{proj}.weight", f"{hf}.feed_forward.{proj}.weight"))
-            if cfg.mlp.bias:
-                links.append(Link(f"{ours}.{proj}.bias", f"{hf}.feed_forward.{proj}.bias"))
-        return links
+        return gated_mlp_links(ours, f"{hf}.feed_forward", cfg.mlp.bias)
 
 
 # ---------------------------------------------------------------- GraniteMoeHybrid
