@@ -5,14 +5,23 @@ Per head ``h`` (state ``[P, N]``), with ``a_t = dt_t * A_h`` (negative) and ``g 
     state_t = exp(a_t) * state_{t-1} + dt_t * x_t ⊗ B_{t,g}
     y_t     = state_t · C_{t,g} + D_h * x_t
 
-The sequence is cut into chunks of ``L`` steps and the semiseparable matrix
-``M[l, s] = C_l · B_s * exp(a_{s+1} + ... + a_l)`` (``s <= l``) is split into blocks (§6.1):
+The sequence is cut into chunks of ``L`` steps. With ``X = x * dt`` and ``cs`` the cumulative sum
+of ``a`` inside a chunk, the semiseparable matrix ``M[l, s] = C_l · B_s * exp(cs_l - cs_s)``
+(``s <= l``) is split into blocks (§6.1):
 
-1. diagonal blocks: inside a chunk, a masked "attention" ``y = (C Bᵀ ∘ decay) (x dt)``;
-2. each chunk's final state, assuming it starts from zero: ``Σ_s decay(s → end) B_s ⊗ x_s dt_s``;
-3. the inter-chunk recurrence over those states (a semiseparable matmul over chunks, using
-   ``segsum`` again), giving each chunk's starting state and the final state;
-4. the starting state's contribution: ``y_l += exp(a_1 + ... + a_l) * C_l · state_start``.
+1. diagonal blocks: inside a chunk, a masked "attention" ``y_l = Σ_s M[l, s] X_s``;
+2. each chunk's end state, as if it started from zero: ``Σ_s exp(cs_end - cs_s) X_s ⊗ B_s``;
+3. the recurrence over chunk boundaries, one step per chunk:
+   ``start_{k+1} = exp(cs_end,k) * start_k + local_k`` (the last one is the final state);
+4. the starting state's contribution: ``y_l += exp(cs_l) * C_l · start``.
+
+Every product is a batched matmul; the only ``L x L`` elementwise work is the decay
+``exp(cs_l - cs_s)`` and its product with ``C·B``. The backward pass is written out by hand
+(:class:`_SSDScan`): it recomputes the decay instead of saving ``L x L`` tensors and keeps only
+the chunks' starting states, so the scan's training cost is a few matmuls per chunk plus a
+handful of ``L x L`` passes. Within a chunk the decay is a difference of cumulative sums, as in
+mamba_ssm's kernels; chunks are short (the torch path tiles at most 64 steps), which bounds the
+magnitude of ``cs`` and so the cancellation in the difference.
 
 Padded steps get ``dt = 0``: they neither decay the state (``exp(0) = 1``) nor feed it, so the
 final state is exact for any ``T``.
@@ -20,27 +29,15 @@ final state is exact for any ``T``.
 Shape legend:
     B batch, T time, H heads, P head dim, G groups (of B/C), R heads per group (H = G * R),
     N state size, K chunks, L position in a chunk (target), S position in a chunk (source),
-    Z chunk boundary (K + 1 of them: the initial state, then the end of each chunk).
+    Q = R * P (a group's heads and their dims, one matmul dimension).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-
-
-def segsum(a_XL: torch.Tensor) -> torch.Tensor:
-    """``out[..., l, s] = a[s+1] + ... + a[l]`` for ``s <= l`` (0 on the diagonal), else ``-inf``.
-
-    Summing a masked copy avoids ``cumsum[l] - cumsum[s]``, which loses precision to cancellation
-    once the cumulative decay grows large.
-    """
-    n = a_XL.shape[-1]
-    a_XLS = a_XL[..., :, None].expand(*a_XL.shape, n)  # [..., k, s] = a[k]
-    strict = torch.ones(n, n, dtype=torch.bool, device=a_XL.device).tril(-1)
-    out_XLS = a_XLS.masked_fill(~strict, 0.0).cumsum(-2)
-    causal = torch.ones(n, n, dtype=torch.bool, device=a_XL.device).tril()
-    return out_XLS.masked_fill(~causal, -torch.inf)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,6 +50,163 @@ def _to_chunks(t_BT_: torch.Tensor, pad: int, chunk_size: int) -> torch.Tensor:
     if pad:
         t_BT_ = F.pad(t_BT_, (0, 0) * (t_BT_.dim() - 2) + (0, pad))
     return t_BT_.reshape(t_BT_.shape[0], -1, chunk_size, *t_BT_.shape[2:])
+
+
+class _Chunked:
+    """The chunked views and the cheap per-step quantities shared by forward and backward."""
+
+    def __init__(self, x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, L: int) -> None:
+        b, T, H, P = x_BTHP.shape
+        G, N = B_BTGN.shape[2], B_BTGN.shape[3]
+        R = H // G
+        self.b, self.T, self.H, self.P, self.G, self.N, self.R, self.L = b, T, H, P, G, N, R, L
+        self.pad = pad = (-T) % L
+        self.K = (T + pad) // L
+        self.x_BKLGRP = _to_chunks(x_BTHP.view(b, T, G, R, P), pad, L)
+        self.dt_BKLGR = _to_chunks(dt_BTH.view(b, T, G, R), pad, L)
+        self.A_GR = A_H.view(G, R)
+        self.B_BKGLN = _to_chunks(B_BTGN, pad, L).transpose(2, 3)
+        self.C_BKGLN = _to_chunks(C_BTGN, pad, L).transpose(2, 3)
+        self.cs_BKLGR = (self.dt_BKLGR * self.A_GR).cumsum(2)
+        self.X_BKLGRP = self.x_BKLGRP * self.dt_BKLGR[..., None]
+        # Decay from each step to the chunk's end, from its start to each step, over the chunk.
+        self.to_end_BKLGR = torch.exp(self.cs_BKLGR[:, :, -1:] - self.cs_BKLGR)
+        self.from_start_BKLGR = torch.exp(self.cs_BKLGR)
+        self.w_BKH = self.from_start_BKLGR[:, :, -1].reshape(b, self.K, H)
+
+    def group_rows(self, t_BKLGRP: torch.Tensor) -> torch.Tensor:
+        """``[B, K, L, G, R, P] -> [B, K, G, L, Q]`` (a view)."""
+        b, K, L, G = t_BKLGRP.shape[:4]
+        return t_BKLGRP.reshape(b, K, L, G, -1).transpose(2, 3)
+
+    def per_head(self, t_BKLGRP: torch.Tensor) -> torch.Tensor:
+        """``[B, K, L, G, R, P] -> [B, K, G, R, L, P]`` (a view)."""
+        return t_BKLGRP.permute(0, 1, 3, 4, 2, 5)
+
+    def decay(self) -> torch.Tensor:
+        """``exp(cs_l - cs_s)`` for ``s <= l``, else 0: ``[B, K, G, R, L, S]``."""
+        cs_BKGRL = self.cs_BKLGR.permute(0, 1, 3, 4, 2)
+        return (cs_BKGRL[..., :, None] - cs_BKGRL[..., None, :]).exp_().tril_()
+
+    def cb(self) -> torch.Tensor:
+        """``C_l · B_s`` per group: ``[B, K, G, L, S]``."""
+        return self.C_BKGLN @ self.B_BKGLN.transpose(-1, -2)
+
+    def unchunk(self, t_BKL_: torch.Tensor) -> torch.Tensor:
+        """``[B, K, L, ...] -> [B, T, ...]``, dropping the padding."""
+        return t_BKL_.reshape(self.b, self.K * self.L, *t_BKL_.shape[3:])[:, : self.T]
+
+
+def _forward(c: _Chunked, init_BHPN: torch.Tensor | None):
+    b, K, H, P, N, G, L = c.b, c.K, c.H, c.P, c.N, c.G, c.L
+    # 1. diagonal blocks.
+    M_BKGRLS = c.decay().mul_(c.cb()[:, :, :, None])
+    y_BKGRLP = M_BKGRLS @ c.per_head(c.X_BKLGRP)
+    y_BKLGRP = y_BKGRLP.permute(0, 1, 4, 2, 3, 5)
+    # 2. each chunk's end state from zero: [B, K, G, Q, N] = [B, K, H, P, N].
+    Xe_BKGLQ = c.group_rows(c.X_BKLGRP * c.to_end_BKLGR[..., None])
+    local_BKHPN = (Xe_BKGLQ.transpose(-1, -2) @ c.B_BKGLN).view(b, K, H, P, N)
+    # 3. the recurrence over chunk boundaries.
+    start_BKHPN = torch.empty_like(local_BKHPN)
+    state_BHPN = local_BKHPN.new_zeros(b, H, P, N) if init_BHPN is None else init_BHPN
+    for k in range(K):
+        start_BKHPN[:, k] = state_BHPN
+        state_BHPN = torch.addcmul(local_BKHPN[:, k], c.w_BKH[:, k, :, None, None], state_BHPN)
+    # 4. the starting states' contribution.
+    if K > 1 or init_BHPN is not None:
+        yoff_BKGLQ = c.C_BKGLN @ start_BKHPN.view(b, K, G, -1, N).transpose(-1, -2)
+        yoff_BKLGRP = yoff_BKGLQ.transpose(2, 3).view(b, K, L, G, c.R, P)
+        y_BKLGRP = torch.addcmul(y_BKLGRP, yoff_BKLGRP, c.from_start_BKLGR[..., None])
+    return c.unchunk(y_BKLGRP).reshape(b, c.T, H, P), state_BHPN, start_BKHPN
+
+
+def _backward(c: _Chunked, start_BKHPN, dy_BTHP, dfinal_BHPN):
+    """Gradients w.r.t. (x, dt, A, B, C, initial state); ``D`` is handled by the caller."""
+    b, K, H, P, N, G, R, L = c.b, c.K, c.H, c.P, c.N, c.G, c.R, c.L
+    dy_BKLGRP = _to_chunks(dy_BTHP.reshape(b, c.T, G, R, P), c.pad, L)
+    dy_BKGRLP = c.per_head(dy_BKLGRP)
+
+    # 4. starting states: y += from_start * (C · start).
+    dyoff_BKLGRP = dy_BKLGRP * c.from_start_BKLGR[..., None]
+    dyoff_BKGLQ = c.group_rows(dyoff_BKLGRP)
+    start_BKGQN = start_BKHPN.view(b, K, G, -1, N)
+    dC_BKGLN = dyoff_BKGLQ @ start_BKGQN
+    dstart_BKHPN = (dyoff_BKGLQ.transpose(-1, -2) @ c.C_BKGLN).view(b, K, H, P, N)
+    yoff_BKGLQ = c.C_BKGLN @ start_BKGQN.transpose(-1, -2)
+    dcs_BKLGR = (dyoff_BKLGRP * yoff_BKGLQ.transpose(2, 3).view(b, K, L, G, R, P)).sum(-1)
+
+    # 3. the recurrence, backwards over the chunks.
+    g_BHPN = start_BKHPN.new_zeros(b, H, P, N) if dfinal_BHPN is None else dfinal_BHPN
+    dlocal_BKHPN = torch.empty_like(start_BKHPN)
+    dw_BKH = start_BKHPN.new_empty(b, K, H)
+    for k in range(K - 1, -1, -1):
+        dlocal_BKHPN[:, k] = g_BHPN
+        dw_BKH[:, k] = (g_BHPN * start_BKHPN[:, k]).sum((-1, -2))
+        g_BHPN = torch.addcmul(dstart_BKHPN[:, k], c.w_BKH[:, k, :, None, None], g_BHPN)
+    dinit_BHPN = g_BHPN
+    dcs_end_BKGR = (dw_BKH * c.w_BKH).view(b, K, G, R)
+
+    # 2. the chunks' local end states: local = Σ_s (X_s * to_end_s) ⊗ B_s.
+    dlocal_BKGQN = dlocal_BKHPN.view(b, K, G, -1, N)
+    dXe_BKGLQ = c.B_BKGLN @ dlocal_BKGQN.transpose(-1, -2)
+    dXe_BKLGRP = dXe_BKGLQ.transpose(2, 3).reshape(b, K, L, G, R, P)
+    Xe_BKGLQ = c.group_rows(c.X_BKLGRP * c.to_end_BKLGR[..., None])
+    dB_BKGLN = Xe_BKGLQ @ dlocal_BKGQN
+    dX_BKLGRP = dXe_BKLGRP * c.to_end_BKLGR[..., None]
+    dto_end_BKLGR = (dX_BKLGRP * c.X_BKLGRP).sum(-1)  # = Σ_p dXe * X * to_end
+    dcs_BKLGR -= dto_end_BKLGR
+    dcs_end_BKGR += dto_end_BKLGR.sum(2)
+
+    # 1. diagonal blocks: y = (CB ∘ decay) @ X per head.
+    decay_BKGRLS = c.decay()
+    CB_BKGLS = c.cb()
+    M_BKGRLS = decay_BKGRLS * CB_BKGLS[:, :, :, None]
+    X_BKGRLP = c.per_head(c.X_BKLGRP)
+    dM_BKGRLS = dy_BKGRLP @ X_BKGRLP.transpose(-1, -2)
+    dX_BKGRLP = M_BKGRLS.transpose(-1, -2) @ dy_BKGRLP
+    dX_BKLGRP = dX_BKLGRP + dX_BKGRLP.permute(0, 1, 4, 2, 3, 5)
+    dCB_BKGLS = (dM_BKGRLS * decay_BKGRLS).sum(3)
+    dC_BKGLN = dC_BKGLN + dCB_BKGLS @ c.B_BKGLN
+    dB_BKGLN = dB_BKGLN + dCB_BKGLS.transpose(-1, -2) @ c.C_BKGLN
+    dseg_BKGRLS = dM_BKGRLS.mul_(M_BKGRLS)  # d/d(cs_l - cs_s)
+    dcs_BKLGR += (dseg_BKGRLS.sum(-1) - dseg_BKGRLS.sum(-2)).permute(0, 1, 4, 2, 3)
+
+    # cs = cumsum(dt * A) inside the chunk; X = x * dt.
+    dcs_BKLGR[:, :, -1] += dcs_end_BKGR
+    da_BKLGR = dcs_BKLGR.flip(2).cumsum(2).flip(2)
+    ddt_BKLGR = da_BKLGR * c.A_GR + (dX_BKLGRP * c.x_BKLGRP).sum(-1)
+    dA_GR = (da_BKLGR * c.dt_BKLGR).sum((0, 1, 2))
+    dx_BKLGRP = dX_BKLGRP * c.dt_BKLGR[..., None]
+    return (
+        c.unchunk(dx_BKLGRP).reshape(b, c.T, H, P),
+        c.unchunk(ddt_BKLGR).reshape(b, c.T, H),
+        dA_GR.reshape(H),
+        c.unchunk(dB_BKGLN.transpose(2, 3)),
+        c.unchunk(dC_BKGLN.transpose(2, 3)),
+        dinit_BHPN,
+    )
+
+
+class _SSDScan(torch.autograd.Function):
+    """The chunked scan (without ``D``) with its hand-written backward; inputs all in one dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, init_BHPN, L: int):
+        c = _Chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, L)
+        y_BTHP, final_BHPN, start_BKHPN = _forward(c, init_BHPN)
+        ctx.save_for_backward(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, start_BKHPN)
+        ctx.L, ctx.has_init = L, init_BHPN is not None
+        return y_BTHP, final_BHPN
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dy_BTHP, dfinal_BHPN):
+        x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, start_BKHPN = ctx.saved_tensors
+        c = _Chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, ctx.L)
+        if dy_BTHP is None:
+            dy_BTHP = torch.zeros_like(x_BTHP)
+        dx, ddt, dA, dB, dC, dinit = _backward(c, start_BKHPN, dy_BTHP, dfinal_BHPN)
+        return dx, ddt, dA, dB, dC, (dinit if ctx.has_init else None), None
 
 
 def ssd_scan(
@@ -69,58 +223,24 @@ def ssd_scan(
     """Chunked SSD scan; ``dt`` is positive (already softplus'd), ``A`` negative.
 
     Returns ``y_BTHP`` in the dtype of ``x``, and with ``return_final_state`` also the state after
-    the last step, ``[B, H, P, N]`` in the compute dtype (fp32, or fp64 for fp64 inputs).
+    the last step, ``[B, H, P, N]`` in the compute dtype (fp32, or fp64 for fp64 inputs). The
+    result does not depend on ``chunk_size`` (up to rounding); a sequence shorter than one chunk
+    is one chunk of its own length.
     """
     out_dtype = x_BTHP.dtype
     dtype = _compute_dtype(out_dtype)
-    b, T, H, P = x_BTHP.shape
-    G, N = B_BTGN.shape[2], B_BTGN.shape[3]
-    R = H // G
-    pad = (-T) % chunk_size
-    x_BTHP, dt_BTH = x_BTHP.to(dtype), dt_BTH.to(dtype)
-
-    # Heads are split as h = g * R + r so that B/C are shared by broadcasting, never copied.
-    xdt_BKLGRP = _to_chunks((x_BTHP * dt_BTH[..., None]).view(b, T, G, R, P), pad, chunk_size)
-    a_BKLGR = _to_chunks((dt_BTH * A_H.to(dtype)).view(b, T, G, R), pad, chunk_size)
-    B_BKLGN = _to_chunks(B_BTGN.to(dtype), pad, chunk_size)
-    C_BKLGN = _to_chunks(C_BTGN.to(dtype), pad, chunk_size)
-    a_BGRKL = a_BKLGR.permute(0, 3, 4, 1, 2)
-    acum_BGRKL = a_BGRKL.cumsum(-1)
-
-    # 1. diagonal blocks: C·B is per group, the decay per head.
-    CB_BGKLS = torch.einsum("bklgn,bksgn->bgkls", C_BKLGN, B_BKLGN)
-    M_BGRKLS = CB_BGKLS[:, :, None] * torch.exp(segsum(a_BGRKL))
-    y_BKLGRP = torch.einsum("bgrkls,bksgrp->bklgrp", M_BGRKLS, xdt_BKLGRP)
-
-    # 2. each chunk's end state, as if it started from zero.
-    to_end_BKLGR = torch.exp(acum_BGRKL[..., -1:] - acum_BGRKL).permute(0, 3, 4, 1, 2)
-    states_BKGRPN = torch.einsum(
-        "bklgn,bklgrp->bkgrpn", B_BKLGN, xdt_BKLGRP * to_end_BKLGR[..., None]
+    T = x_BTHP.shape[1]
+    L = max(1, min(chunk_size, T))
+    x_BTHP = x_BTHP.to(dtype)
+    init = None if initial_state_BHPN is None else initial_state_BHPN.to(dtype)
+    y_BTHP, final_BHPN = _SSDScan.apply(
+        x_BTHP, dt_BTH.to(dtype), A_H.to(dtype), B_BTGN.to(dtype), C_BTGN.to(dtype), init, L
     )
-
-    # 3. inter-chunk recurrence as one semiseparable matmul over the chunk boundaries.
-    if initial_state_BHPN is None:
-        init_BGRPN = states_BKGRPN.new_zeros(b, G, R, P, N)
-    else:
-        init_BGRPN = initial_state_BHPN.to(dtype).reshape(b, G, R, P, N)
-    states_BZGRPN = torch.cat([init_BGRPN[:, None], states_BKGRPN], dim=1)
-    chunk_decay_BGRZZ = torch.exp(segsum(F.pad(acum_BGRKL[..., -1], (1, 0))))
-    states_BZGRPN = torch.einsum("bgrzy,bygrpn->bzgrpn", chunk_decay_BGRZZ, states_BZGRPN)
-    start_BKGRPN, final_BGRPN = states_BZGRPN[:, :-1], states_BZGRPN[:, -1]
-
-    # 4. the starting state's contribution, decayed to each position of the chunk.
-    from_start_BKLGR = torch.exp(acum_BGRKL).permute(0, 3, 4, 1, 2)
-    y_BKLGRP = (
-        y_BKLGRP
-        + torch.einsum("bklgn,bkgrpn->bklgrp", C_BKLGN, start_BKGRPN) * from_start_BKLGR[..., None]
-    )
-
-    y_BTHP = y_BKLGRP.reshape(b, -1, H, P)[:, :T]
     if D_H is not None:
-        y_BTHP = y_BTHP + D_H.to(dtype)[:, None] * x_BTHP
+        y_BTHP = torch.addcmul(y_BTHP, D_H.to(dtype)[:, None], x_BTHP)
     y_BTHP = y_BTHP.to(out_dtype)
     if return_final_state:
-        return y_BTHP, final_BGRPN.reshape(b, H, P, N)
+        return y_BTHP, final_BHPN
     return y_BTHP
 
 

@@ -30,6 +30,10 @@ from composer.kernels import probe
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NO_LIMIT = (0.0, float("inf"))
+# The torch path's chunk: the scan's result does not depend on it, and on a CPU a short chunk
+# is cheaper (the L x L work per token grows with L, the per-chunk state work shrinks with it;
+# 64 is the best of 32/64/128/256 for fp32 at H 16, P 64, N 128, see bench/RESULTS.md).
+TORCH_CHUNK = 64
 
 ScanOut = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -53,7 +57,9 @@ def ssd_scan_torch(
     initial_state_BHPN: torch.Tensor | None = None,
     return_final_state: bool = False,
 ) -> ScanOut:
-    """Torch path: the mixer's dt arithmetic, then :func:`composer.blocks.ssd.ssd_scan`."""
+    """Torch path: the mixer's dt arithmetic, then :func:`composer.blocks.ssd.ssd_scan` in chunks
+    of at most :data:`TORCH_CHUNK` steps (``chunk_size`` is the kernel's tile, not part of the
+    math)."""
     dtype = _compute_dtype(x_BTHP)
     dt_BTH = dt_BTH.to(torch.promote_types(dt_BTH.dtype, torch.float32))
     if dt_bias_H is not None:
@@ -61,7 +67,8 @@ def ssd_scan_torch(
     if dt_softplus:
         dt_BTH = F.softplus(dt_BTH)
     dt_BTH = dt_BTH.clamp(min=dt_limit[0], max=dt_limit[1])
-    return ssd_scan(x_BTHP.to(dtype), dt_BTH, A_H, B_BTGN, C_BTGN, chunk_size, D_H=D_H,
+    return ssd_scan(x_BTHP.to(dtype), dt_BTH, A_H, B_BTGN, C_BTGN, min(chunk_size, TORCH_CHUNK),
+                    D_H=D_H,
                     initial_state_BHPN=initial_state_BHPN, return_final_state=return_final_state)
 
 

@@ -1,11 +1,12 @@
-"""The chunked SSD scan against the step-by-step recurrence (fp64, atol 1e-10)."""
+"""The chunked SSD scan and its hand-written backward against the step-by-step recurrence
+(fp64, atol 1e-10), and against autograd's numerical gradient."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from composer.blocks.ssd import segsum, ssd_scan, ssd_scan_ref
+from composer.blocks.ssd import ssd_scan, ssd_scan_ref
 
 F64 = torch.float64
 
@@ -33,15 +34,6 @@ def _inputs(
 
 def _close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-10) -> None:
     torch.testing.assert_close(a, b, atol=atol, rtol=0)
-
-
-def test_segsum_matches_definition() -> None:
-    a = torch.randn(6, dtype=F64)
-    out = segsum(a)
-    for i in range(6):
-        for j in range(6):
-            want = a[j + 1 : i + 1].sum() if j <= i else torch.tensor(-torch.inf, dtype=F64)
-            _close(out[i, j], want)
 
 
 @pytest.mark.parametrize(("T", "chunk"), [(37, 8), (37, 16), (37, 64), (32, 8), (1, 4)])
@@ -116,3 +108,35 @@ def test_gradients_flow() -> None:
     for name, t in inp.items():
         assert t.grad is not None and torch.isfinite(t.grad).all(), name
         assert t.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize(("T", "chunk", "G"), [(37, 8, 2), (32, 8, 1), (5, 16, 2), (37, 64, 4)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_gradients_match_recurrence(T: int, chunk: int, G: int, with_state: bool) -> None:
+    """Every input's gradient (x, dt, A, B, C, D, initial state) through y and the final state."""
+    inp = {k: v.requires_grad_() for k, v in _inputs(T, H=4, G=G).items()}
+    inp["D_H"] = torch.randn(4, dtype=F64, requires_grad=True)
+    if with_state:
+        inp["initial_state_BHPN"] = torch.randn(2, 4, 3, 5, dtype=F64, requires_grad=True)
+    g = torch.Generator().manual_seed(5)
+    y, h = ssd_scan(**inp, chunk_size=chunk, return_final_state=True)
+    y_ref, h_ref = ssd_scan_ref(**inp, return_final_state=True)
+    wy = torch.randn(y.shape, generator=g, dtype=F64)
+    wh = torch.randn(h.shape, generator=g, dtype=F64)
+    for weights_h in (wh, None):  # with and without a gradient arriving at the final state
+        loss = (y * wy).sum() + ((h * weights_h).sum() if weights_h is not None else 0)
+        loss_ref = (y_ref * wy).sum() + ((h_ref * weights_h).sum() if weights_h is not None else 0)
+        grads = torch.autograd.grad(loss, list(inp.values()), retain_graph=True)
+        grads_ref = torch.autograd.grad(loss_ref, list(inp.values()), retain_graph=True)
+        for name, got, want in zip(inp, grads, grads_ref, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-9, rtol=0, msg=name)
+
+
+def test_gradcheck() -> None:
+    inp = {k: v.requires_grad_() for k, v in _inputs(11, H=4, G=2, P=2, N=3, b=1).items()}
+    h0 = torch.randn(1, 4, 2, 3, dtype=F64, requires_grad=True)
+
+    def fn(x, dt, A, B, C, h):
+        return ssd_scan(x, dt, A, B, C, 4, initial_state_BHPN=h, return_final_state=True)
+
+    assert torch.autograd.gradcheck(fn, (*inp.values(), h0))
