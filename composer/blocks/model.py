@@ -2,9 +2,11 @@
 
 Layers live in a ``ModuleDict`` keyed by their global index, so state-dict keys
 (``layers.7.mixer.in_proj.weight``) are the same whatever pipeline stage holds the layer.
-With ``labels`` the forward also returns the mean next-token cross-entropy (labels are aligned
+With ``labels`` the forward returns the mean next-token cross-entropy instead (labels are aligned
 with ``input_ids`` and shifted inside, positions labelled ``-100`` are ignored) plus the MoE
-load-balancing losses.
+load-balancing losses; the head and the loss then run chunk by chunk
+(:func:`composer.blocks.loss.linear_cross_entropy`) and the logits are not kept unless
+``return_logits=True``.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer.blocks.loss import IGNORE_INDEX, linear_cross_entropy
 from composer.blocks.norm import RMSNorm
 from composer.config import ModelConfig
-
-IGNORE_INDEX = -100
 
 
 def shift_labels(labels_BT: torch.Tensor) -> torch.Tensor:
@@ -30,7 +31,8 @@ def shift_labels(labels_BT: torch.Tensor) -> torch.Tensor:
 class ModelOutput:
     loss: torch.Tensor
     logits: torch.Tensor | None
-    """``None`` under tensor parallelism, where the loss never gathers the logits."""
+    """Only with ``return_logits=True`` (and never under tensor parallelism, where the loss does
+    not gather them)."""
     aux_loss: torch.Tensor
 
 
@@ -72,19 +74,26 @@ class HybridModel(nn.Module):
             x_BTD = layer(x_BTD)
         return self.final_norm(x_BTD)
 
-    def forward(self, input_ids_BT: torch.Tensor,
-                labels_BT: torch.Tensor | None = None) -> torch.Tensor | ModelOutput:
+    def forward(self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None,
+                return_logits: bool = False) -> torch.Tensor | ModelOutput:
         if self.tp is not None:
             from composer.parallel.tensor import tp_forward
 
             return tp_forward(self, input_ids_BT, labels_BT)
-        logits_BTV = F.linear(self.hidden_states(input_ids_BT), self.output_weight())
+        h_BTD = self.hidden_states(input_ids_BT)
+        if labels_BT is not None and not return_logits:
+            # Shift the labels, not the activations: a slice would copy them.
+            loss = linear_cross_entropy(h_BTD.flatten(0, 1), self.output_weight(),
+                                        shift_labels(labels_BT).flatten(),
+                                        scale=1.0 / self.config.logits_scaling)
+            aux = self.aux_loss(h_BTD)
+            return ModelOutput(loss=loss + aux, logits=None, aux_loss=aux)
+        logits_BTV = F.linear(h_BTD, self.output_weight())
         if self.config.logits_scaling != 1.0:
             logits_BTV = logits_BTV / self.config.logits_scaling
         if labels_BT is None:
             return logits_BTV
         math_dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
-        # Shift the labels, not the logits: slicing the logits copies them (and their gradient)
         loss = F.cross_entropy(logits_BTV.flatten(0, 1).to(math_dtype),
                                shift_labels(labels_BT).flatten(), ignore_index=IGNORE_INDEX)
         aux = self.aux_loss(logits_BTV)

@@ -53,7 +53,12 @@ def _to_chunks(t_BT_: torch.Tensor, pad: int, chunk_size: int) -> torch.Tensor:
 
 
 class _Chunked:
-    """The chunked views and the cheap per-step quantities shared by forward and backward."""
+    """The chunked views and the cheap per-step quantities shared by forward and backward.
+
+    Two layouts of ``x``-sized tensors are used: the natural ``[B, K, L, G, R, P]`` (a view of
+    the input; its ``(R, P)`` rows are the ``Q`` rows of the per-group matmuls) and the
+    per-head ``[B, K, G, R, L, P]``, made contiguous once, for the per-head ``L x L`` matmuls.
+    """
 
     def __init__(self, x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, L: int) -> None:
         b, T, H, P = x_BTHP.shape
@@ -61,31 +66,51 @@ class _Chunked:
         R = H // G
         self.b, self.T, self.H, self.P, self.G, self.N, self.R, self.L = b, T, H, P, G, N, R, L
         self.pad = pad = (-T) % L
-        self.K = (T + pad) // L
+        self.K = K = (T + pad) // L
         self.x_BKLGRP = _to_chunks(x_BTHP.view(b, T, G, R, P), pad, L)
         self.dt_BKLGR = _to_chunks(dt_BTH.view(b, T, G, R), pad, L)
         self.A_GR = A_H.view(G, R)
         self.B_BKGLN = _to_chunks(B_BTGN, pad, L).transpose(2, 3)
         self.C_BKGLN = _to_chunks(C_BTGN, pad, L).transpose(2, 3)
         self.cs_BKLGR = (self.dt_BKLGR * self.A_GR).cumsum(2)
-        self.X_BKLGRP = self.x_BKLGRP * self.dt_BKLGR[..., None]
         # Decay from each step to the chunk's end, from its start to each step, over the chunk.
         self.to_end_BKLGR = torch.exp(self.cs_BKLGR[:, :, -1:] - self.cs_BKLGR)
         self.from_start_BKLGR = torch.exp(self.cs_BKLGR)
-        self.w_BKH = self.from_start_BKLGR[:, :, -1].reshape(b, self.K, H)
+        self.w_BKH = self.from_start_BKLGR[:, :, -1].reshape(b, K, H)
+        # X = x * dt, per head and contiguous (the operand of the L x L matmuls).
+        self.X_BKGRLP = x_BTHP.new_empty(b, K, G, R, L, P)
+        torch.mul(self.per_head(self.x_BKLGRP), self.per_head(self.dt_BKLGR[..., None]),
+                  out=self.X_BKGRLP)
 
     def group_rows(self, t_BKLGRP: torch.Tensor) -> torch.Tensor:
         """``[B, K, L, G, R, P] -> [B, K, G, L, Q]`` (a view)."""
         b, K, L, G = t_BKLGRP.shape[:4]
         return t_BKLGRP.reshape(b, K, L, G, -1).transpose(2, 3)
 
-    def per_head(self, t_BKLGRP: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def per_head(t_BKLGRP: torch.Tensor) -> torch.Tensor:
         """``[B, K, L, G, R, P] -> [B, K, G, R, L, P]`` (a view)."""
         return t_BKLGRP.permute(0, 1, 3, 4, 2, 5)
 
+    @staticmethod
+    def natural(t_BKGRLP: torch.Tensor) -> torch.Tensor:
+        """``[B, K, G, R, L, P] -> [B, K, L, G, R, P]`` (a view)."""
+        return t_BKGRLP.permute(0, 1, 4, 2, 3, 5)
+
+    def new_natural(self) -> torch.Tensor:
+        """An empty, contiguous ``[B, K, L, G, R, P]`` (elementwise results keep the layout of
+        their first input; a permuted one would be copied again by every reshape)."""
+        return self.x_BKLGRP.new_empty(self.x_BKLGRP.shape)
+
+    def Xe_BKGLQ(self) -> torch.Tensor:
+        """``X * to_end`` in the per-group layout: the rows that build each chunk's end state."""
+        scale_BKLGR = self.dt_BKLGR * self.to_end_BKLGR
+        return self.group_rows(torch.mul(self.x_BKLGRP, scale_BKLGR[..., None],
+                                         out=self.new_natural()))
+
     def decay(self) -> torch.Tensor:
-        """``exp(cs_l - cs_s)`` for ``s <= l``, else 0: ``[B, K, G, R, L, S]``."""
-        cs_BKGRL = self.cs_BKLGR.permute(0, 1, 3, 4, 2)
+        """``exp(cs_l - cs_s)`` for ``s <= l``, else 0: ``[B, K, G, R, L, S]``, contiguous."""
+        cs_BKGRL = self.cs_BKLGR.permute(0, 1, 3, 4, 2).contiguous()
         return (cs_BKGRL[..., :, None] - cs_BKGRL[..., None, :]).exp_().tril_()
 
     def cb(self) -> torch.Tensor:
@@ -101,77 +126,91 @@ def _forward(c: _Chunked, init_BHPN: torch.Tensor | None):
     b, K, H, P, N, G, L = c.b, c.K, c.H, c.P, c.N, c.G, c.L
     # 1. diagonal blocks.
     M_BKGRLS = c.decay().mul_(c.cb()[:, :, :, None])
-    y_BKGRLP = M_BKGRLS @ c.per_head(c.X_BKLGRP)
-    y_BKLGRP = y_BKGRLP.permute(0, 1, 4, 2, 3, 5)
+    y_BKLGRP = c.natural(M_BKGRLS @ c.X_BKGRLP)
     # 2. each chunk's end state from zero: [B, K, G, Q, N] = [B, K, H, P, N].
-    Xe_BKGLQ = c.group_rows(c.X_BKLGRP * c.to_end_BKLGR[..., None])
-    local_BKHPN = (Xe_BKGLQ.transpose(-1, -2) @ c.B_BKGLN).view(b, K, H, P, N)
-    # 3. the recurrence over chunk boundaries.
-    start_BKHPN = torch.empty_like(local_BKHPN)
-    state_BHPN = local_BKHPN.new_zeros(b, H, P, N) if init_BHPN is None else init_BHPN
+    local_BKHPN = (c.Xe_BKGLQ().transpose(-1, -2) @ c.B_BKGLN).view(b, K, H, P, N)
+    # 3. the recurrence over chunk boundaries: states[k] is the state entering chunk k,
+    # states[K] the final one.
+    states_BZHPN = local_BKHPN.new_empty(b, K + 1, H, P, N)
+    if init_BHPN is None:
+        states_BZHPN[:, 0] = 0.0
+    else:
+        states_BZHPN[:, 0] = init_BHPN
     for k in range(K):
-        start_BKHPN[:, k] = state_BHPN
-        state_BHPN = torch.addcmul(local_BKHPN[:, k], c.w_BKH[:, k, :, None, None], state_BHPN)
+        torch.addcmul(local_BKHPN[:, k], c.w_BKH[:, k, :, None, None], states_BZHPN[:, k],
+                      out=states_BZHPN[:, k + 1])
+    start_BKHPN = states_BZHPN[:, :K]
     # 4. the starting states' contribution.
+    out_BKLGRP = c.new_natural()
     if K > 1 or init_BHPN is not None:
-        yoff_BKGLQ = c.C_BKGLN @ start_BKHPN.view(b, K, G, -1, N).transpose(-1, -2)
+        yoff_BKGLQ = c.C_BKGLN @ start_BKHPN.reshape(b, K, G, -1, N).transpose(-1, -2)
         yoff_BKLGRP = yoff_BKGLQ.transpose(2, 3).view(b, K, L, G, c.R, P)
-        y_BKLGRP = torch.addcmul(y_BKLGRP, yoff_BKLGRP, c.from_start_BKLGR[..., None])
-    return c.unchunk(y_BKLGRP).reshape(b, c.T, H, P), state_BHPN, start_BKHPN
+        y_BKLGRP = torch.addcmul(y_BKLGRP, yoff_BKLGRP, c.from_start_BKLGR[..., None],
+                                 out=out_BKLGRP)
+    else:
+        y_BKLGRP = out_BKLGRP.copy_(y_BKLGRP)
+    return c.unchunk(y_BKLGRP).reshape(b, c.T, H, P), states_BZHPN[:, K], start_BKHPN
 
 
 def _backward(c: _Chunked, start_BKHPN, dy_BTHP, dfinal_BHPN):
     """Gradients w.r.t. (x, dt, A, B, C, initial state); ``D`` is handled by the caller."""
     b, K, H, P, N, G, R, L = c.b, c.K, c.H, c.P, c.N, c.G, c.R, c.L
     dy_BKLGRP = _to_chunks(dy_BTHP.reshape(b, c.T, G, R, P), c.pad, L)
-    dy_BKGRLP = c.per_head(dy_BKLGRP)
 
     # 4. starting states: y += from_start * (C · start).
     dyoff_BKLGRP = dy_BKLGRP * c.from_start_BKLGR[..., None]
     dyoff_BKGLQ = c.group_rows(dyoff_BKLGRP)
-    start_BKGQN = start_BKHPN.view(b, K, G, -1, N)
+    start_BKGQN = start_BKHPN.reshape(b, K, G, -1, N)
     dC_BKGLN = dyoff_BKGLQ @ start_BKGQN
     dstart_BKHPN = (dyoff_BKGLQ.transpose(-1, -2) @ c.C_BKGLN).view(b, K, H, P, N)
     yoff_BKGLQ = c.C_BKGLN @ start_BKGQN.transpose(-1, -2)
     dcs_BKLGR = (dyoff_BKLGRP * yoff_BKGLQ.transpose(2, 3).view(b, K, L, G, R, P)).sum(-1)
 
-    # 3. the recurrence, backwards over the chunks.
-    g_BHPN = start_BKHPN.new_zeros(b, H, P, N) if dfinal_BHPN is None else dfinal_BHPN
-    dlocal_BKHPN = torch.empty_like(start_BKHPN)
-    dw_BKH = start_BKHPN.new_empty(b, K, H)
+    # 3. the recurrence, backwards over the chunks: dstates[k] is the gradient at the state
+    # entering chunk k + 1, i.e. of chunk k's local end state.
+    dlocal_BKHPN = start_BKHPN.new_empty(b, K, H, P, N)
+    if dfinal_BHPN is None:
+        dlocal_BKHPN[:, K - 1] = 0.0
+    else:
+        dlocal_BKHPN[:, K - 1] = dfinal_BHPN
+    dw_BKH = torch.linalg.vecdot(dlocal_BKHPN.flatten(-2), start_BKHPN.flatten(-2))
+    dinit_BHPN = None
     for k in range(K - 1, -1, -1):
-        dlocal_BKHPN[:, k] = g_BHPN
-        dw_BKH[:, k] = (g_BHPN * start_BKHPN[:, k]).sum((-1, -2))
-        g_BHPN = torch.addcmul(dstart_BKHPN[:, k], c.w_BKH[:, k, :, None, None], g_BHPN)
-    dinit_BHPN = g_BHPN
+        dw_BKH[:, k] = torch.linalg.vecdot(dlocal_BKHPN[:, k].flatten(-2),
+                                           start_BKHPN[:, k].flatten(-2))
+        out = dlocal_BKHPN[:, k - 1] if k else None
+        dinit_BHPN = torch.addcmul(dstart_BKHPN[:, k], c.w_BKH[:, k, :, None, None],
+                                   dlocal_BKHPN[:, k], out=out)
     dcs_end_BKGR = (dw_BKH * c.w_BKH).view(b, K, G, R)
 
-    # 2. the chunks' local end states: local = Σ_s (X_s * to_end_s) ⊗ B_s.
+    # 2. the chunks' local end states: local = Σ_s (x_s * dt_s * to_end_s) ⊗ B_s.
     dlocal_BKGQN = dlocal_BKHPN.view(b, K, G, -1, N)
-    dXe_BKGLQ = c.B_BKGLN @ dlocal_BKGQN.transpose(-1, -2)
-    dXe_BKLGRP = dXe_BKGLQ.transpose(2, 3).reshape(b, K, L, G, R, P)
-    Xe_BKGLQ = c.group_rows(c.X_BKLGRP * c.to_end_BKLGR[..., None])
-    dB_BKGLN = Xe_BKGLQ @ dlocal_BKGQN
-    dX_BKLGRP = dXe_BKLGRP * c.to_end_BKLGR[..., None]
-    dto_end_BKLGR = (dX_BKLGRP * c.X_BKLGRP).sum(-1)  # = Σ_p dXe * X * to_end
+    dXe_BKLGRP = (c.B_BKGLN @ dlocal_BKGQN.transpose(-1, -2)).transpose(2, 3).reshape(
+        b, K, L, G, R, P)
+    dB_BKGLN = c.Xe_BKGLQ() @ dlocal_BKGQN
+    # d(to_end) * to_end, for the cumulative sums: Σ_p dXe * x * dt * to_end
+    dXe_x_BKLGR = (dXe_BKLGRP * c.x_BKLGRP).sum(-1)
+    dto_end_BKLGR = dXe_x_BKLGR * c.dt_BKLGR * c.to_end_BKLGR
     dcs_BKLGR -= dto_end_BKLGR
     dcs_end_BKGR += dto_end_BKLGR.sum(2)
 
     # 1. diagonal blocks: y = (CB ∘ decay) @ X per head.
+    dy_BKGRLP = c.per_head(dy_BKLGRP).contiguous()
     decay_BKGRLS = c.decay()
     CB_BKGLS = c.cb()
     M_BKGRLS = decay_BKGRLS * CB_BKGLS[:, :, :, None]
-    X_BKGRLP = c.per_head(c.X_BKLGRP)
-    dM_BKGRLS = dy_BKGRLP @ X_BKGRLP.transpose(-1, -2)
+    dM_BKGRLS = dy_BKGRLP @ c.X_BKGRLP.transpose(-1, -2)
     dX_BKGRLP = M_BKGRLS.transpose(-1, -2) @ dy_BKGRLP
-    dX_BKLGRP = dX_BKLGRP + dX_BKGRLP.permute(0, 1, 4, 2, 3, 5)
     dCB_BKGLS = (dM_BKGRLS * decay_BKGRLS).sum(3)
     dC_BKGLN = dC_BKGLN + dCB_BKGLS @ c.B_BKGLN
     dB_BKGLN = dB_BKGLN + dCB_BKGLS.transpose(-1, -2) @ c.C_BKGLN
     dseg_BKGRLS = dM_BKGRLS.mul_(M_BKGRLS)  # d/d(cs_l - cs_s)
     dcs_BKLGR += (dseg_BKGRLS.sum(-1) - dseg_BKGRLS.sum(-2)).permute(0, 1, 4, 2, 3)
 
-    # cs = cumsum(dt * A) inside the chunk; X = x * dt.
+    # X = x * dt from both paths: dX = dX_diag + dXe * to_end.
+    dX_BKLGRP = torch.addcmul(c.natural(dX_BKGRLP), dXe_BKLGRP, c.to_end_BKLGR[..., None],
+                              out=c.new_natural())
+    # cs = cumsum(dt * A) inside the chunk.
     dcs_BKLGR[:, :, -1] += dcs_end_BKGR
     da_BKLGR = dcs_BKLGR.flip(2).cumsum(2).flip(2)
     ddt_BKLGR = da_BKLGR * c.A_GR + (dX_BKLGRP * c.x_BKLGRP).sum(-1)
