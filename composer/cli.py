@@ -224,6 +224,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     rows = load_tokens(args.tokens, args.seq_len)
     model, dims, _, _ = prepare(args.ckpt, _layout(args))
     check_vocab(rows, model.config, args.tokens)
+    _maybe_compile(model, args)
     loss, n = evaluate(model, dims, rows, args.batch_size)
     if is_main_process():
         if args.json:
@@ -247,6 +248,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     model, dims, opt, start = prepare(args.source, _layout(args), seed=args.seed,
                                       optimizer_lr=args.lr)
     check_vocab(rows, model.config, args.tokens)
+    _maybe_compile(model, args)
     main_rank = is_main_process()
 
     def report(step: int, loss: float) -> None:
@@ -262,6 +264,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         elif args.save:
             print(f"saved step {result.step} to {args.save}")
     return 0
+
+
+def _maybe_compile(model, args: argparse.Namespace) -> None:
+    if args.compile:
+        from composer.kernels import compile_layers
+
+        compile_layers(model)
 
 
 def torch_seed(seed: int) -> None:
@@ -280,6 +289,8 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
                    help="keep activations replicated across tp ranks")
     p.add_argument("--seq-len", type=int, default=None, help="cut a 1-D token array this long")
     p.add_argument("--json", action="store_true", help="one line of JSON on stdout")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every layer (slower start, a few %% faster steps)")
 
 
 def make_parser() -> Parser:

@@ -13,8 +13,11 @@ means "absent") and ``COMPOSER_DISABLE_KERNELS`` (names or ``all``) does not nam
 keeps the block's parameters and keys; each wrapper translates the kernel's argument conventions
 and is tested against the torch path with stand-in modules (``tests/kernels``) and on a GPU by
 ``bench/gpu_check.py``. The device rule lives in one function, ``probe.on_gpu``.
+
+``compile_layers`` (``torch.compile`` of every layer, any device) is the one opt-in here.
 """
 
+from composer.kernels.compile import compile_layers
 from composer.kernels.conv import conv1d_silu_kernel, conv1d_silu_torch, conv_silu, select_conv
 from composer.kernels.probe import (
     ENV_DISABLE,
@@ -31,6 +34,7 @@ __all__ = [
     "ENV_DISABLE",
     "KERNELS",
     "available",
+    "compile_layers",
     "conv1d_silu_kernel",
     "conv1d_silu_torch",
     "conv_silu",
