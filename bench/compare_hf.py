@@ -47,6 +47,7 @@ A full run appends its table, with date, machine and command, to ``bench/RESULTS
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -138,6 +139,38 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                 conv_kernel=4, tie_word_embeddings=False),
            (SHORT, LONG), (QUICK_SHORT, QUICK_LONG), 2.0),
 )}
+
+
+# Other sizes for `--size`: ~13-15M and ~100-115M parameters, the same families and proportions
+# (fields not named keep the base value). The train targets are meant to hold at every size.
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "small": {
+        "llama": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=1024),
+        "qwen3-moe": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=1024,
+                          moe_intermediate_size=128),
+        "mamba2": dict(hidden_size=256, num_hidden_layers=12, num_heads=8),
+        "nemotron-h": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=512, mamba_num_heads=8),
+    },
+    "large": {
+        "llama": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                      num_key_value_heads=4, intermediate_size=2048),
+        "qwen3-moe": dict(hidden_size=768, num_hidden_layers=10, num_attention_heads=12,
+                          num_key_value_heads=4, intermediate_size=2048,
+                          moe_intermediate_size=384),
+        "mamba2": dict(hidden_size=768, num_hidden_layers=20, num_heads=24),
+        "nemotron-h": dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=4,
+                           intermediate_size=2048, mamba_num_heads=24),
+    },
+}
+
+
+def resize(family: Family, size: str, shapes: tuple[Shape, ...] | None) -> Family:
+    """``family`` at another ``--size`` and/or with other ``--shapes``."""
+    config = dict(family.config, **SIZES.get(size, {}).get(family.name, {}))
+    return dataclasses.replace(family, config=config, shapes=shapes or family.shapes)
 
 
 # ---------------------------------------------------------------- models and steps
@@ -578,7 +611,7 @@ def profile(spec: str, args: argparse.Namespace, workdir: Path) -> None:
     from torch.profiler import profile as torch_profile
 
     name, mode, shape_text = spec.split(":")
-    family, shape = FAMILIES[name], Shape.parse(shape_text)
+    family, shape = resize(FAMILIES[name], args.size, None), Shape.parse(shape_text)
     models, _, _ = prepare(family, workdir)
     steps = {side: make_step(models[side], side, mode, token_ids(shape)) for side in SIDES}
     for _ in range(args.warmup):
@@ -615,6 +648,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed steps per side (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per side (default 2)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory probes")
+    p.add_argument("--size", choices=("small", "base", "large"), default="base",
+                   help="model size: ~13-15M, ~50M (default) or ~100-115M parameters")
+    p.add_argument("--shapes", type=lambda t: tuple(Shape.parse(x) for x in t.split(",")),
+                   default=None, metavar="BxT,...", help="batch shapes instead of the family's")
     p.add_argument("--wait-quiet", type=float, default=0, metavar="S",
                    help="on a shared machine: before each family, wait up to S seconds for a "
                    "5 s window in which other processes use < 10%% of the CPUs, and time a row "
@@ -661,7 +698,7 @@ def main(argv: list[str] | None = None) -> None:
         rows: list[Row] = []
         infos: list[str] = []
         for name in args.families.split(","):
-            family = FAMILIES[name]
+            family = resize(FAMILIES[name], args.size, args.shapes)
             shapes = family.quick_shapes if args.quick else family.shapes
             wait_quiet(args.wait_quiet)
             family_rows, info = bench_family(family, shapes, args, workdir)

@@ -87,7 +87,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows_n = valid_n.nonzero()[:, 0]
             dz_nV[rows_n, t_n[rows_n]] -= 1.0
             if len(rows_n) < len(t_n):
-                dz_nV[~valid_n] = 0.0
+                dz_nV[(~valid_n).nonzero()[:, 0]] = 0.0  # row indices: no pass over the chunk
             dz_nV = dz_nV.to(h_ND.dtype)
             if dh_ND is not None:
                 torch.mm(dz_nV, w_VD, out=dh_ND[start:start + rows])

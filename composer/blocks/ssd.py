@@ -18,10 +18,11 @@ of ``a`` inside a chunk, the semiseparable matrix ``M[l, s] = C_l · B_s * exp(c
 Every product is a batched matmul; the only ``L x L`` elementwise work is the decay
 ``exp(cs_l - cs_s)`` and its product with ``C·B``. The backward pass is written out by hand
 (:class:`_SSDScan`): it recomputes the decay instead of saving ``L x L`` tensors and keeps only
-the chunks' starting states, so the scan's training cost is a few matmuls per chunk plus a
-handful of ``L x L`` passes. Within a chunk the decay is a difference of cumulative sums, as in
-mamba_ssm's kernels; chunks are short (the torch path tiles at most 64 steps), which bounds the
-magnitude of ``cs`` and so the cancellation in the difference.
+the chunks' starting states and their read-out ``C · start`` (the size of ``y``), so the scan's
+training cost is a few matmuls per chunk plus a handful of ``L x L`` passes. Within a chunk the
+decay is a difference of cumulative sums, as in mamba_ssm's kernels; chunks are short (the torch
+path tiles at most 64 steps), which bounds the magnitude of ``cs`` and so the cancellation in the
+difference.
 
 Padded steps get ``dt = 0``: they neither decay the state (``exp(0) = 1``) nor feed it, so the
 final state is exact for any ``T``.
@@ -142,6 +143,7 @@ def _forward(c: _Chunked, init_BHPN: torch.Tensor | None):
     start_BKHPN = states_BZHPN[:, :K]
     # 4. the starting states' contribution.
     out_BKLGRP = c.new_natural()
+    yoff_BKGLQ = None  # zero when the only chunk starts from zero
     if K > 1 or init_BHPN is not None:
         yoff_BKGLQ = c.C_BKGLN @ start_BKHPN.reshape(b, K, G, -1, N).transpose(-1, -2)
         yoff_BKLGRP = yoff_BKGLQ.transpose(2, 3).view(b, K, L, G, c.R, P)
@@ -149,22 +151,28 @@ def _forward(c: _Chunked, init_BHPN: torch.Tensor | None):
                                  out=out_BKLGRP)
     else:
         y_BKLGRP = out_BKLGRP.copy_(y_BKLGRP)
-    return c.unchunk(y_BKLGRP).reshape(b, c.T, H, P), states_BZHPN[:, K], start_BKHPN
+    final_BHPN = states_BZHPN[:, K]
+    return c.unchunk(y_BKLGRP).reshape(b, c.T, H, P), final_BHPN, start_BKHPN, yoff_BKGLQ
 
 
-def _backward(c: _Chunked, start_BKHPN, dy_BTHP, dfinal_BHPN):
-    """Gradients w.r.t. (x, dt, A, B, C, initial state); ``D`` is handled by the caller."""
+def _backward(c: _Chunked, start_BKHPN, yoff_BKGLQ, dy_BTHP, dfinal_BHPN):
+    """Gradients w.r.t. (x, dt, A, B, C, initial state); ``D`` is handled by the caller.
+    ``yoff`` is the forward's ``C · start`` (``None`` when it was zero)."""
     b, K, H, P, N, G, R, L = c.b, c.K, c.H, c.P, c.N, c.G, c.R, c.L
     dy_BKLGRP = _to_chunks(dy_BTHP.reshape(b, c.T, G, R, P), c.pad, L)
 
     # 4. starting states: y += from_start * (C · start).
-    dyoff_BKLGRP = dy_BKLGRP * c.from_start_BKLGR[..., None]
-    dyoff_BKGLQ = c.group_rows(dyoff_BKLGRP)
-    start_BKGQN = start_BKHPN.reshape(b, K, G, -1, N)
-    dC_BKGLN = dyoff_BKGLQ @ start_BKGQN
-    dstart_BKHPN = (dyoff_BKGLQ.transpose(-1, -2) @ c.C_BKGLN).view(b, K, H, P, N)
-    yoff_BKGLQ = c.C_BKGLN @ start_BKGQN.transpose(-1, -2)
-    dcs_BKLGR = (dyoff_BKLGRP * yoff_BKGLQ.transpose(2, 3).view(b, K, L, G, R, P)).sum(-1)
+    if yoff_BKGLQ is not None:
+        dyoff_BKLGRP = dy_BKLGRP * c.from_start_BKLGR[..., None]
+        dyoff_BKGLQ = c.group_rows(dyoff_BKLGRP)
+        dC_BKGLN = dyoff_BKGLQ @ start_BKHPN.reshape(b, K, G, -1, N)
+        dstart_BKHPN = (dyoff_BKGLQ.transpose(-1, -2) @ c.C_BKGLN).view(b, K, H, P, N)
+        yoff_BKLGRP = yoff_BKGLQ.transpose(2, 3).view(b, K, L, G, R, P)
+        dcs_BKLGR = (dyoff_BKLGRP * yoff_BKLGRP).sum(-1)
+    else:
+        dC_BKGLN = c.C_BKGLN.new_zeros(c.C_BKGLN.shape)
+        dstart_BKHPN = start_BKHPN.new_zeros(start_BKHPN.shape)
+        dcs_BKLGR = c.cs_BKLGR.new_zeros(c.cs_BKLGR.shape)
 
     # 3. the recurrence, backwards over the chunks: dstates[k] is the gradient at the state
     # entering chunk k + 1, i.e. of chunk k's local end state.
@@ -173,7 +181,7 @@ def _backward(c: _Chunked, start_BKHPN, dy_BTHP, dfinal_BHPN):
         dlocal_BKHPN[:, K - 1] = 0.0
     else:
         dlocal_BKHPN[:, K - 1] = dfinal_BHPN
-    dw_BKH = torch.linalg.vecdot(dlocal_BKHPN.flatten(-2), start_BKHPN.flatten(-2))
+    dw_BKH = start_BKHPN.new_empty(b, K, H)
     dinit_BHPN = None
     for k in range(K - 1, -1, -1):
         dw_BKH[:, k] = torch.linalg.vecdot(dlocal_BKHPN[:, k].flatten(-2),
@@ -232,19 +240,20 @@ class _SSDScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, init_BHPN, L: int):
         c = _Chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, L)
-        y_BTHP, final_BHPN, start_BKHPN = _forward(c, init_BHPN)
-        ctx.save_for_backward(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, start_BKHPN)
+        y_BTHP, final_BHPN, start_BKHPN, yoff_BKGLQ = _forward(c, init_BHPN)
+        ctx.save_for_backward(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, start_BKHPN, yoff_BKGLQ)
         ctx.L, ctx.has_init = L, init_BHPN is not None
         return y_BTHP, final_BHPN
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dy_BTHP, dfinal_BHPN):
-        x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, start_BKHPN = ctx.saved_tensors
+        x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, start_BKHPN, yoff_BKGLQ = ctx.saved_tensors
         c = _Chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, ctx.L)
         if dy_BTHP is None:
             dy_BTHP = torch.zeros_like(x_BTHP)
-        dx, ddt, dA, dB, dC, dinit = _backward(c, start_BKHPN, dy_BTHP, dfinal_BHPN)
+        dx, ddt, dA, dB, dC, dinit = _backward(c, start_BKHPN, yoff_BKGLQ, dy_BTHP,
+                                             dfinal_BHPN)
         return dx, ddt, dA, dB, dC, (dinit if ctx.has_init else None), None
 
 
