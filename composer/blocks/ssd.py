@@ -20,9 +20,9 @@ Every product is a batched matmul; the only ``L x L`` elementwise work is the de
 (:class:`_SSDScan`): it recomputes the decay instead of saving ``L x L`` tensors and keeps only
 the chunks' starting states and their read-out ``C · start`` (the size of ``y``), so the scan's
 training cost is a few matmuls per chunk plus a handful of ``L x L`` passes. Within a chunk the
-decay is a difference of cumulative sums, as in mamba_ssm's kernels; chunks are short (the torch
-path tiles at most 64 steps), which bounds the magnitude of ``cs`` and so the cancellation in the
-difference.
+decay is a difference of cumulative sums, as in mamba_ssm's kernels, with the sums and their
+differences in fp64 (rounded once to the compute dtype: the ``[B, T, H]`` sums are cheap, and
+two large fp32 sums would lose digits to cancellation).
 
 Padded steps get ``dt = 0``: they neither decay the state (``exp(0) = 1``) nor feed it, so the
 final state is exact for any ``T``.
@@ -73,10 +73,15 @@ class _Chunked:
         self.A_GR = A_H.view(G, R)
         self.B_BKGLN = _to_chunks(B_BTGN, pad, L).transpose(2, 3)
         self.C_BKGLN = _to_chunks(C_BTGN, pad, L).transpose(2, 3)
-        self.cs_BKLGR = (self.dt_BKLGR * self.A_GR).cumsum(2)
+        # The cumulative decay in fp64 (a [B, T, H] tensor: cheap): exp(cs_l - cs_s) of two
+        # large fp32 sums would lose digits to cancellation; differences are taken in fp64 and
+        # rounded once.
+        self.dtype = x_BTHP.dtype
+        self.cs64_BKLGR = (self.dt_BKLGR.double() * self.A_GR.double()).cumsum(2)
+        self.cs_BKLGR = self.cs64_BKLGR.to(self.dtype)
         # Decay from each step to the chunk's end, from its start to each step, over the chunk.
-        self.to_end_BKLGR = torch.exp(self.cs_BKLGR[:, :, -1:] - self.cs_BKLGR)
-        self.from_start_BKLGR = torch.exp(self.cs_BKLGR)
+        self.to_end_BKLGR = torch.exp(self.cs64_BKLGR[:, :, -1:] - self.cs64_BKLGR).to(self.dtype)
+        self.from_start_BKLGR = torch.exp(self.cs64_BKLGR).to(self.dtype)
         self.w_BKH = self.from_start_BKLGR[:, :, -1].reshape(b, K, H)
         # X = x * dt, per head and contiguous (the operand of the L x L matmuls).
         self.X_BKGRLP = x_BTHP.new_empty(b, K, G, R, L, P)
@@ -111,8 +116,10 @@ class _Chunked:
 
     def decay(self) -> torch.Tensor:
         """``exp(cs_l - cs_s)`` for ``s <= l``, else 0: ``[B, K, G, R, L, S]``, contiguous."""
-        cs_BKGRL = self.cs_BKLGR.permute(0, 1, 3, 4, 2).contiguous()
-        return (cs_BKGRL[..., :, None] - cs_BKGRL[..., None, :]).exp_().tril_()
+        cs_BKGRL = self.cs64_BKLGR.permute(0, 1, 3, 4, 2).contiguous()
+        # fp64 difference, then one rounding (a mixed-dtype ``out=`` would not vectorise)
+        diff_BKGRLS = (cs_BKGRL[..., :, None] - cs_BKGRL[..., None, :]).to(self.dtype)
+        return diff_BKGRLS.exp_().tril_()
 
     def cb(self) -> torch.Tensor:
         """``C_l · B_s`` per group: ``[B, K, G, L, S]``."""
