@@ -614,8 +614,10 @@ def write_results(path: Path, text: str, rows: list[Row], infos: list[str],
         if line.startswith(("family", "-" * 10)) or line in text.splitlines():
             return line
         indent = "  " if line.startswith("- ") else ""
-        return textwrap.fill(line, 100, subsequent_indent=indent, break_on_hyphens=False,
-                             break_long_words=False) + ("\n" if line.endswith("\n") else "")
+        lead = "\n" if line.startswith("\n") else ""  # fill() would turn it into a space
+        return lead + textwrap.fill(line.lstrip("\n"), 100, subsequent_indent=indent,
+                                    break_on_hyphens=False,
+                                    break_long_words=False) + ("\n" if line.endswith("\n") else "")
 
     with path.open("a") as f:
         f.write("\n".join(wrap(line) for line in section))
