@@ -53,6 +53,15 @@ def _to_chunks(t_BT_: torch.Tensor, pad: int, chunk_size: int) -> torch.Tensor:
     return t_BT_.reshape(t_BT_.shape[0], -1, chunk_size, *t_BT_.shape[2:])
 
 
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` over equal leading dims, folded into one batch dim by ``reshape`` (a view for
+    our layouts, transposed operands included) and run by ``torch.bmm``, which reads a
+    transposed operand in place; ``torch.matmul`` on 5-D inputs copies some of them."""
+    lead = a.shape[:-2]
+    out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    return out.view(*lead, *out.shape[-2:])
+
+
 class _Chunked:
     """The chunked views and the cheap per-step quantities shared by forward and backward.
 
@@ -123,7 +132,7 @@ class _Chunked:
 
     def cb(self) -> torch.Tensor:
         """``C_l · B_s`` per group: ``[B, K, G, L, S]``."""
-        return self.C_BKGLN @ self.B_BKGLN.transpose(-1, -2)
+        return _bmm(self.C_BKGLN, self.B_BKGLN.transpose(-1, -2))
 
     def unchunk(self, t_BKL_: torch.Tensor) -> torch.Tensor:
         """``[B, K, L, ...] -> [B, T, ...]``, dropping the padding."""
@@ -136,29 +145,28 @@ def _forward(c: _Chunked, init_BHPN: torch.Tensor | None):
     M_BKGRLS = c.decay().mul_(c.cb()[:, :, :, None])
     y_BKLGRP = c.natural(M_BKGRLS @ c.X_BKGRLP)
     # 2. each chunk's end state from zero: [B, K, G, Q, N] = [B, K, H, P, N].
-    local_BKHPN = (c.Xe_BKGLQ().transpose(-1, -2) @ c.B_BKGLN).view(b, K, H, P, N)
-    # 3. the recurrence over chunk boundaries: states[k] is the state entering chunk k,
-    # states[K] the final one.
-    states_BZHPN = local_BKHPN.new_empty(b, K + 1, H, P, N)
+    local_BKHPN = _bmm(c.Xe_BKGLQ().transpose(-1, -2), c.B_BKGLN).view(b, K, H, P, N)
+    # 3. the recurrence over chunk boundaries: start[k] is the state entering chunk k (kept
+    # contiguous for the matmuls), final the state after the last chunk.
+    start_BKHPN = local_BKHPN.new_empty(b, K, H, P, N)
+    final_BHPN = local_BKHPN.new_empty(b, H, P, N)
     if init_BHPN is None:
-        states_BZHPN[:, 0] = 0.0
+        start_BKHPN[:, 0] = 0.0
     else:
-        states_BZHPN[:, 0] = init_BHPN
+        start_BKHPN[:, 0] = init_BHPN
     for k in range(K):
-        torch.addcmul(local_BKHPN[:, k], c.w_BKH[:, k, :, None, None], states_BZHPN[:, k],
-                      out=states_BZHPN[:, k + 1])
-    start_BKHPN = states_BZHPN[:, :K]
+        torch.addcmul(local_BKHPN[:, k], c.w_BKH[:, k, :, None, None], start_BKHPN[:, k],
+                      out=start_BKHPN[:, k + 1] if k + 1 < K else final_BHPN)
     # 4. the starting states' contribution.
     out_BKLGRP = c.new_natural()
     yoff_BKGLQ = None  # zero when the only chunk starts from zero
     if K > 1 or init_BHPN is not None:
-        yoff_BKGLQ = c.C_BKGLN @ start_BKHPN.reshape(b, K, G, -1, N).transpose(-1, -2)
+        yoff_BKGLQ = _bmm(c.C_BKGLN, start_BKHPN.reshape(b, K, G, -1, N).transpose(-1, -2))
         yoff_BKLGRP = yoff_BKGLQ.transpose(2, 3).view(b, K, L, G, c.R, P)
         y_BKLGRP = torch.addcmul(y_BKLGRP, yoff_BKLGRP, c.from_start_BKLGR[..., None],
                                  out=out_BKLGRP)
     else:
         y_BKLGRP = out_BKLGRP.copy_(y_BKLGRP)
-    final_BHPN = states_BZHPN[:, K]
     return c.unchunk(y_BKLGRP).reshape(b, c.T, H, P), final_BHPN, start_BKHPN, yoff_BKGLQ
 
 
@@ -172,8 +180,8 @@ def _backward(c: _Chunked, start_BKHPN, yoff_BKGLQ, dy_BTHP, dfinal_BHPN):
     if yoff_BKGLQ is not None:
         dyoff_BKLGRP = dy_BKLGRP * c.from_start_BKLGR[..., None]
         dyoff_BKGLQ = c.group_rows(dyoff_BKLGRP)
-        dC_BKGLN = dyoff_BKGLQ @ start_BKHPN.reshape(b, K, G, -1, N)
-        dstart_BKHPN = (dyoff_BKGLQ.transpose(-1, -2) @ c.C_BKGLN).view(b, K, H, P, N)
+        dC_BKGLN = _bmm(dyoff_BKGLQ, start_BKHPN.reshape(b, K, G, -1, N))
+        dstart_BKHPN = _bmm(dyoff_BKGLQ.transpose(-1, -2), c.C_BKGLN).view(b, K, H, P, N)
         yoff_BKLGRP = yoff_BKGLQ.transpose(2, 3).view(b, K, L, G, R, P)
         dcs_BKLGR = (dyoff_BKLGRP * yoff_BKLGRP).sum(-1)
     else:
@@ -200,9 +208,9 @@ def _backward(c: _Chunked, start_BKHPN, yoff_BKGLQ, dy_BTHP, dfinal_BHPN):
 
     # 2. the chunks' local end states: local = Σ_s (x_s * dt_s * to_end_s) ⊗ B_s.
     dlocal_BKGQN = dlocal_BKHPN.view(b, K, G, -1, N)
-    dXe_BKLGRP = (c.B_BKGLN @ dlocal_BKGQN.transpose(-1, -2)).transpose(2, 3).reshape(
+    dXe_BKLGRP = _bmm(c.B_BKGLN, dlocal_BKGQN.transpose(-1, -2)).transpose(2, 3).reshape(
         b, K, L, G, R, P)
-    dB_BKGLN = c.Xe_BKGLQ() @ dlocal_BKGQN
+    dB_BKGLN = _bmm(c.Xe_BKGLQ(), dlocal_BKGQN)
     # d(to_end) * to_end, for the cumulative sums: Σ_p dXe * x * dt * to_end
     dXe_x_BKLGR = (dXe_BKLGRP * c.x_BKLGRP).sum(-1)
     dto_end_BKLGR = dXe_x_BKLGR * c.dt_BKLGR * c.to_end_BKLGR
@@ -217,8 +225,8 @@ def _backward(c: _Chunked, start_BKHPN, yoff_BKGLQ, dy_BTHP, dfinal_BHPN):
     dM_BKGRLS = dy_BKGRLP @ c.X_BKGRLP.transpose(-1, -2)
     dX_BKGRLP = M_BKGRLS.transpose(-1, -2) @ dy_BKGRLP
     dCB_BKGLS = (dM_BKGRLS * decay_BKGRLS).sum(3)
-    dC_BKGLN = dC_BKGLN + dCB_BKGLS @ c.B_BKGLN
-    dB_BKGLN = dB_BKGLN + dCB_BKGLS.transpose(-1, -2) @ c.C_BKGLN
+    dC_BKGLN = dC_BKGLN + _bmm(dCB_BKGLS, c.B_BKGLN)
+    dB_BKGLN = dB_BKGLN + _bmm(dCB_BKGLS.transpose(-1, -2), c.C_BKGLN)
     dseg_BKGRLS = dM_BKGRLS.mul_(M_BKGRLS)  # d/d(cs_l - cs_s)
     dcs_BKLGR += (dseg_BKGRLS.sum(-1) - dseg_BKGRLS.sum(-2)).permute(0, 1, 4, 2, 3)
 
