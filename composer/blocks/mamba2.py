@@ -103,7 +103,10 @@ class Mamba2Mixer(nn.Module):
         E, F_ = H * m.d_head, G * m.d_state
         zxbcdt = self.in_proj(x_BTD)
         z_BTE, xBC_BTX, dt_BTH = zxbcdt.split([E, E + 2 * F_, H], dim=-1)
-        xBC_BTX = conv_silu(xBC_BTX, self.conv1d)  # causal_conv1d on CUDA, else the module
+        # The conv runs on the transposed [B, X, T] layout; one copy back to [B, T, X] is
+        # cheaper than the scan reading x, B and C with a stride-T inner dimension (measured:
+        # 2.7% of a layer's train step).
+        xBC_BTX = conv_silu(xBC_BTX, self.conv1d).contiguous()
         x_BTE, B_BTF, C_BTF = xBC_BTX.split([E, F_, F_], dim=-1)
         # dt = clamp(softplus(dt + dt_bias), dt_limit), then the scan, all in >= fp32 as the
         # mamba_ssm kernel does (it fuses them on CUDA; transformers' torch path does the
