@@ -363,12 +363,24 @@ def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _leave_process_group() -> None:
+    """Under torchrun: wait for every rank, then tear the process group down. Exiting with it
+    alive lets one rank's exit break another's gloo connections while that one is still
+    closing them (seen as "terminate called without an active exception")."""
+    dist = sys.modules.get("torch.distributed")  # never initialised if never imported
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = make_parser().parse_args(argv)
         if (getattr(args, "seq_len", 1) or 1) <= 0:
             raise UsageError("--seq-len must be positive")
-        return args.func(args)
+        code = args.func(args)
+        _leave_process_group()
+        return code
     except (UsageError, ValueError, FileExistsError, FileNotFoundError,
             PermissionError) as exc:  # ConfigError, PatternError, CheckpointError are ValueErrors
         if _is_main_rank():
