@@ -13,7 +13,8 @@ incoming one. Compared with ``cross_entropy(linear(h, W))`` this skips the separ
 backward and the zero-filled ``N x V`` gradient, and the peak memory holds one chunk of logits
 instead of the logits, their log-softmax and their gradient (the Liger-Kernel / Apple "cut
 cross-entropy" idea, written here for plain torch). The price: with grad enabled, the head's
-backward matmuls run inside the forward, even if ``backward`` is never called.
+backward matmuls run inside the forward, even if ``backward`` is never called, and one
+backward per loss (``retain_graph`` for a second one is refused with an error).
 
 Legend: N tokens (rows), D model width, V vocabulary.
 """
@@ -102,6 +103,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, g: torch.Tensor):
+        if getattr(ctx, "consumed", False):  # the stored gradients were scaled in place
+            raise RuntimeError("linear_cross_entropy: a second backward through the same loss "
+                               "(retain_graph) is not supported; compute the loss again")
+        ctx.consumed = True
         saved = list(ctx.saved_tensors)
         scale, n_valid = ctx.factor
         c = g * scale / n_valid  # a 0-dim tensor: multiplying keeps the stored dtypes

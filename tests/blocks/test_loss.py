@@ -58,6 +58,14 @@ def test_only_the_inputs_that_need_a_gradient_get_one() -> None:
                                    linear_cross_entropy_ref(h, w, t), atol=1e-12, rtol=0)
 
 
+def test_a_second_backward_is_refused() -> None:
+    h, w, t = _inputs(F64)
+    loss = linear_cross_entropy(h, w, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
 def test_every_target_ignored_is_nan_like_cross_entropy() -> None:
     h, w, t = _inputs(F64)
     t[:] = IGNORE_INDEX
