@@ -62,43 +62,50 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: boo
         acc.addmm_(a, b)
 
 
+def _chunks(h_ND: torch.Tensor, w_VD: torch.Tensor, target_N: torch.Tensor, scale: float,
+            rows: int, want_dh: bool, want_dw: bool):
+    """The loss over all chunks, and (if wanted) ``n_valid * dloss/dh`` and ``.../dW``."""
+    math = _math_dtype(h_ND.dtype)
+    valid_N = target_N != IGNORE_INDEX
+    n_valid = valid_N.sum()
+    dh_ND = torch.empty_like(h_ND) if want_dh else None
+    dw_VD = torch.empty(w_VD.shape, dtype=math, device=w_VD.device) if want_dw else None
+    total = torch.zeros((), dtype=math, device=h_ND.device)
+    for start in range(0, h_ND.shape[0], rows):
+        h_nD = h_ND[start:start + rows]
+        t_n, valid_n = target_N[start:start + rows], valid_N[start:start + rows]
+        z_nV = (h_nD @ w_VD.T).to(math)
+        if scale != 1.0:
+            z_nV.mul_(scale)
+        part, lse_n = _chunk_loss(z_nV, t_n, valid_n)
+        total += part
+        if dh_ND is None and dw_VD is None:
+            continue
+        # z becomes dloss/dz * n_valid: softmax - onehot on valid rows, 0 on ignored ones.
+        dz_nV = z_nV.sub_(lse_n[:, None]).exp_()
+        rows_n = valid_n.nonzero()[:, 0]
+        dz_nV[rows_n, t_n[rows_n]] -= 1.0
+        if len(rows_n) < len(t_n):
+            dz_nV[(~valid_n).nonzero()[:, 0]] = 0.0  # row indices: no pass over the chunk
+        dz_nV = dz_nV.to(h_ND.dtype)
+        if dh_ND is not None:
+            torch.mm(dz_nV, w_VD, out=dh_ND[start:start + rows])
+        if dw_VD is not None:
+            _add_product(dw_VD, dz_nV.T, h_nD, first=start == 0)
+    return total / n_valid, dh_ND, dw_VD, n_valid
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h_ND: torch.Tensor, w_VD: torch.Tensor, target_N: torch.Tensor,
                 scale: float, rows: int) -> torch.Tensor:
-        math = _math_dtype(h_ND.dtype)
-        valid_N = target_N != IGNORE_INDEX
-        n_valid = valid_N.sum()
-        want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dh_ND = torch.empty_like(h_ND) if want_dh else None
-        dw_VD = torch.empty(w_VD.shape, dtype=math, device=w_VD.device) if want_dw else None
-        total = torch.zeros((), dtype=math, device=h_ND.device)
-        for start in range(0, h_ND.shape[0], rows):
-            h_nD = h_ND[start:start + rows]
-            t_n, valid_n = target_N[start:start + rows], valid_N[start:start + rows]
-            z_nV = (h_nD @ w_VD.T).to(math)
-            if scale != 1.0:
-                z_nV.mul_(scale)
-            part, lse_n = _chunk_loss(z_nV, t_n, valid_n)
-            total += part
-            if dh_ND is None and dw_VD is None:
-                continue
-            # z becomes dloss/dz * n_valid: softmax - onehot on valid rows, 0 on ignored ones.
-            dz_nV = z_nV.sub_(lse_n[:, None]).exp_()
-            rows_n = valid_n.nonzero()[:, 0]
-            dz_nV[rows_n, t_n[rows_n]] -= 1.0
-            if len(rows_n) < len(t_n):
-                dz_nV[(~valid_n).nonzero()[:, 0]] = 0.0  # row indices: no pass over the chunk
-            dz_nV = dz_nV.to(h_ND.dtype)
-            if dh_ND is not None:
-                torch.mm(dz_nV, w_VD, out=dh_ND[start:start + rows])
-            if dw_VD is not None:
-                _add_product(dw_VD, dz_nV.T, h_nD, first=start == 0)
+        loss, dh_ND, dw_VD, n_valid = _chunks(h_ND, w_VD, target_N, scale, rows,
+                                              ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         ctx.save_for_backward(*(t for t in (dh_ND, dw_VD) if t is not None))
         ctx.has = (dh_ND is not None, dw_VD is not None)
         ctx.factor = (scale, n_valid)
         ctx.w_dtype = w_VD.dtype
-        return total / n_valid
+        return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -126,15 +133,7 @@ def linear_cross_entropy(h_ND: torch.Tensor, w_VD: torch.Tensor, target_N: torch
     rows = _chunk_rows(w_VD.shape[0], chunk_rows)
     if torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad):
         return _LinearCrossEntropy.apply(h_ND, w_VD, target_N, scale, rows)
-    math = _math_dtype(h_ND.dtype)
-    valid_N = target_N != IGNORE_INDEX
-    total = torch.zeros((), dtype=math, device=h_ND.device)
-    for start in range(0, h_ND.shape[0], rows):
-        z_nV = (h_ND[start:start + rows] @ w_VD.T).to(math)
-        if scale != 1.0:
-            z_nV.mul_(scale)
-        total += _chunk_loss(z_nV, target_N[start:start + rows], valid_N[start:start + rows])[0]
-    return total / valid_N.sum()
+    return _chunks(h_ND, w_VD, target_N, scale, rows, False, False)[0]
 
 
 def linear_cross_entropy_ref(h_ND: torch.Tensor, w_VD: torch.Tensor, target_N: torch.Tensor,

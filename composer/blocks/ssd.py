@@ -87,7 +87,6 @@ class _Chunked:
         # rounded once.
         self.dtype = x_BTHP.dtype
         self.cs64_BKLGR = (self.dt_BKLGR.double() * self.A_GR.double()).cumsum(2)
-        self.cs_BKLGR = self.cs64_BKLGR.to(self.dtype)
         # Decay from each step to the chunk's end, from its start to each step, over the chunk.
         self.to_end_BKLGR = torch.exp(self.cs64_BKLGR[:, :, -1:] - self.cs64_BKLGR).to(self.dtype)
         self.from_start_BKLGR = torch.exp(self.cs64_BKLGR).to(self.dtype)
@@ -187,7 +186,7 @@ def _backward(c: _Chunked, start_BKHPN, yoff_BKGLQ, dy_BTHP, dfinal_BHPN):
     else:
         dC_BKGLN = c.C_BKGLN.new_zeros(c.C_BKGLN.shape)
         dstart_BKHPN = start_BKHPN.new_zeros(start_BKHPN.shape)
-        dcs_BKLGR = c.cs_BKLGR.new_zeros(c.cs_BKLGR.shape)
+        dcs_BKLGR = c.from_start_BKLGR.new_zeros(c.from_start_BKLGR.shape)
 
     # 3. the recurrence, backwards over the chunks: dstates[k] is the gradient at the state
     # entering chunk k + 1, i.e. of chunk k's local end state.
