@@ -1,4 +1,4 @@
-"""Interleaved A/B of the SSD scan: this checkout's ``composer/blocks/ssd.py`` against the one
+"""Interleaved A/B of the SSD scan: this checkout's ``composer/kernels/ssd.py`` against the one
 at a git revision, inside one process, on a stack of Mamba-2 layers (forward + backward).
 
 Whole-benchmark runs on a shared 2-core VM drift by +-10% between runs, more than most single
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_revision(rev: str):
-    source = subprocess.run(["git", "show", f"{rev}:composer/blocks/ssd.py"], cwd=ROOT,
+    source = subprocess.run(["git", "show", f"{rev}:composer/kernels/ssd.py"], cwd=ROOT,
                             check=True, capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "ssd_at_revision.py"
     path.write_text(source)
@@ -43,8 +43,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=12)
     args = p.parse_args()
-    import composer.blocks.ssd as current
     import composer.kernels.scan as kscan
+    import composer.kernels.ssd as current
     from composer import build_model
     from composer.config import MambaConfig, ModelConfig
 

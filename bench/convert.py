@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from composer.convert.io import DTYPES, PlannedTensor, ShardedWriter, TensorSource
+from composer.checkpoint import DTYPES, PlannedTensor, ShardedWriter, TensorSource
 
 MB, GB = 10**6, 10**9
 TARGET_X_CP = 3.0

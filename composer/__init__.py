@@ -17,8 +17,8 @@ from composer.config import (
     RopeScaling,
     apply_overrides,
 )
+from composer.pattern import Pattern, PatternError, parse_pattern
 from composer.specs.builder import build_model, cast_model, load, model_stats, save
-from composer.specs.pattern import Pattern, PatternError, parse_pattern
 from composer.specs.registry import register
 
 __version__ = "0.1.0"

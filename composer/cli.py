@@ -169,8 +169,8 @@ def _progress_bar(total: int, label: str):
 def cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
+    from composer.checkpoint import parse_size
     from composer.convert import from_hf, to_hf
-    from composer.convert.io import parse_size
 
     if args.dtype not in DTYPE_NAMES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}; got {args.dtype!r}")

@@ -2,6 +2,11 @@
 
 A model is a layer pattern (DESIGN §3) plus one sub-config per block kind the pattern uses. Sizes
 are ``d_*``, counts ``n_*``. Every error is a one-line :class:`ConfigError` (a ``ValueError``).
+
+Which section a symbol needs (:data:`SYMBOL_NEEDS`) and how a section validates
+(:data:`SECTIONS`) are tables that ``composer.register`` extends: a user kind may bring its own
+section (a dataclass), which then loads, saves, takes ``--set`` overrides and validates like the
+built-in ones (it lives at the top level of the YAML, beside ``attention`` and ``mamba``).
 """
 
 from __future__ import annotations
@@ -10,13 +15,14 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from composer.specs.pattern import Pattern, PatternError, parse_pattern
+from composer.pattern import Pattern, PatternError, parse_pattern
 
 Activation = Literal["swiglu", "geglu", "relu2", "gelu", "gelu_tanh", "silu", "relu"]
 GATED_ACTIVATIONS = ("swiglu", "geglu")
@@ -119,6 +125,24 @@ class ModelConfig:
     mamba: MambaConfig | None = field(default_factory=MambaConfig)
     mlp: MLPConfig | None = field(default_factory=MLPConfig)
     moe: MoEConfig | None = field(default_factory=MoEConfig)
+    extra_sections: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Sections of user-registered kinds, by name (also reachable as attributes)."""
+
+    def __getattr__(self, name: str) -> Any:
+        extra = self.__dict__.get("extra_sections")
+        if extra is not None and name in SECTIONS:
+            return extra.get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def section(self, name: str) -> Any:
+        """The section called ``name`` (``attention``, ``mamba``, ... or a registered one)."""
+        return getattr(self, name)
+
+    def set_section(self, name: str, value: Any) -> None:
+        if name in BUILTIN_SECTIONS:
+            setattr(self, name, value)
+        else:
+            self.extra_sections[name] = value
 
     @property
     def parsed(self) -> Pattern:
@@ -140,9 +164,10 @@ class ModelConfig:
                 if s in SYMBOL_NEEDS}
         out = ModelConfig.from_dict(self.to_dict())
         out.pattern = pattern.format()
-        for section in ("attention", "mamba", "mlp", "moe"):
+        for section in BUILTIN_SECTIONS:
             if section not in used:
                 setattr(out, section, None)
+        out.extra_sections = {k: v for k, v in out.extra_sections.items() if k in used}
         return out
 
     def save(self, path: str | Path) -> None:
@@ -163,6 +188,7 @@ class ModelConfig:
         return cls.from_dict(data)
 
 
+BUILTIN_SECTIONS = ("attention", "mamba", "mlp", "moe")
 SUBCONFIGS: dict[str, type] = {
     "attention": AttentionConfig,
     "mamba": MambaConfig,
@@ -171,12 +197,41 @@ SUBCONFIGS: dict[str, type] = {
     "rope_scaling": RopeScaling,
 }
 SYMBOL_NEEDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+"""Pattern symbol -> the config section it reads (``composer.register`` adds to it)."""
+
+
+@dataclass(frozen=True)
+class Section:
+    cls: type
+    validate: Callable[[Any, ModelConfig], None] | None = None
+    """Raises :class:`ConfigError` for a bad section; gets the section and the whole config."""
+
+
+SECTIONS: dict[str, Section] = {}
+"""Config sections by name, built-in and registered; see :func:`register_section`."""
+
+
+def register_section(name: str, cls: type,
+                     validate: Callable[[Any, ModelConfig], None] | None = None) -> None:
+    """Make ``name`` a config section holding a ``cls`` dataclass (for a user-registered kind)."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"a config section must be a dataclass, got {cls!r}")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    if name in known and name not in BUILTIN_SECTIONS:
+        raise ValueError(f"{name!r} is a ModelConfig field, not a section name")
+    SECTIONS[name] = Section(cls, validate)
+    SUBCONFIGS.setdefault(name, cls)
 
 
 # ---------------------------------------------------------------- plain <-> dataclass
 
 
 def _to_plain(obj: Any) -> Any:
+    if isinstance(obj, ModelConfig):
+        out = {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+               if f.name != "extra_sections"}
+        out.update({k: _to_plain(v) for k, v in obj.extra_sections.items()})
+        return out
     if dataclasses.is_dataclass(obj):
         return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, tuple):
@@ -185,7 +240,12 @@ def _to_plain(obj: Any) -> Any:
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls)
+    if cls is ModelConfig:
+        hints.pop("extra_sections")
+        hints.update({name: sec.cls | None for name, sec in SECTIONS.items()
+                      if name not in BUILTIN_SECTIONS})
+    return hints
 
 
 def _unknown(key: str, valid: list[str], where: str) -> ConfigError:
@@ -203,6 +263,9 @@ def _from_plain(cls: type, data: Any, where: str) -> Any:
         if key not in hints:
             raise _unknown(str(key), list(hints), where)
         kwargs[key] = _coerce(value, hints[key], f"{where}{key}")
+    if cls is ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs["extra_sections"] = {k: kwargs.pop(k) for k in list(kwargs) if k not in known}
     return cls(**kwargs)
 
 
@@ -296,7 +359,7 @@ def set_field(config: Any, dotted: str, value: Any) -> None:
             if sub is None:
                 raise ConfigError(f"{where}{part} is not a section; set it as {where}{part}=VALUE")
             child = sub()
-            setattr(target, part, child)
+            _set(target, part, child)
         target = child
         where += part + "."
     leaf = parts[-1]
@@ -305,7 +368,14 @@ def set_field(config: Any, dotted: str, value: Any) -> None:
         raise _unknown(leaf, list(hints), where)
     if isinstance(value, str) and hints[leaf] is not str and value.lower() in ("none", "null"):
         value = None
-    setattr(target, leaf, _coerce(value, hints[leaf], where + leaf))
+    _set(target, leaf, _coerce(value, hints[leaf], where + leaf))
+
+
+def _set(target: Any, name: str, value: Any) -> None:
+    if isinstance(target, ModelConfig) and name in SECTIONS:
+        target.set_section(name, value)
+    else:
+        setattr(target, name, value)
 
 
 # ---------------------------------------------------------------- validation
@@ -320,8 +390,12 @@ def _positive(obj: Any, prefix: str, names: tuple[str, ...]) -> None:
 
 def validate(cfg: ModelConfig) -> None:
     """Check a config for consistency; raises :class:`ConfigError` with a one-line reason."""
-    for f in dataclasses.fields(cfg):  # catches wrong types set by hand
-        _coerce(_to_plain(getattr(cfg, f.name)), _hints(ModelConfig)[f.name], f.name)
+    hints = _hints(ModelConfig)
+    for name, hint in hints.items():  # catches wrong types set by hand
+        _coerce(_to_plain(getattr(cfg, name)), hint, name)
+    for name in cfg.extra_sections:
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown config section {name!r}")
     try:
         pattern = parse_pattern(cfg.pattern)
     except PatternError as exc:
@@ -332,17 +406,14 @@ def validate(cfg: ModelConfig) -> None:
         if section and getattr(cfg, section) is None:
             raise ConfigError(
                 f"pattern symbol {sym!r} needs the '{section}' section, which is None")
-    if cfg.attention is not None:
-        _validate_attention(cfg.attention, cfg.d_model)
-    if cfg.mamba is not None:
-        _validate_mamba(cfg.mamba)
-    if cfg.mlp is not None:
-        _positive(cfg.mlp, "mlp.", ("d_ff",))
-    if cfg.moe is not None:
-        _validate_moe(cfg.moe)
+    for name, section in SECTIONS.items():
+        value = cfg.section(name)
+        if value is not None and section.validate is not None:
+            section.validate(value, cfg)
 
 
-def _validate_attention(a: AttentionConfig, d_model: int) -> None:
+def _validate_attention(a: AttentionConfig, cfg: ModelConfig) -> None:
+    d_model = cfg.d_model
     _positive(a, "attention.", ("n_heads", "n_kv_heads", "d_head", "rope_theta", "softmax_scale"))
     kv = a.n_kv_heads or a.n_heads
     if a.n_heads % kv:
@@ -358,7 +429,7 @@ def _validate_attention(a: AttentionConfig, d_model: int) -> None:
                           f"and rotate an even number of the {d_head} head channels")
 
 
-def _validate_mamba(m: MambaConfig) -> None:
+def _validate_mamba(m: MambaConfig, cfg: ModelConfig) -> None:
     _positive(m, "mamba.", ("n_heads", "d_head", "n_groups", "d_state", "d_conv", "chunk_size",
                             "norm_group_size"))
     if m.n_heads % m.n_groups:
@@ -376,7 +447,11 @@ def _validate_mamba(m: MambaConfig) -> None:
         raise ConfigError(f"mamba.a_init_range {list(m.a_init_range)} must be positive, increasing")
 
 
-def _validate_moe(e: MoEConfig) -> None:
+def _validate_mlp(mlp: MLPConfig, cfg: ModelConfig) -> None:
+    _positive(mlp, "mlp.", ("d_ff",))
+
+
+def _validate_moe(e: MoEConfig, cfg: ModelConfig) -> None:
     _positive(e, "moe.", ("n_experts", "top_k", "d_ff", "d_ff_shared", "routed_scaling_factor",
                           "n_expert_groups", "topk_groups"))
     if e.top_k > e.n_experts:
@@ -391,6 +466,12 @@ def _validate_moe(e: MoEConfig) -> None:
         raise ConfigError(f"moe.top_k ({e.top_k}) exceeds the experts in moe.topk_groups groups")
     if e.aux_loss_coeff < 0:
         raise ConfigError(f"moe.aux_loss_coeff must be >= 0, got {e.aux_loss_coeff}")
+
+
+register_section("attention", AttentionConfig, _validate_attention)
+register_section("mamba", MambaConfig, _validate_mamba)
+register_section("mlp", MLPConfig, _validate_mlp)
+register_section("moe", MoEConfig, _validate_moe)
 
 
 def config_diff(a: ModelConfig, b: ModelConfig) -> str | None:

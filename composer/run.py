@@ -18,12 +18,21 @@ import torch
 import torch.distributed as dist
 
 from composer.blocks.model import HybridModel
+from composer.checkpoint import CONFIG_FILE, TensorSource
 from composer.config import ConfigError, ModelConfig
 from composer.parallel.checkpoint import is_training_checkpoint, load_checkpoint
 from composer.parallel.data import finish_grads
 from composer.parallel.mesh import ParallelConfig, ParallelDims, build_parallel_dims
 from composer.parallel.parallelize import parallelize
-from composer.specs.builder import CONFIG_FILE, build_model, load
+from composer.specs.builder import (
+    adopt_dtypes,
+    build_model,
+    cast_model,
+    check_buildable,
+    check_model,
+    open_portable,
+)
+from composer.specs.init import init_weights, load_weights
 
 
 def load_tokens(path: str | Path, seq_len: int | None) -> list[np.ndarray]:
@@ -57,32 +66,60 @@ def check_vocab(rows: list[np.ndarray], cfg: ModelConfig, path: str | Path) -> N
 
 
 def prepare(source: str, pc: ParallelConfig, seed: int = 0,
-            optimizer_lr: float | None = None) -> tuple[HybridModel, ParallelDims,
-                                                         torch.optim.Optimizer | None, int]:
-    """Model (portable checkpoint, training checkpoint or preset), layout, optimizer, step."""
+            optimizer_lr: float | None = None, device: str | None = None
+            ) -> tuple[HybridModel, ParallelDims, torch.optim.Optimizer | None, int]:
+    """Model (portable checkpoint, training checkpoint or preset), layout, optimizer, step.
+
+    Shard-local: the model is built and parallelised on the meta device, then this rank
+    allocates its shards on its device and initialises them (a preset: layout-independent, from
+    ``seed``), reads its slices (a portable checkpoint) or loads its shards (a training
+    checkpoint, without initialising first)."""
     from composer.zoo import get_preset, presets
 
     folder = Path(source)
-    if folder.is_dir() and is_training_checkpoint(folder):
-        cfg, model = ModelConfig.load(folder / CONFIG_FILE), None
+    training = folder.is_dir() and is_training_checkpoint(folder)
+    tensors = None
+    if training:
+        cfg = ModelConfig.load(folder / CONFIG_FILE)
     elif folder.is_dir():
-        model = load(folder)
-        cfg = model.config
+        cfg, tensors = open_portable(folder)
     elif source in presets():
-        cfg, model = get_preset(source).config(), None
+        cfg = get_preset(source).config()
     else:
         raise ConfigError(f"{source}: not a checkpoint folder or a preset name")
-    dims = build_parallel_dims(pc, cfg)
-    if model is None:
-        model = build_model(cfg, seed=seed)
-    parallelize(model, dims)
+    dims = build_parallel_dims(pc, device)
+    try:
+        model = build_sharded(cfg, dims, seed=None if training else seed, tensors=tensors)
+    finally:
+        if tensors is not None:
+            tensors.close()
     opt = None
     if optimizer_lr is not None:
         opt = torch.optim.AdamW(model.parameters(), lr=optimizer_lr)
-    step = 0
-    if folder.is_dir() and is_training_checkpoint(folder):
-        step = load_checkpoint(folder, model, opt)
+    step = load_checkpoint(folder, model, opt) if training else 0
     return model, dims, opt, step
+
+
+def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,
+                  tensors: TensorSource | None = None,
+                  dtype: torch.dtype | None = None) -> HybridModel:
+    """Build on meta, parallelise there, allocate this rank's shards on its device and fill them:
+    from a portable checkpoint's ``tensors`` (their dtypes), from ``seed`` (``dtype`` or fp32),
+    or not at all (``seed=None``: a training checkpoint loads next)."""
+    check_buildable(cfg)
+    check_model(dims, cfg)
+    model = build_model(cfg, device="meta")
+    if tensors is not None:
+        adopt_dtypes(model, tensors)
+    elif dtype is not None:
+        cast_model(model, dtype)
+    parallelize(model, dims)
+    model.to_empty(device=dims.device)
+    if tensors is not None:
+        load_weights(model, tensors)
+    elif seed is not None:
+        init_weights(model, seed)
+    return model
 
 
 def _dp_sum(values: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
@@ -101,14 +138,15 @@ def evaluate(model: HybridModel, dims: ParallelDims, rows: list[np.ndarray],
     tail = [r for r in rows if len(r) != width]  # the short last piece of a 1-D array
     mine = full[dims.dp_rank()::dims.dp]
     n_batches = math.ceil(math.ceil(len(full) / dims.dp) / batch_size)
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64, device=dims.device)
 
     def add(batch: list[np.ndarray], weight: float) -> None:
-        ids = torch.from_numpy(np.stack(batch)).long()
+        ids = torch.from_numpy(np.stack(batch)).long().to(dims.device, non_blocking=True)
         out = model(ids, ids)
         n = ids.shape[0] * (ids.shape[1] - 1)
-        ce = float(out.loss - out.aux_loss)
-        totals.add_(torch.tensor([ce * n * weight, n * weight], dtype=torch.float64))
+        ce = (out.loss - out.aux_loss).double()
+        totals[0] += ce * (n * weight)
+        totals[1] += n * weight
 
     for b in range(n_batches):
         batch = mine[b * batch_size:(b + 1) * batch_size]
@@ -146,7 +184,7 @@ def train(model: HybridModel, dims: ParallelDims, opt: torch.optim.Optimizer,
     for step in range(start_step, start_step + steps):
         batch = order[step * batch_size:(step + 1) * batch_size]
         local = batch[dims.dp_rank() * share:(dims.dp_rank() + 1) * share]
-        ids = torch.from_numpy(data[local]).long()
+        ids = torch.from_numpy(data[local]).long().to(dims.device, non_blocking=True)
         out = model(ids, ids)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()

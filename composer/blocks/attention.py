@@ -13,19 +13,23 @@ Legend: B batch, T time, D model width, H query heads, K kv heads, E head width.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer.blocks.mlp import init_linear
 from composer.blocks.norm import RMSNorm
+from composer.blocks.plan import (
+    ZEROS,
+    DivideEachOther,
+    Divisible,
+    Init,
+    Normal,
+    ParallelPlan,
+    init_module,
+)
 from composer.config import AttentionConfig, ModelConfig, RopeScaling, d_head_of
 from composer.kernels import sdpa_context
-
-if TYPE_CHECKING:
-    from composer.parallel.tensor import TPContext
 
 
 def rope_frequencies(d_rot: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -90,24 +94,18 @@ class Attention(nn.Module):
             d_rot = int(self.d_head * a.rotary_fraction)
             self.inv_freq = rope_frequencies(d_rot, a.rope_theta, a.rope_scaling)
 
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            init_linear(linear, self.init_std, generator)
-        if self.qk_norm:
-            self.q_norm.reset_parameters()
-            self.k_norm.reset_parameters()
+    def init_rules(self) -> dict[str, Init]:
+        return {"*_proj.weight": Normal(self.init_std), "*_proj.bias": ZEROS}
 
-    kv_select: tuple[int, int] | None = None
-    """Under tensor parallelism with fewer kv heads than ranks: the kv heads this rank uses."""
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        init_module(self, generator)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         b, t, _ = x_BTD.shape
-        # -1: under tensor parallelism each rank holds a slice of the heads
+        # -1: the head counts follow the weights (a tensor-parallel rank holds some of the heads)
         q = self.q_proj(x_BTD).view(b, t, -1, self.d_head)
         k = self.k_proj(x_BTD).view(b, t, -1, self.d_head)
         v = self.v_proj(x_BTD).view(b, t, -1, self.d_head)
-        if self.kv_select is not None:
-            k, v = k[:, :, slice(*self.kv_select)], v[:, :, slice(*self.kv_select)]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHTE, k_BKTE, v_BKTE = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -130,30 +128,21 @@ class Attention(nn.Module):
             self._rope_cache = cached
         return cached[1], cached[2]
 
-    def apply_tp(self, tp: TPContext) -> None:
-        """Heads split over ``tp``: q/k/v column parallel, o row parallel. With fewer kv heads
-        than ranks every rank computes all kv heads and keeps the one its q heads share."""
-        from composer.parallel.tensor import (
-            PARTIAL,
-            to_column,
-            to_replicated,
-            to_replicated_linear,
-            to_row,
-        )
+    def parallel_plan(self) -> ParallelPlan:
+        """Heads split over ``tp``: q/k/v column parallel (k/v replicated, each rank keeping its
+        head, when there are fewer kv heads than ranks), o row parallel; the qk-norms replicated
+        with partial gradients."""
+        return ParallelPlan(colwise=("q_proj",), heads={"k_proj": self.n_kv_heads,
+                                                        "v_proj": self.n_kv_heads},
+                            rowwise=("o_proj",), partial=("q_norm.weight", "k_norm.weight"))
 
-        to_column(self.q_proj, tp)
-        if self.n_kv_heads % tp.size == 0:
-            to_column(self.k_proj, tp)
-            to_column(self.v_proj, tp)
-        else:
-            to_replicated_linear(self.k_proj, tp, PARTIAL)
-            to_replicated_linear(self.v_proj, tp, PARTIAL)
-            first = tp.rank * (self.n_heads // tp.size) // (self.n_heads // self.n_kv_heads)
-            self.kv_select = (first, first + 1)
-        to_row(self.o_proj, tp)
-        if self.qk_norm:
-            to_replicated(self.q_norm, ("weight",), tp, PARTIAL)
-            to_replicated(self.k_norm, ("weight",), tp, PARTIAL)
+    @staticmethod
+    def layout_rules(cfg: ModelConfig) -> list[Divisible | DivideEachOther]:
+        a = cfg.attention
+        assert a is not None
+        return [Divisible("attention.n_heads", a.n_heads),
+                DivideEachOther("attention.n_kv_heads", a.n_kv_heads or a.n_heads,
+                                "kv heads are split, or replicated when fewer than tp")]
 
     @staticmethod
     def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

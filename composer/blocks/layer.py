@@ -1,7 +1,9 @@
 """The residual block that every pattern symbol builds: ``x + m * mixer(norm(x))``.
 
 One symbol is one such block (Megatron-Core's hybrid models): the mixer is a Mamba-2 mixer,
-attention, a dense MLP or an MoE. ``m`` is the residual multiplier (1 except for Granite).
+attention, a dense MLP, an MoE or a user-registered kind. ``m`` is the residual multiplier (1
+except for Granite). Under tensor parallelism the parallel layer wraps the *mixer* call (gather
+the sequence on the way in, reduce the partial sums on the way out); this code does not change.
 """
 
 from __future__ import annotations
@@ -23,14 +25,9 @@ class Layer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = mixer
         self.residual_multiplier = cfg.residual_multiplier
-        self.tp = None  # a TPContext once tensor parallel (composer.parallel.tensor)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x_BTD)
-        if self.tp is not None:  # gather the sequence (SP) for the mixer, reduce its output
-            out = self.tp.leave(self.mixer(self.tp.enter(h)))
-        else:
-            out = self.mixer(h)
+        out = self.mixer(self.norm(x_BTD))
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
         return x_BTD + out

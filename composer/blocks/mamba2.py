@@ -2,7 +2,7 @@
 
 One fused input projection gives, per token, ``[z, x, B, C, dt]`` (§7.1 "parallel parameter
 projections"); a short causal depthwise convolution plus SiLU mixes ``xBC`` over time; the SSD scan
-(§6, :mod:`composer.blocks.ssd`) runs with
+(§6, :mod:`composer.kernels.ssd`) runs with
 
     dt = clamp(softplus(dt + dt_bias), dt_limit),   A = -exp(A_log),
     y  = SSD(x, dt, A, B, C) + D * x,
@@ -18,20 +18,26 @@ Shape legend:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from composer.blocks.mlp import init_linear
 from composer.blocks.norm import GatedRMSNorm, gated_rms_norm_ref
-from composer.blocks.split import SplitCausalConv1d, SplitLinear, local
-from composer.blocks.ssd import ssd_scan_ref
+from composer.blocks.plan import (
+    ONES,
+    ZEROS,
+    DividesShard,
+    Divisible,
+    Init,
+    Normal,
+    ParallelPlan,
+    init_module,
+)
+from composer.blocks.split import SplitCausalConv1d, SplitLinear
 from composer.config import MambaConfig, ModelConfig, d_inner_of
 from composer.kernels import conv_silu, mamba_scan
-
-if TYPE_CHECKING:
-    from composer.parallel.tensor import TPContext
+from composer.kernels.ssd import ssd_scan_ref
 
 
 def _norm_group_size(m: MambaConfig) -> int:
@@ -47,6 +53,34 @@ def _sizes(m: MambaConfig) -> tuple[int, int, int]:
 
 def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+@dataclass(frozen=True)
+class DtBiasInit(Init):
+    """``dt`` log-uniform in ``[dt_min, dt_max]`` (floored); ``dt_bias`` is its inverse softplus,
+    so that at init ``softplus(0 + dt_bias) = dt`` (mamba_ssm's init)."""
+
+    dt_min: float
+    dt_max: float
+    floor: float
+
+    def fill(self, t: torch.Tensor, generator: torch.Generator | None) -> None:
+        u = torch.rand(t.shape, generator=generator, device=t.device, dtype=torch.float32)
+        log_lo, log_hi = math.log(self.dt_min), math.log(self.dt_max)
+        dt = torch.exp(u * (log_hi - log_lo) + log_lo).clamp(min=self.floor)
+        t.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+
+@dataclass(frozen=True)
+class ALogInit(Init):
+    """``A_log = log(a)`` with ``a`` uniform in ``[low, high]``."""
+
+    low: float
+    high: float
+
+    def fill(self, t: torch.Tensor, generator: torch.Generator | None) -> None:
+        a = torch.empty(t.shape, device=t.device, dtype=torch.float32)
+        t.copy_(torch.log(a.uniform_(self.low, self.high, generator=generator)))
 
 
 class Mamba2Mixer(nn.Module):
@@ -75,29 +109,21 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(d_inner, _norm_group_size(m), eps=cfg.norm_eps)
         self.out_proj = nn.Linear(d_inner, cfg.d_model, bias=m.proj_bias)
 
-    @torch.no_grad()
+    def init_rules(self) -> dict[str, Init]:
+        m = self.mamba_cfg  # conv1d and norm declare their own
+        return {"in_proj.weight_*": Normal(self.init_std), "in_proj.bias_*": ZEROS,
+                "out_proj.weight": Normal(self.init_std), "out_proj.bias": ZEROS,
+                "dt_bias": DtBiasInit(m.dt_min, m.dt_max, m.dt_init_floor),
+                "A_log": ALogInit(*m.a_init_range), "D": ONES}
+
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        m = self.mamba_cfg
-        self.in_proj.reset_parameters(self.init_std, generator)
-        init_linear(self.out_proj, self.init_std, generator)
-        self.conv1d.reset_parameters(generator)
-        # dt log-uniform in [dt_min, dt_max]; dt_bias is its inverse softplus so that at init
-        # softplus(0 + dt_bias) = dt.
-        u = torch.rand(m.n_heads, generator=generator, device=self.dt_bias.device)
-        log_lo, log_hi = math.log(m.dt_min), math.log(m.dt_max)
-        dt = torch.exp(u * (log_hi - log_lo) + log_lo).clamp(min=m.dt_init_floor)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-        lo, hi = m.a_init_range
-        a = torch.empty(m.n_heads, device=self.A_log.device).uniform_(lo, hi, generator=generator)
-        self.A_log.copy_(torch.log(a))
-        nn.init.ones_(self.D)
-        self.norm.reset_parameters()
+        init_module(self, generator)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         m = self.mamba_cfg
         b, T, _ = x_BTD.shape
-        # Local sizes: under tensor parallelism this rank holds a slice of heads and groups.
-        dt_bias, A_log, D = local(self.dt_bias), local(self.A_log), local(self.D)
+        # Sizes follow the weights (a tensor-parallel rank holds a slice of heads and groups).
+        dt_bias, A_log, D = self.dt_bias, self.A_log, self.D
         H = dt_bias.shape[0]
         G = H * m.n_groups // m.n_heads
         E, F_ = H * m.d_head, G * m.d_state
@@ -126,20 +152,22 @@ class Mamba2Mixer(nn.Module):
         y_BTE = self.norm(y_BTHP.reshape(b, T, E), gate=z_BTE)
         return self.out_proj(y_BTE.to(x_BTD.dtype))
 
-    def apply_tp(self, tp: TPContext) -> None:
-        """Heads and groups split over ``tp``, every component of in_proj and conv1d row-split
-        on its own (Megatron's per-component sharding); out_proj row parallel."""
-        from torch.distributed.tensor import Shard
+    def parallel_plan(self) -> ParallelPlan:
+        """Heads and groups split over ``tp``: every component of in_proj and conv1d row-split on
+        its own (Megatron's per-component sharding), the per-head vectors and the norm split;
+        out_proj row parallel."""
+        return ParallelPlan(shard={"in_proj.*": 0, "conv1d.*": 0, "dt_bias": 0, "A_log": 0,
+                                   "D": 0, "norm.weight": 0}, rowwise=("out_proj",))
 
-        from composer.parallel.tensor import distribute_param, to_row
-
-        for module in (self.in_proj, self.conv1d):
-            for name, _ in list(module.named_parameters(recurse=False)):
-                distribute_param(module, name, tp.mesh, Shard(0))
-        for name in ("dt_bias", "A_log", "D"):
-            distribute_param(self, name, tp.mesh, Shard(0))
-        distribute_param(self.norm, "weight", tp.mesh, Shard(0))
-        to_row(self.out_proj, tp)
+    @staticmethod
+    def layout_rules(cfg: ModelConfig) -> list[Divisible | DividesShard]:
+        m = cfg.mamba
+        assert m is not None
+        rules: list[Divisible | DividesShard] = [Divisible("mamba.n_heads", m.n_heads),
+                                                 Divisible("mamba.n_groups", m.n_groups)]
+        if m.norm_group_size is not None:
+            rules.append(DividesShard("mamba.norm_group_size", m.norm_group_size, d_inner_of(m)))
+        return rules
 
     @staticmethod
     def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer.blocks.plan import ZEROS, Divisible, Init, Normal, ParallelPlan, init_module
 from composer.config import ModelConfig, is_gated
-
-if TYPE_CHECKING:
-    from composer.parallel.tensor import TPContext
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -50,12 +47,6 @@ def activation_ref(name: str, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown activation {name!r}")
 
 
-def init_linear(linear: nn.Linear, std: float, generator: torch.Generator | None) -> None:
-    nn.init.normal_(linear.weight, 0.0, std, generator=generator)
-    if linear.bias is not None:
-        nn.init.zeros_(linear.bias)
-
-
 class MLP(nn.Module):
     """``layers.i.mixer.{gate_proj,up_proj,down_proj}``; ``gate_proj`` only when gated."""
 
@@ -76,9 +67,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, cfg.d_model, bias=bias)
 
+    def init_rules(self) -> dict[str, Init]:
+        return {"*.weight": Normal(self.init_std), "*.bias": ZEROS}
+
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        for linear in (self.up_proj, self.down_proj) + ((self.gate_proj,) if self.gated else ()):
-            init_linear(linear, self.init_std, generator)
+        init_module(self, generator)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         if self.gated:
@@ -87,13 +80,15 @@ class MLP(nn.Module):
             h = self.act(self.up_proj(x_BTD))
         return self.down_proj(h)
 
-    def apply_tp(self, tp: TPContext) -> None:
+    def parallel_plan(self) -> ParallelPlan:
         """Hidden units split over ``tp``: gate/up column parallel, down row parallel."""
-        from composer.parallel.tensor import to_column, to_row
+        return ParallelPlan(colwise=("gate_proj", "up_proj") if self.gated else ("up_proj",),
+                            rowwise=("down_proj",))
 
-        for linear in (self.gate_proj, self.up_proj) if self.gated else (self.up_proj,):
-            to_column(linear, tp)
-        to_row(self.down_proj, tp)
+    @staticmethod
+    def layout_rules(cfg: ModelConfig) -> list[Divisible]:
+        assert cfg.mlp is not None
+        return [Divisible("mlp.d_ff", cfg.mlp.d_ff)]
 
     @staticmethod
     def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -1,16 +1,19 @@
 """HybridModel: embedding -> residual layers (one per pattern symbol) -> final norm -> LM head.
 
-Layers live in a ``ModuleDict`` keyed by their global index, so state-dict keys
-(``layers.7.mixer.in_proj.weight``) are the same whatever pipeline stage holds the layer.
-With ``labels`` the forward returns the mean next-token cross-entropy instead (labels are aligned
-with ``input_ids`` and shifted inside, positions labelled ``-100`` are ignored) plus the MoE
-load-balancing losses; the head and the loss then run chunk by chunk
+The builder (``composer/specs/builder.py``) builds the layers from the registry and hands them
+over; this module never looks a symbol up. Layers live in a ``ModuleDict`` keyed by their global
+index, so state-dict keys (``layers.7.mixer.in_proj.weight``) are the same whatever pipeline stage
+holds the layer. With ``labels`` the forward returns the mean next-token cross-entropy instead
+(labels are aligned with ``input_ids`` and shifted inside, positions labelled ``-100`` are
+ignored) plus the MoE load-balancing losses; the head and the loss then run chunk by chunk
 (:func:`composer.blocks.loss.linear_cross_entropy`) and the logits are not kept unless
-``return_logits=True``.
+``return_logits=True``. The readout (head + loss) is its own parameterless module so that the
+vocabulary-parallel version can stand in for it (``composer/parallel/tensor.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +22,7 @@ from torch import nn
 
 from composer.blocks.loss import IGNORE_INDEX, linear_cross_entropy
 from composer.blocks.norm import RMSNorm
+from composer.blocks.plan import Init, Normal
 from composer.config import ModelConfig
 
 
@@ -31,73 +35,81 @@ def shift_labels(labels_BT: torch.Tensor) -> torch.Tensor:
 class ModelOutput:
     loss: torch.Tensor
     logits: torch.Tensor | None
-    """Only with ``return_logits=True`` (and never under tensor parallelism, where the loss does
-    not gather them)."""
+    """Only with ``return_logits=True``."""
     aux_loss: torch.Tensor
+
+
+class Readout(nn.Module):
+    """Logits, or the next-token loss, from the final hidden states and the output weight."""
+
+    def __init__(self, logits_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.logits_scaling = logits_scaling
+
+    def forward(self, h_BTD: torch.Tensor, weight_VD: torch.Tensor,
+                labels_BT: torch.Tensor | None = None,
+                return_logits: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(loss, logits)``: the loss when labels are given, the logits when none are or when
+        ``return_logits``."""
+        if labels_BT is not None and not return_logits:
+            # Shift the labels, not the activations: a slice would copy them.
+            loss = linear_cross_entropy(h_BTD.flatten(0, 1), weight_VD,
+                                        shift_labels(labels_BT).flatten(),
+                                        scale=1.0 / self.logits_scaling)
+            return loss, None
+        logits_BTV = F.linear(h_BTD, weight_VD)
+        if self.logits_scaling != 1.0:
+            logits_BTV = logits_BTV / self.logits_scaling
+        if labels_BT is None:
+            return None, logits_BTV
+        math_dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
+        loss = F.cross_entropy(logits_BTV.flatten(0, 1).to(math_dtype),
+                               shift_labels(labels_BT).flatten(), ignore_index=IGNORE_INDEX)
+        return loss, logits_BTV
 
 
 class HybridModel(nn.Module):
     """Keys: ``embed.weight``, ``layers.{i}.*``, ``final_norm.weight``, ``lm_head.weight``
     (absent when ``tie_embeddings``)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        from composer.specs.registry import build_layer  # the registry imports the blocks
-
+    def __init__(self, cfg: ModelConfig, layers: Mapping[int, nn.Module]) -> None:
         super().__init__()
         self.config = cfg
-        # _weight skips nn.Embedding's own init (reset_parameters does ours); on the meta device
+        # _weight skips nn.Embedding's own init (the builder initialises); on the meta device
         # that init would import torch._dynamo (~1.5 s)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model,
                                   _weight=torch.empty(cfg.vocab_size, cfg.d_model))
-        pattern = cfg.parsed
-        self.layers = nn.ModuleDict(
-            {str(i): build_layer(cfg, i, sym) for i, sym in enumerate(pattern.layers)})
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.tp = None  # a TPContext once tensor parallel (composer.parallel.tensor)
+        self.readout = Readout(cfg.logits_scaling)
+
+    def init_rules(self) -> dict[str, Init]:
+        return {"embed.weight": Normal(self.config.init_std),
+                "lm_head.weight": Normal(self.config.init_std)}
 
     def output_weight(self) -> torch.Tensor:
         return self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
 
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        nn.init.normal_(self.embed.weight, 0.0, self.config.init_std, generator=generator)
-        if not self.config.tie_embeddings:
-            nn.init.normal_(self.lm_head.weight, 0.0, self.config.init_std, generator=generator)
-        self.final_norm.reset_parameters()
-
-    def hidden_states(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
-        x_BTD = self.embed(input_ids_BT)
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x_BTD = self.embed(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x_BTD = x_BTD * self.config.embedding_multiplier
         for layer in self.layers.values():
             x_BTD = layer(x_BTD)
         return self.final_norm(x_BTD)
 
-    def forward(self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 return_logits: bool = False) -> torch.Tensor | ModelOutput:
-        if self.tp is not None:
-            from composer.parallel.tensor import tp_forward
-
-            return tp_forward(self, input_ids_BT, labels_BT)
-        h_BTD = self.hidden_states(input_ids_BT)
-        if labels_BT is not None and not return_logits:
-            # Shift the labels, not the activations: a slice would copy them.
-            loss = linear_cross_entropy(h_BTD.flatten(0, 1), self.output_weight(),
-                                        shift_labels(labels_BT).flatten(),
-                                        scale=1.0 / self.config.logits_scaling)
-            aux = self.aux_loss(h_BTD)
-            return ModelOutput(loss=loss + aux, logits=None, aux_loss=aux)
-        logits_BTV = F.linear(h_BTD, self.output_weight())
-        if self.config.logits_scaling != 1.0:
-            logits_BTV = logits_BTV / self.config.logits_scaling
-        if labels_BT is None:
-            return logits_BTV
-        math_dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
-        loss = F.cross_entropy(logits_BTV.flatten(0, 1).to(math_dtype),
-                               shift_labels(labels_BT).flatten(), ignore_index=IGNORE_INDEX)
-        aux = self.aux_loss(logits_BTV)
-        return ModelOutput(loss=loss + aux, logits=logits_BTV, aux_loss=aux)
+        """Logits ``(B, T, vocab)`` for ``input_ids`` ``(B, T)``; with ``labels`` (``(B, T)``,
+        aligned with the inputs) a :class:`ModelOutput`."""
+        h_BTD = self.hidden_states(input_ids)
+        loss, logits = self.readout(h_BTD, self.output_weight(), labels, return_logits)
+        if labels is None:
+            return logits
+        aux = self.aux_loss(loss)
+        return ModelOutput(loss=loss + aux, logits=logits, aux_loss=aux)
 
     def aux_loss(self, like: torch.Tensor) -> torch.Tensor:
         """Sum of the auxiliary losses the mixers stored during the last forward."""

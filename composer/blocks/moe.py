@@ -25,10 +25,11 @@ perfectly balanced router gives ``aux = top_k`` (Megatron also divides by ``top_
 ``p`` is the softmax probability, or for a sigmoid router the scores normalised to sum to 1 per
 token. ``f`` counts the experts actually chosen (after bias and group masking).
 
-Expert parallelism (``composer/parallel/expert.py``) sets ``MoE.ep``: the expert weights become
-DTensors sharded over the ep ranks, the routed rows travel by all-to-all to the rank that holds
-their expert, and the sums behind ``f`` and ``P`` run over the ep group, so ``aux`` equals the
-loss of the group's concatenated batch. With ``ep`` unset nothing changes: same math, same keys.
+The block is single-device. Its plan (``parallel_plan``) names the expert group and the token
+sums; expert parallelism (``composer/parallel/expert.py``) then shards the experts' dim 0 over
+the ep ranks and swaps in an ``Experts`` that sends the routed rows by all-to-all to the rank
+holding their expert, and replaces ``token_sum`` by a sum over the ranks that share the batch, so
+``aux`` is the loss of the global batch. Same math, same keys.
 
 Shape legend: B batch, T sequence, D d_model, N = B*T tokens, E experts, K top_k,
 F expert hidden width, G expert groups, A = N*K token-expert assignments.
@@ -36,19 +37,21 @@ F expert hidden width, G expert groups, A = N*K token-expert assignments.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.mlp import ACTIVATIONS, MLP, mlp_ref
+from composer.blocks.plan import (
+    ZEROS,
+    Divisible,
+    Init,
+    Normal,
+    ParallelPlan,
+    TokenSum,
+    init_module,
+)
 from composer.config import ModelConfig, MoEConfig, d_ff_shared_of, is_gated
-
-if TYPE_CHECKING:
-    from composer.parallel.expert import ExpertParallel
-    from composer.parallel.tensor import TPContext
 
 
 def _router_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,7 +75,7 @@ class Router(nn.Module):
         """Return routing weights ``w_NK``, expert ids ``idx_NK`` and scores ``s_NE``."""
         moe = self.moe
         dtype = _router_dtype(x_ND.dtype)
-        logits_NE = F.linear(x_ND.to(dtype), _local(self.weight).to(dtype))
+        logits_NE = F.linear(x_ND.to(dtype), self.weight.to(dtype))
         if moe.score_func == "softmax":
             s_NE = torch.softmax(logits_NE, dim=-1)
         else:
@@ -100,8 +103,8 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Fused weights ``experts.{gate_proj,up_proj} [E, F, D]`` and ``experts.down_proj [E, D, F]``.
 
-    ``forward`` takes token rows already sorted by expert, so the same module serves expert
-    parallelism after an all-to-all dispatch.
+    ``forward`` takes token rows already sorted by expert, so that expert parallelism can put
+    an all-to-all dispatch in front of the same computation.
     """
 
     def __init__(self, n_experts: int, d_model: int, d_ff: int, activation: str) -> None:
@@ -113,18 +116,11 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
         self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
 
-    def reset_parameters(self, std: float, generator: torch.Generator | None = None) -> None:
-        for w in ((self.gate_proj,) if self.gated else ()) + (self.up_proj, self.down_proj):
-            nn.init.normal_(w, 0.0, std, generator=generator)
-
-    def forward(self, x_AD: torch.Tensor, n_tokens_E: list[int]) -> torch.Tensor:
-        """Apply expert e to its contiguous slice of ``x_AD`` (rows sorted by expert id).
-
-        Under expert parallelism the weights are DTensors and ``n_tokens_E`` counts this rank's
-        local experts only; the local shard is taken here, after any FSDP pre-forward unshard.
-        """
-        gate = _local(self.gate_proj) if self.gated else None
-        up, down = _local(self.up_proj), _local(self.down_proj)
+    def forward(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
+        """Apply expert e to its contiguous slice of ``x_AD`` (rows sorted by expert id,
+        ``n_tokens_E`` rows for expert e; one host sync for the split sizes)."""
+        gate = self.gate_proj if self.gated else None
+        up, down = self.up_proj, self.down_proj
         # torch._grouped_mm would replace this loop, but on CPU (torch 2.13) it rejects fp64 and
         # its backward fails, so we loop over experts (never over tokens) and skip empty ones.
         # unbind/split once: indexing w[e] per expert makes the backward zero-fill a whole-weight
@@ -132,7 +128,7 @@ class Experts(nn.Module):
         gates = gate.unbind(0) if gate is not None else None
         ups, downs = up.unbind(0), down.unbind(0)
         y_AD = []
-        for e, x_nD in enumerate(x_AD.split(list(n_tokens_E), dim=0)):
+        for e, x_nD in enumerate(x_AD.split(n_tokens_E.tolist(), dim=0)):
             if x_nD.shape[0] == 0:
                 continue
             if gates is not None:
@@ -147,22 +143,6 @@ class Experts(nn.Module):
             anchor = sum(w.sum() for w in (gate, up, down) if w is not None)
             return x_AD * 0 + anchor * 0
         return torch.cat(y_AD)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return g * ctx.scale, None
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    # Duck-typed DTensor check: importing torch.distributed.tensor here would add ~1 s to startup.
-    return w.to_local() if hasattr(w, "to_local") else w
 
 
 class MoE(nn.Module):
@@ -183,23 +163,16 @@ class MoE(nn.Module):
                                       bias=False)
         else:
             self.shared_experts = None
+        # the load-balancing statistics pass through it: the global batch's under parallelism
+        self.token_sum = TokenSum()
         self.aux_loss = torch.zeros(())
-        # Set by composer.parallel.expert.apply_ep; a plain object, so no state-dict keys.
-        self.ep: ExpertParallel | None = None
-        # Set by composer.parallel: a differentiable sum of the load-balancing statistics over
-        # the data-parallel ranks, so the aux loss is that of the global batch; and the factor
-        # on its gradient under tensor parallelism (every tp rank computes the same aux, while
-        # the router's gradients are summed over tp).
-        self.stats_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.aux_grad_scale = 1.0
+
+    def init_rules(self) -> dict[str, Init]:
+        return {"router.weight": Normal(self.init_std), "router.score_bias": ZEROS,
+                "experts.*": Normal(self.init_std)}
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        nn.init.normal_(self.router.weight, 0.0, self.init_std, generator=generator)
-        if self.router.score_bias is not None:
-            nn.init.zeros_(self.router.score_bias)
-        self.experts.reset_parameters(self.init_std, generator)
-        if self.shared_experts is not None:
-            self.shared_experts.reset_parameters(generator)
+        init_module(self, generator)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
@@ -212,10 +185,7 @@ class MoE(nn.Module):
         expert_A = idx_NK.flatten()
         order_A = torch.argsort(expert_A, stable=True)
         token_A = order_A // self.moe.top_k
-        if self.ep is None:
-            y_AD = self.experts(x_ND[token_A], n_tokens_E.tolist())
-        else:  # the experts live on the ep ranks: all-to-all there and back, same row order
-            y_AD = self.ep.run_experts(self.experts, x_ND[token_A], n_tokens_E)
+        y_AD = self.experts(x_ND[token_A], n_tokens_E)
         y_AD = y_AD.to(w_NK.dtype) * w_NK.flatten()[order_A, None]
         y_ND = torch.zeros_like(x_ND, dtype=w_NK.dtype).index_add_(0, token_A, y_AD)
 
@@ -229,35 +199,29 @@ class MoE(nn.Module):
         if coeff == 0:
             return s_NE.new_zeros(())
         p_NE = s_NE if self.moe.score_func == "softmax" else s_NE / s_NE.sum(-1, keepdim=True)
-        # Sums rather than means, so that expert parallelism can add them up over its group.
+        # Sums rather than means, so that they add up over the ranks holding the batch.
         n_tokens = p_NE.new_full((1,), p_NE.shape[0])
-        stats = torch.cat([p_NE.sum(dim=0), n_tokens_E.to(p_NE.dtype), n_tokens])
-        if self.aux_grad_scale != 1.0:
-            stats = _ScaleGrad.apply(stats, self.aux_grad_scale)
-        if self.stats_reduce is not None:
-            stats = self.stats_reduce(stats)
-        elif self.ep is not None:
-            stats = self.ep.all_reduce(stats)
+        stats = self.token_sum(torch.cat([p_NE.sum(dim=0), n_tokens_E.to(p_NE.dtype), n_tokens]))
         E = self.moe.n_experts
         p_sum_E, count_E, n = stats.split([E, E, 1])
         return coeff * E * torch.sum((count_E / n) * (p_sum_E / n))
 
-    def apply_tp(self, tp: TPContext) -> None:
-        """Expert-tensor parallel: every expert's hidden units split over ``tp`` (unless expert
-        parallelism shards the experts on a 2-D ep x tp mesh itself); the router replicated, its
-        gradients summed; shared experts as a dense MLP."""
-        from torch.distributed.tensor import Shard
+    def parallel_plan(self) -> ParallelPlan:
+        """The routed experts are the expert group (split over ep on dim 0); expert-tensor
+        parallel splits each expert's hidden units over ``tp``; the router is replicated with
+        partial gradients; the shared experts follow the MLP's own plan."""
+        return ParallelPlan(partial=("router.weight",), experts="experts",
+                            expert_hidden={"gate_proj": 1, "up_proj": 1, "down_proj": 2},
+                            token_sums=("token_sum",))
 
-        from composer.parallel.tensor import PARTIAL, distribute_param, to_replicated
-
-        to_replicated(self.router, ("weight",), tp, PARTIAL)
-        if not tp.experts_on_ep:
-            for name, dim in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 2)):
-                if hasattr(self.experts, name):
-                    distribute_param(self.experts, name, tp.mesh, Shard(dim))
-        if self.shared_experts is not None:
-            self.shared_experts.apply_tp(tp)
-        self.aux_grad_scale = 1.0 / tp.size
+    @staticmethod
+    def layout_rules(cfg: ModelConfig) -> list[Divisible]:
+        moe = cfg.moe
+        assert moe is not None
+        rules = [Divisible("moe.n_experts", moe.n_experts, "ep"), Divisible("moe.d_ff", moe.d_ff)]
+        if moe.n_shared_experts:
+            rules.append(Divisible("the shared-expert width", d_ff_shared_of(moe)))
+        return rules
 
     @staticmethod
     def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

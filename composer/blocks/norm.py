@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer.blocks.split import local
+from composer.blocks.plan import ONES, Init
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
@@ -28,13 +28,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d))
 
+    def init_rules(self) -> dict[str, Init]:
+        return {"weight": ONES}
+
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(_math_dtype(x))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return local(self.weight) * h.to(x.dtype)
+        return self.weight * h.to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -46,6 +49,9 @@ class GatedRMSNorm(nn.Module):
         self.group_size = group_size
         self.weight = nn.Parameter(torch.ones(d))
 
+    def init_rules(self) -> dict[str, Init]:
+        return {"weight": ONES}
+
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         nn.init.ones_(self.weight)
 
@@ -56,7 +62,7 @@ class GatedRMSNorm(nn.Module):
         shape = h.shape
         h = h.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return local(self.weight) * h.view(shape).to(x.dtype)
+        return self.weight * h.view(shape).to(x.dtype)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

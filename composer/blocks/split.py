@@ -17,15 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A part as one whole tensor: DTensor parts are gathered (collective on every rank)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+from composer.blocks.plan import Init, Uniform, init_module
 
 
 class SplitParams(nn.Module):
@@ -47,16 +39,28 @@ class SplitParams(nn.Module):
         return [getattr(self, f"bias_{p}") for p in self.parts] if self.has_bias else []
 
     def fused_weight(self) -> torch.Tensor:
-        """The local fused weight (this rank's rows of every part, in part order)."""
-        return torch.cat([local(w) for w in self.weights()], dim=0)
+        """The fused weight: the parts' rows, in part order."""
+        return torch.cat(self.weights(), dim=0)
 
     def fused_bias(self) -> torch.Tensor | None:
-        return torch.cat([local(b) for b in self.biases()], dim=0) if self.has_bias else None
+        return torch.cat(self.biases(), dim=0) if self.has_bias else None
+
+    def stored_as(self, name: str) -> tuple[str, int]:
+        """Where parameter ``name`` (``weight_<part>``) lives in the state dict: the fused key
+        and the row at which the part starts."""
+        kind, _, part = name.partition("_")
+        tensors = self.weights() if kind == "weight" else self.biases()
+        row = 0
+        for p, t in zip(self.parts, tensors, strict=True):
+            if p == part:
+                return kind, row
+            row += t.shape[0]
+        raise KeyError(name)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         for kind, tensors in (("weight", self.weights()), ("bias", self.biases())):
             if tensors:
-                fused = torch.cat([_full(t) for t in tensors], dim=0)
+                fused = torch.cat(tensors, dim=0)
                 destination[prefix + kind] = fused if keep_vars else fused.detach()
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: Any,
@@ -96,12 +100,6 @@ class SplitLinear(SplitParams):
     def __init__(self, d_in: int, sizes: dict[str, int], bias: bool) -> None:
         super().__init__(sizes, (d_in,), bias)
 
-    def reset_parameters(self, std: float, generator: torch.Generator | None) -> None:
-        for w in self.weights():
-            nn.init.normal_(w, 0.0, std, generator=generator)
-        for b in self.biases():
-            nn.init.zeros_(b)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.fused_weight(), self.fused_bias())
 
@@ -113,11 +111,13 @@ class SplitCausalConv1d(SplitParams):
         super().__init__(sizes, (1, kernel), bias)
         self.kernel = kernel
 
-    def reset_parameters(self, generator: torch.Generator | None) -> None:
+    def init_rules(self) -> dict[str, Init]:
         # PyTorch's Conv1d default for a depthwise conv: U(+-1/sqrt(fan_in)), fan_in = K.
         bound = 1.0 / math.sqrt(self.kernel)
-        for t in self.weights() + self.biases():
-            nn.init.uniform_(t, -bound, bound, generator=generator)
+        return {"*": Uniform(-bound, bound)}
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        init_module(self, generator)
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
         t = x_BTC.shape[1]

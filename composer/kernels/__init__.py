@@ -2,7 +2,7 @@
 
 | hook (block)                  | kernel (package)                            | torch path        |
 |-------------------------------|---------------------------------------------|-------------------|
-| ``mamba_scan`` (Mamba-2 scan) | ``mamba_chunk_scan_combined`` (mamba_ssm)   | ``blocks.ssd``    |
+| ``mamba_scan`` (Mamba-2 scan) | ``mamba_chunk_scan_combined`` (mamba_ssm)   | ``kernels.ssd``   |
 | ``conv_silu`` (Mamba-2 conv)  | ``causal_conv1d_fn`` (causal_conv1d)        | the conv module   |
 | ``sdpa_context`` (attention)  | SDPA flash / cuDNN / efficient (torch)      | SDPA's own choice |
 | ``te_linear`` (nn.Linear)     | ``te.pytorch.Linear`` (transformer_engine)  | ``F.linear``      |

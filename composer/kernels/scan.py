@@ -25,8 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from composer.blocks.ssd import ssd_scan
 from composer.kernels import probe
+from composer.kernels.ssd import ssd_scan
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NO_LIMIT = (0.0, float("inf"))
@@ -57,7 +57,7 @@ def ssd_scan_torch(
     initial_state_BHPN: torch.Tensor | None = None,
     return_final_state: bool = False,
 ) -> ScanOut:
-    """Torch path: the mixer's dt arithmetic, then :func:`composer.blocks.ssd.ssd_scan` in chunks
+    """Torch path: the mixer's dt arithmetic, then :func:`composer.kernels.ssd.ssd_scan` in chunks
     of at most :data:`TORCH_CHUNK` steps (``chunk_size`` is the kernel's tile, not part of the
     math)."""
     dtype = _compute_dtype(x_BTHP)

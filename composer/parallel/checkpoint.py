@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from composer.specs.builder import CONFIG_FILE
+from composer.blocks.plan import named_state
+from composer.checkpoint import CONFIG_FILE
 
 LATEST = "latest"
 
@@ -43,12 +44,7 @@ def _rank0() -> bool:
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by name (DTensors under parallelism)."""
-    state: dict[str, torch.Tensor] = dict(model.named_parameters())
-    for module_name, module in model.named_modules():
-        for name, buf in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                state[f"{module_name}.{name}" if module_name else name] = buf
-    return state
+    return dict(named_state(model))
 
 
 def is_training_checkpoint(folder: Path) -> bool:

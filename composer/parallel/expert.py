@@ -1,5 +1,10 @@
 """Expert parallel (EP): each rank of a 1-D ``ep`` mesh holds ``E / ep`` of an MoE's experts.
 
+Applied from outside the block: the MoE's plan names its expert group (``experts``) and its token
+sums; :func:`apply_ep` shards the group's weights and swaps in :class:`ExpertParallelExperts`
+(the same computation behind an all-to-all there and back) and a :class:`GlobalSum` for the
+statistics. The MoE's forward is unchanged.
+
 Layout (GShard, Lepikhin et al. 2020; as Megatron-Core and torchtitan): the routed-expert weights
 ``experts.{gate_proj, up_proj, down_proj}`` become DTensors with ``Shard(0)`` on the ep mesh, so
 expert ``e`` lives on ep rank ``e // (E / ep)`` while the global shape stays ``[E, ...]`` (a DCP
@@ -33,18 +38,16 @@ E experts, P ep ranks, L = E / P local experts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 
-from composer.blocks.moe import Experts, MoE
-
-EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+from composer.blocks.plan import TokenSum
+from composer.parallel.comm import AllReduceSum, ScaleGrad
+from composer.parallel.tensor import distribute_param, install_local_views
 
 
 def expert_grad_scale(ep: int) -> float:
@@ -63,32 +66,34 @@ def expert_grad_scale(ep: int) -> float:
     return 1.0 / ep
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over a group; the backward sums the gradients too (every rank's loss uses the sum)."""
+class GlobalSum(TokenSum):
+    """A :class:`TokenSum` that sums over ``group`` (differentiably: its backward sums the
+    gradients too), after scaling the gradient by ``grad_scale`` (``1 / tp``: every tp rank
+    computes the same statistics while the weights behind them sum their gradients over tp)."""
 
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,
-                group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group  # type: ignore[attr-defined]
-        y = x.clone()
-        dist.all_reduce(y, group=group)
-        return y
+    group: dist.ProcessGroup | None = None
+    grad_scale: float = 1.0
 
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,
-                 grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)  # type: ignore[attr-defined]
-        return grad, None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grad_scale != 1.0:
+            x = ScaleGrad.apply(x, self.grad_scale)
+        if self.group is not None:
+            x = AllReduceSum.apply(x, self.group)
+        return x
+
+
+def make_global(token_sum: nn.Module, group: dist.ProcessGroup | None = None,
+                grad_scale: float | None = None) -> None:
+    """Turn a :class:`TokenSum` into a :class:`GlobalSum` (or update one)."""
+    token_sum.__class__ = GlobalSum
+    if group is not None:
+        token_sum.group = group
+    if grad_scale is not None:
+        token_sum.grad_scale = grad_scale
 
 
 class ExpertParallel:
-    """What ``MoE.forward`` consults once :func:`apply_ep` has sharded its experts.
-
-    A plain object, not a module: it adds no state-dict keys. The ep group's ranks must call
-    every forward (and, when they train, every backward) of this MoE together, since both hold
-    collectives, even when a rank has no token for another.
-    """
+    """The ep group of one expert module: its mesh, group and local expert count."""
 
     def __init__(self, ep_mesh: DeviceMesh, n_experts: int) -> None:
         if ep_mesh.ndim != 1:
@@ -100,59 +105,70 @@ class ExpertParallel:
             raise ValueError(f"moe.n_experts ({n_experts}) is not divisible by ep ({self.size})")
         self.n_local = n_experts // self.size
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Differentiable sum over the ep group (the load-balancing statistics)."""
-        if self.size == 1:
-            return x
-        return _AllReduceSum.apply(x, self.group)
 
-    def run_experts(self, experts: Experts, x_AD: torch.Tensor,
-                    n_tokens_E: torch.Tensor) -> torch.Tensor:
-        """Outputs for the rows ``x_AD`` (sorted by global expert, ``n_tokens_E`` per expert),
-        computed on the ranks that hold their experts and returned in the same row order."""
-        P, L = self.size, self.n_local
+class ExpertParallelExperts(nn.Module):
+    """Mixed in front of an experts class: the rows (sorted by global expert, ``n_tokens_E``
+    per expert) go to the ranks holding their experts, are computed there by the original
+    class's forward on the local experts, and come back in the same order.
+
+    The ep group's ranks must call every forward (and, when they train, every backward) of this
+    module together, since both hold collectives, even when a rank has no token for another.
+    """
+
+    ep: ExpertParallel
+
+    def forward(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
+        ep = self.ep
+        P, L = ep.size, ep.n_local
         send_PL = n_tokens_E.reshape(P, L).contiguous()
         recv_PL = torch.empty_like(send_PL)
-        dist.all_to_all_single(recv_PL.view(-1), send_PL.view(-1), group=self.group)
+        dist.all_to_all_single(recv_PL.view(-1), send_PL.view(-1), group=ep.group)
         # One host sync for all split sizes: the collectives and the expert loop need ints.
         send_counts_PL, recv_counts_PL = torch.stack([send_PL, recv_PL]).cpu().unbind(0)
         send_P, recv_P = send_counts_PL.sum(1).tolist(), recv_counts_PL.sum(1).tolist()
-        x_RD = funcol.all_to_all_single_autograd(x_AD.contiguous(), recv_P, send_P, self.group)
+        x_RD = funcol.all_to_all_single_autograd(x_AD.contiguous(), recv_P, send_P, ep.group)
 
-        # Arrived rows are grouped by (source rank, local expert); Experts wants them by expert.
+        # Arrived rows are grouped by (source rank, local expert); the experts want them by
+        # expert.
         local_R = torch.arange(L).repeat(P).repeat_interleave(recv_counts_PL.flatten())
         order_R = torch.argsort(local_R, stable=True).to(x_AD.device)
-        y_sorted_RD = experts(x_RD[order_R], recv_counts_PL.sum(0).tolist())
+        y_sorted_RD = super().forward(x_RD[order_R], recv_counts_PL.sum(0))
         y_RD = torch.empty_like(y_sorted_RD).index_copy(0, order_R, y_sorted_RD)
-        return funcol.all_to_all_single_autograd(y_RD, send_P, recv_P, self.group)
+        return funcol.all_to_all_single_autograd(y_RD, send_P, recv_P, ep.group)
 
 
-def apply_ep(moe: MoE, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> None:
-    """Shard ``moe``'s routed experts over the 1-D ``ep_mesh`` and route through all-to-all.
+_EP_CLASSES: dict[type, type] = {}
+
+
+def _ep_class(cls: type) -> type:
+    if cls not in _EP_CLASSES:
+        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {})
+    return _EP_CLASSES[cls]
+
+
+def apply_ep(moe: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> None:
+    """Shard the expert group of ``moe`` (its plan's ``experts``) over the 1-D ``ep_mesh`` and
+    route through all-to-all; its token sums become sums over the ep group.
 
     With ``ep_tp_mesh`` (the 2-D ``("ep", "tp")`` mesh) each expert's hidden units are also split
     over tp (expert-tensor parallel), ``[Shard(0), Shard(hidden dim)]``.
 
-    Expert weights become ``Shard(0)`` DTensors made from each rank's full tensor; with the default
-    ``src_data_rank`` the values of the mesh's first rank win, so build the model with the same
-    seed everywhere (or load a checkpoint afterwards). Call it once per MoE.
+    Each rank keeps its own chunk of its own weights (no communication): on the meta device
+    before initialisation, or with the same full weights on every rank. Call it once per MoE.
     """
-    if moe.ep is not None:
+    plan = moe.parallel_plan()
+    experts = moe.get_submodule(plan.experts)
+    if isinstance(experts, ExpertParallelExperts):
         raise ValueError("apply_ep was already applied to this MoE")
-    ep = ExpertParallel(ep_mesh, moe.moe.n_experts)
-    for name in EXPERT_WEIGHTS:
-        w = getattr(moe.experts, name, None)
-        if w is None:  # gate_proj exists only for gated activations
-            continue
+    n_experts = next(iter(experts.parameters())).shape[0]
+    for name, _ in list(experts.named_parameters(recurse=False)):
         if ep_tp_mesh is None:
-            dt = distribute_tensor(w.detach(), ep_mesh, [Shard(0)])
+            distribute_param(experts, name, ep_mesh, [Shard(0)])
         else:  # with tensor parallel too: experts over ep, each expert's hidden units over tp
-            hidden = 2 if name == "down_proj" else 1
-            dt = distribute_tensor(w.detach(), ep_tp_mesh, [Shard(0), Shard(hidden)])
-        setattr(moe.experts, name, nn.Parameter(dt, requires_grad=w.requires_grad))
-    moe.ep = ep
-
-
-def sum_over(group: dist.ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A differentiable sum over ``group`` (for the load-balancing statistics over dp)."""
-    return lambda x: _AllReduceSum.apply(x, group)
+            hidden = plan.expert_hidden[name]
+            distribute_param(experts, name, ep_tp_mesh, [Shard(0), Shard(hidden)])
+    experts.__class__ = _ep_class(type(experts))
+    experts.ep = ExpertParallel(ep_mesh, n_experts)
+    install_local_views(experts)
+    for name in plan.token_sums:
+        make_global(moe.get_submodule(name), group=ep_mesh.get_group())

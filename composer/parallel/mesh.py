@@ -12,14 +12,17 @@ flattened ``"dp"`` (= dp_outer x ep) used by data parallelism for non-expert par
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from composer.config import ConfigError, ModelConfig
+from composer.blocks.plan import LayoutRule
+from composer.config import ConfigError
 
 
 class LayoutError(ConfigError):
@@ -36,6 +39,10 @@ class ParallelConfig:
     sequence_parallel: bool = True
     pp: int = 1
     cp: int = 1
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward instead of keeping them."""
+    compile: bool = False
+    """``torch.compile`` each layer (after the plans, before data parallel)."""
 
 
 @dataclass
@@ -50,6 +57,12 @@ class ParallelDims:
     dp_mesh: DeviceMesh | None = None
     """The flattened ``dp_outer x ep`` dimension (kept here: slicing it from the root mesh is
     deprecated)."""
+    device: torch.device = torch.device("cpu")
+    """Where this rank's tensors live (``cuda:LOCAL_RANK`` with NCCL, the CPU with gloo)."""
+    activation_checkpointing: bool = False
+    compile: bool = False
+    tp_context: Any = None
+    """The tensor-parallel state once applied (``composer.parallel.tensor.TPContext``)."""
 
     @property
     def dp_outer(self) -> int:
@@ -85,50 +98,51 @@ def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
         raise LayoutError(f"ep ({pc.ep}) must divide dp*cp ({dp * pc.cp}): experts are spread "
                           "over the data-parallel ranks")
     return ParallelDims(tp=pc.tp, ep=pc.ep, dp=dp, dp_mode=pc.dp_mode,
-                        sequence_parallel=pc.sequence_parallel, world_size=world_size)
+                        sequence_parallel=pc.sequence_parallel, world_size=world_size,
+                        activation_checkpointing=pc.activation_checkpointing,
+                        compile=pc.compile)
 
 
-def check_model(dims: ParallelDims, cfg: ModelConfig) -> None:
-    """Divisibility of the model's heads, groups and experts by the layout."""
-    tp, symbols = dims.tp, set(cfg.parsed.layers)
-    checks: list[tuple[str, int, int]] = []
-    if "*" in symbols and cfg.attention is not None:
-        a = cfg.attention
-        kv = a.n_kv_heads or a.n_heads
-        checks.append(("attention.n_heads", a.n_heads, tp))
-        if kv % tp and tp % kv:
-            raise LayoutError(f"attention.n_kv_heads ({kv}) and tp ({tp}) must divide one "
-                              "another (kv heads are split, or replicated when fewer than tp)")
-    if "M" in symbols and cfg.mamba is not None:
-        checks += [("mamba.n_heads", cfg.mamba.n_heads, tp),
-                   ("mamba.n_groups", cfg.mamba.n_groups, tp)]
-        if cfg.mamba.norm_group_size is not None:
-            d_inner = cfg.mamba.n_heads * cfg.mamba.d_head
-            if (d_inner // tp) % cfg.mamba.norm_group_size:
-                raise LayoutError(f"mamba.norm_group_size ({cfg.mamba.norm_group_size}) must "
-                                  f"divide the per-rank inner width ({d_inner // tp})")
-    if "-" in symbols and cfg.mlp is not None:
-        checks.append(("mlp.d_ff", cfg.mlp.d_ff, tp))
-    if "E" in symbols and cfg.moe is not None:
-        checks += [("moe.n_experts", cfg.moe.n_experts, dims.ep), ("moe.d_ff", cfg.moe.d_ff, tp)]
-        if cfg.moe.n_shared_experts:
-            shared = cfg.moe.d_ff_shared or cfg.moe.d_ff * cfg.moe.n_shared_experts
-            checks.append(("the shared-expert width", shared, tp))
-    for what, value, size in checks:
-        if value % size:
-            dim = "ep" if what == "moe.n_experts" else "tp"
-            raise LayoutError(f"{what} ({value}) is not divisible by {dim} ({size})")
+def check_layout(dims: ParallelDims, rules: Iterable[LayoutRule]) -> None:
+    """Every divisibility rule the model's kinds declare (heads, groups, widths, experts by tp
+    and ep); the first broken one as a one-line :class:`LayoutError`."""
+    sizes = {"tp": dims.tp, "ep": dims.ep, "dp": dims.dp}
+    for rule in rules:
+        problem = rule.problem(sizes)
+        if problem:
+            raise LayoutError(problem)
 
 
-def build_parallel_dims(pc: ParallelConfig, cfg: ModelConfig | None = None) -> ParallelDims:
-    """Resolve the layout for the current process group and build the mesh (if world > 1)."""
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto``: CUDA when available; under torchrun each rank takes ``cuda:LOCAL_RANK``."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda; got {name!r}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def build_parallel_dims(pc: ParallelConfig, device: str | torch.device | None = None
+                        ) -> ParallelDims:
+    """Resolve the layout for the current process group and build the mesh (if world > 1).
+
+    ``device``: ``auto``/``cpu``/``cuda`` or a device; by default the process group's (CUDA
+    under NCCL, else the CPU) or, without one, ``auto``."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = resolve_layout(pc, world)
-    if cfg is not None:
-        check_model(dims, cfg)
+    if device is None:
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        device = "cuda" if nccl else ("cpu" if dist.is_initialized() else "auto")
+    dims.device = resolve_device(device) if isinstance(device, str) else torch.device(device)
     if world > 1:
-        device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(device, (dims.dp_outer, dims.ep, dims.tp),
+        if (dims.device.type == "cuda") != (dist.get_backend() == "nccl"):
+            raise LayoutError(f"device {dims.device} does not match the process group's "
+                              f"{dist.get_backend()} backend (NCCL for CUDA, gloo for the CPU)")
+        mesh = init_device_mesh(dims.device.type, (dims.dp_outer, dims.ep, dims.tp),
                                 mesh_dim_names=("dp_outer", "ep", "tp"))
         dims.dp_mesh = mesh["dp_outer", "ep"]._flatten("dp")
         dims.mesh = mesh

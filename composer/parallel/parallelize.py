@@ -1,39 +1,61 @@
-"""Apply the parallel layout to a built model, in one documented order (DESIGN §5):
-tensor + sequence parallel, then expert parallel, then data parallel (FSDP2 or replicate).
-Pipeline and context parallelism, activation checkpointing and compile will slot in between.
+"""Apply the parallel layout to a model, in one documented order (DESIGN §5):
 
-Every rank must hold the same full weights before this runs (build with the same seed, or load
-the same portable checkpoint); the plans then keep each rank's shards.
+1. tensor + sequence parallel (``tensor.py``: the blocks' plans, vocab-parallel embedding/head),
+2. expert parallel (``expert.py``: the expert groups the plans name) and global token sums,
+3. [context parallel: reserved],
+4. activation checkpointing (``--activation-checkpointing``: each layer recomputed in backward),
+5. compile (``--compile``: each layer, same keys),
+6. data parallel (``data.py``: FSDP2 sharded, or FSDP2-style replicate).
+
+Run it on the meta device (``build_model(cfg, device="meta")``): nothing is allocated, and each
+rank then materialises only its own shards (``to_empty`` + ``composer.specs.init``). It also works
+on a materialised model whose ranks hold the same full weights (each keeps its chunk).
 """
 
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed._composable.checkpoint_activation import checkpoint
 
-from composer.parallel.data import apply_fsdp
+from composer.parallel.data import apply_fsdp, apply_replicate
+from composer.parallel.expert import apply_ep, make_global
 from composer.parallel.mesh import ParallelDims
 from composer.parallel.tensor import TPContext, apply_tp
 
 
-def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    if dims.mesh is None:
-        return model
-    moes = [layer.mixer for layer in model.layers.values() if hasattr(layer.mixer, "experts")]
-    if dims.tp > 1:
-        tp_mesh = dims.mesh["tp"]
-        apply_tp(model, TPContext(mesh=tp_mesh, group=tp_mesh.get_group(), size=dims.tp,
-                                  rank=tp_mesh.get_local_rank(),
-                                  sequence_parallel=dims.sequence_parallel,
-                                  experts_on_ep=dims.ep > 1))
-    if moes and dims.dp > 1:
-        from composer.parallel.expert import apply_ep, sum_over
+def _moes(model: nn.Module) -> list[nn.Module]:
+    out = []
+    for layer in model.layers.values():
+        plan = layer.mixer.parallel_plan() if hasattr(layer.mixer, "parallel_plan") else None
+        if plan is not None and plan.experts is not None:
+            out.append(layer.mixer)
+    return out
 
-        for moe in moes:
+
+def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
+    if dims.mesh is not None and dims.tp > 1:
+        tp_mesh = dims.mesh["tp"]
+        dims.tp_context = TPContext(mesh=tp_mesh, group=tp_mesh.get_group(), size=dims.tp,
+                                    rank=tp_mesh.get_local_rank(),
+                                    sequence_parallel=dims.sequence_parallel,
+                                    experts_on_ep=dims.ep > 1)
+        apply_tp(model, dims.tp_context)
+    if dims.mesh is not None:
+        for moe in _moes(model):
             if dims.ep > 1:
                 apply_ep(moe, dims.mesh["ep"], dims.mesh["ep", "tp"] if dims.tp > 1 else None)
-            # the load-balancing loss of the global batch, not of each rank's share
-            moe.stats_reduce = sum_over(dims.dp_mesh.get_group())
-    if dims.dp > 1 and dims.dp_mode == "shard":
-        apply_fsdp(model, dims)
-    model.parallel_dims = dims
+            # the load-balancing statistics of the global batch, not of each rank's share; every
+            # tp rank computes them whole while the router sums its gradients over tp
+            group = dims.dp_mesh.get_group() if dims.dp > 1 else None
+            for name in moe.parallel_plan().token_sums:
+                make_global(moe.get_submodule(name), group=group, grad_scale=1.0 / dims.tp)
+    if dims.activation_checkpointing:
+        for layer in model.layers.values():
+            checkpoint(layer)
+    if dims.compile:
+        from composer.kernels import compile_layers
+
+        compile_layers(model)
+    if dims.dp > 1:
+        (apply_fsdp if dims.dp_mode == "shard" else apply_replicate)(model, dims)
     return model

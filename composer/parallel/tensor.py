@@ -1,7 +1,10 @@
-"""Tensor and sequence parallelism (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022).
+"""Tensor and sequence parallelism (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022),
+applied from outside the blocks by reading the plans they declare (``composer/blocks/plan.py``).
 
-Weights are DTensors on the ``tp`` mesh dimension so that FSDP2 composes with them and DCP sees
-layout-independent global shapes; the math runs on their local shards with explicit collectives:
+Weights become DTensors on the ``tp`` mesh dimension so that FSDP2 composes with them and DCP sees
+layout-independent global shapes; the blocks' math runs on the local shards (a forward hook puts
+each module's local tensors in place of its DTensor parameters for the duration of its forward)
+with explicit collectives around each mixer:
 
     residual stream   [B, T/tp, D] per rank (sequence parallel) or [B, T, D] replicated
     enter a mixer     all-gather over T (SP)        | identity, all-reduce of the grad (no SP)
@@ -9,28 +12,34 @@ layout-independent global shapes; the math runs on their local shards with expli
     row parallel      local input features -> partial sums
     leave a mixer     reduce-scatter over T (SP)    | all-reduce (no SP)
 
-Each block's plan lives in :func:`apply_tp` next to the mapping from block to plan. Replicated
-weights whose per-rank gradients are partial sums (norms under SP, qk-norms, the router,
-replicated kv projections, row-parallel biases added on rank 0) are marked and summed over ``tp``
-by :func:`reduce_tp_grads` before the optimizer step. The vocabulary is split unevenly when it
-does not divide ``tp`` (DTensor's chunking); padding exists only inside the logits gather.
+Module swaps that live here: row-parallel linears (bias added on one rank), head-selecting
+linears (fewer kv heads than ranks), the vocabulary-parallel embedding and readout (head + loss,
+never gathering the logits for the loss). Replicated weights whose per-rank gradients are partial
+sums (norms under SP, qk-norms, the router, replicated kv projections, row-parallel biases) are
+recorded and summed over ``tp`` by :func:`reduce_tp_grads`, in buckets. The vocabulary is split
+unevenly when it does not divide ``tp`` (DTensor's chunking); padding exists only inside the
+logits gather.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import fnmatch
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from composer.blocks.split import local
+from composer.blocks.model import Readout, shift_labels
+from composer.blocks.plan import ParallelPlan
+from composer.parallel.comm import all_gather, all_reduce_coalesced, reduce_scatter
 
 PARTIAL = "partial"  # grads are partial sums on every forward
 PARTIAL_IF_SP = "partial_if_sp"  # partial under sequence parallel, identical otherwise
+IGNORE_INDEX = -100
 
 
 @dataclass
@@ -44,6 +53,8 @@ class TPContext:
     """Whether the latest forward ran sequence parallel (it needs T divisible by tp)."""
     experts_on_ep: bool = False
     """Expert parallelism will shard routed experts on the 2-D ep x tp mesh; leave them."""
+    grad_kinds: dict[str, str] = field(default_factory=dict)
+    """Parameter name -> PARTIAL / PARTIAL_IF_SP, for :func:`reduce_tp_grads`."""
 
     def sp_active(self, t: int) -> bool:
         return self.sequence_parallel and t % self.size == 0
@@ -55,35 +66,19 @@ class TPContext:
         return _Leave.apply(y, self, self.last_sp)
 
 
-# ---------------------------------------------------------------- collectives with autograd
-
-
-def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int,
-                    rank: int) -> torch.Tensor:
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)  # gloo has no reduce-scatter; NCCL users could swap it in
-    return x.chunk(size, dim=dim)[rank].contiguous()
-
-
 class _Enter(torch.autograd.Function):
     """Into a mixer: all-gather the sequence (SP) or pass through (no SP); backward reduces."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: TPContext, sp: bool) -> torch.Tensor:
         ctx.tp, ctx.sp = tp, sp
-        return _all_gather(x, 1, tp.group, tp.size) if sp else x
+        return all_gather(x, 1, tp.group, tp.size) if sp else x
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         tp = ctx.tp
         if ctx.sp:
-            return _reduce_scatter(g, 1, tp.group, tp.size, tp.rank), None, None
+            return reduce_scatter(g, 1, tp.group, tp.size, tp.rank), None, None
         g = g.contiguous()
         dist.all_reduce(g, group=tp.group)
         return g, None, None
@@ -96,7 +91,7 @@ class _Leave(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, tp: TPContext, sp: bool) -> torch.Tensor:
         ctx.tp, ctx.sp = tp, sp
         if sp:
-            return _reduce_scatter(y, 1, tp.group, tp.size, tp.rank)
+            return reduce_scatter(y, 1, tp.group, tp.size, tp.rank)
         y = y.contiguous().clone()
         dist.all_reduce(y, group=tp.group)
         return y
@@ -104,34 +99,7 @@ class _Leave(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         tp = ctx.tp
-        return (_all_gather(g, 1, tp.group, tp.size) if ctx.sp else g), None, None
-
-
-class _AllReduce(torch.autograd.Function):
-    """Sum over ranks in the forward; the gradient passes through unchanged."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return g, None
-
-
-class _Scatter(torch.autograd.Function):
-    """Keep this rank's chunk of dim 1; the backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
-        ctx.tp = tp
-        return x.chunk(tp.size, dim=1)[tp.rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return _all_gather(g, 1, ctx.tp.group, ctx.tp.size), None
+        return (all_gather(g, 1, tp.group, tp.size) if ctx.sp else g), None, None
 
 
 class _GatherLast(torch.autograd.Function):
@@ -141,9 +109,9 @@ class _GatherLast(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, tp: TPContext, sizes: list[int]) -> torch.Tensor:
         ctx.tp, ctx.sizes = tp, sizes
         width = max(sizes)
-        padded = F.pad(x, (0, width - x.shape[-1]))
-        parts = _all_gather(padded, -1, tp.group, tp.size).split(width, dim=-1)
-        return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], dim=-1)
+        padded = F.pad(x, (0, width - x.shape[-1])).movedim(-1, 0)
+        parts = all_gather(padded, 0, tp.group, tp.size).split(width, dim=0)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)], 0).movedim(0, -1)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -151,51 +119,51 @@ class _GatherLast(torch.autograd.Function):
         return g[..., start:start + ctx.sizes[ctx.tp.rank]].contiguous(), None, None
 
 
-def enter(x: torch.Tensor, tp: TPContext, sp: bool) -> torch.Tensor:
-    return _Enter.apply(x, tp, sp)
+# ---------------------------------------------------------------- local views of DTensors
 
 
-def leave(y: torch.Tensor, tp: TPContext, sp: bool) -> torch.Tensor:
-    return _Leave.apply(y, tp, sp)
+def _use_local(module: nn.Module, args: tuple) -> None:
+    for name, p in module._parameters.items():
+        if isinstance(p, DTensor):
+            module.__dict__[name] = p.to_local()  # shadows the parameter for this forward
 
 
-def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _AllReduce.apply(x, group)
+def _drop_local(module: nn.Module, args: tuple, out: object) -> None:
+    for name in module._parameters:
+        module.__dict__.pop(name, None)
 
 
-def scatter_seq(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
-    return _Scatter.apply(x, tp)
-
-
-def gather_seq(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
-    """All-gather the sequence; the backward reduce-scatters (the consumers' grads are partial)."""
-    return _Enter.apply(x, tp, True)
-
-
-def gather_vocab(x: torch.Tensor, tp: TPContext, sizes: list[int]) -> torch.Tensor:
-    return _GatherLast.apply(x, tp, sizes)
-
-
-# ---------------------------------------------------------------- parallel linear layers
-
-
-def distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placement,
-                     grad: str | None = None) -> None:
-    """Replace ``module.<name>`` by a DTensor parameter with ``placement`` on ``mesh``."""
-    p = getattr(module, name)
-    if p is None or hasattr(p, "to_local"):
+def install_local_views(module: nn.Module) -> None:
+    """During ``module``'s forward, its DTensor parameters read as their local shards (through
+    ``to_local``, so gradients reach the DTensors). Once per module."""
+    if getattr(module, "_composer_local_views", False):
         return
-    new = nn.Parameter(distribute_tensor(p.data, mesh, [placement]), requires_grad=p.requires_grad)
+    module.register_forward_pre_hook(_use_local)
+    module.register_forward_hook(_drop_local, always_call=True)
+    module._composer_local_views = True
+
+
+def install_all_local_views(root: nn.Module) -> None:
+    for module in root.modules():
+        if any(isinstance(p, DTensor) for p in module._parameters.values()):
+            install_local_views(module)
+
+
+# ---------------------------------------------------------------- placing parameters
+
+
+def distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placements: list,
+                     grad: str | None = None) -> None:
+    """Replace ``module.<name>`` by a DTensor parameter with ``placements`` on ``mesh`` (on the
+    meta device no memory is touched; each rank keeps its own chunk, no communication)."""
+    p = getattr(module, name)
+    if p is None or isinstance(p, DTensor):
+        return
+    new = nn.Parameter(distribute_tensor(p.data, mesh, placements, src_data_rank=None),
+                       requires_grad=p.requires_grad)
     if grad is not None:
         new._tp_grad = grad  # type: ignore[attr-defined]
     module.register_parameter(name, new)
-
-
-class ColumnParallelLinear(nn.Linear):
-    """Output features split over ``tp``: weight ``Shard(0)``, bias ``Shard(0)``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, local(self.weight), local(self.bias) if self.bias is not None else None)
 
 
 class RowParallelLinear(nn.Linear):
@@ -205,35 +173,84 @@ class RowParallelLinear(nn.Linear):
     tp_rank: int = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = local(self.bias) if self.bias is not None and self.tp_rank == 0 else None
-        y = F.linear(x, local(self.weight))
+        y = F.linear(x, self.weight)
         if self.bias is not None:
-            y = y + (bias if bias is not None else 0.0 * local(self.bias))
+            y = y + (self.bias if self.tp_rank == 0 else 0.0 * self.bias)
         return y
 
 
-def to_column(linear: nn.Linear, tp: TPContext) -> None:
-    linear.__class__ = ColumnParallelLinear
-    distribute_param(linear, "weight", tp.mesh, Shard(0))
-    distribute_param(linear, "bias", tp.mesh, Shard(0))
+class HeadSelectLinear(nn.Linear):
+    """A replicated linear of which this rank computes only rows ``rows`` (its head)."""
+
+    rows: tuple[int, int] = (0, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.rows
+        bias = self.bias[lo:hi] if self.bias is not None else None
+        return F.linear(x, self.weight[lo:hi], bias)
 
 
-def to_row(linear: nn.Linear, tp: TPContext) -> None:
-    linear.__class__ = RowParallelLinear
-    linear.tp_rank = tp.rank
-    distribute_param(linear, "weight", tp.mesh, Shard(1))
-    distribute_param(linear, "bias", tp.mesh, Replicate(), grad=PARTIAL)
+def _swap(module: nn.Module, cls: type) -> None:
+    if type(module) is not nn.Linear and not issubclass(cls, type(module)):
+        raise TypeError(f"cannot make {type(module).__name__} a {cls.__name__}")
+    module.__class__ = cls
 
 
-def to_replicated(module: nn.Module, names: tuple[str, ...], tp: TPContext, grad: str) -> None:
-    for name in names:
-        distribute_param(module, name, tp.mesh, Replicate(), grad=grad)
+def _params(module: nn.Module, pattern: str) -> list[tuple[nn.Module, str]]:
+    out = []
+    for name, _ in module.named_parameters():
+        if fnmatch.fnmatchcase(name, pattern):
+            prefix, _, leaf = name.rpartition(".")
+            out.append((module.get_submodule(prefix) if prefix else module, leaf))
+    return out
 
 
-def to_replicated_linear(linear: nn.Linear, tp: TPContext, grad: str) -> None:
-    """A linear every rank computes whole (e.g. kv projections when kv heads < tp)."""
-    linear.__class__ = ColumnParallelLinear
-    to_replicated(linear, ("weight", "bias"), tp, grad)
+def apply_plan(module: nn.Module, plan: ParallelPlan, tp: TPContext) -> None:
+    """Place ``module``'s parameters as its plan says (names relative to ``module``)."""
+    mesh = tp.mesh
+    for name in plan.colwise:
+        linear = module.get_submodule(name)
+        distribute_param(linear, "weight", mesh, [Shard(0)])
+        distribute_param(linear, "bias", mesh, [Shard(0)])
+    for name in plan.rowwise:
+        linear = module.get_submodule(name)
+        _swap(linear, RowParallelLinear)
+        linear.tp_rank = tp.rank
+        distribute_param(linear, "weight", mesh, [Shard(1)])
+        distribute_param(linear, "bias", mesh, [Replicate()], grad=PARTIAL)
+    for name, n_heads in plan.heads.items():
+        linear = module.get_submodule(name)
+        if n_heads % tp.size == 0:
+            distribute_param(linear, "weight", mesh, [Shard(0)])
+            distribute_param(linear, "bias", mesh, [Shard(0)])
+            continue
+        _swap(linear, HeadSelectLinear)
+        width = linear.out_features // n_heads
+        head = tp.rank // (tp.size // n_heads)
+        linear.rows = (head * width, (head + 1) * width)
+        for leaf in ("weight", "bias"):
+            distribute_param(linear, leaf, mesh, [Replicate()], grad=PARTIAL)
+    for pattern, dim in plan.shard.items():
+        for owner, leaf in _params(module, pattern):
+            distribute_param(owner, leaf, mesh, [Shard(dim)])
+    for pattern in plan.partial:
+        for owner, leaf in _params(module, pattern):
+            distribute_param(owner, leaf, mesh, [Replicate()], grad=PARTIAL)
+    if plan.experts is not None and not tp.experts_on_ep:
+        experts = module.get_submodule(plan.experts)
+        for leaf, dim in plan.expert_hidden.items():
+            if getattr(experts, leaf, None) is not None:
+                distribute_param(experts, leaf, mesh, [Shard(dim)])
+
+
+def expert_params(mixer: nn.Module) -> set[nn.Parameter]:
+    """The routed-expert parameters of every expert group declared inside ``mixer``."""
+    out: set[nn.Parameter] = set()
+    for module in mixer.modules():
+        plan = module.parallel_plan() if hasattr(module, "parallel_plan") else None
+        if plan is not None and plan.experts is not None:
+            out |= set(module.get_submodule(plan.experts).parameters())
+    return out
 
 
 # ---------------------------------------------------------------- vocabulary parallel
@@ -245,15 +262,22 @@ def vocab_sizes(vocab: int, size: int) -> list[int]:
     return [max(0, min(chunk, vocab - r * chunk)) for r in range(size)]
 
 
-def embed(ids: torch.Tensor, weight: torch.Tensor, tp: TPContext, sp: bool) -> torch.Tensor:
-    """Vocab-parallel lookup: each rank looks up its rows, the partial sums are reduced."""
-    w = local(weight)
-    start = sum(vocab_sizes(weight.shape[0], tp.size)[: tp.rank])
-    inside = (ids >= start) & (ids < start + w.shape[0])
-    rows = (ids - start).clamp(0, max(w.shape[0] - 1, 0))
-    out = F.embedding(rows, w) * inside.unsqueeze(-1).to(w.dtype) if w.shape[0] else \
-        w.new_zeros((*ids.shape, w.shape[1]))
-    return leave(out, tp, sp)
+class VocabParallelEmbedding(nn.Embedding):
+    """Each rank looks up its rows of the vocabulary; the partial sums are reduced (scattered
+    over the sequence under SP). The first op of the model: it decides SP for this forward."""
+
+    tp: TPContext
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        tp.last_sp = tp.sp_active(ids.shape[1])
+        w = self.weight.to_local()
+        start = sum(vocab_sizes(self.weight.shape[0], tp.size)[: tp.rank])
+        inside = (ids >= start) & (ids < start + w.shape[0])
+        rows = (ids - start).clamp(0, max(w.shape[0] - 1, 0))
+        out = F.embedding(rows, w) * inside.unsqueeze(-1).to(w.dtype) if w.shape[0] else \
+            w.new_zeros((*ids.shape, w.shape[1]))
+        return tp.leave(out)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -288,7 +312,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def cross_entropy(logits_local: torch.Tensor, target: torch.Tensor, vocab: int, tp: TPContext,
-                  ignore_index: int = -100) -> torch.Tensor:
+                  ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Mean next-token loss over the non-ignored targets, from vocab-split logits."""
     start = sum(vocab_sizes(vocab, tp.size)[: tp.rank])
     keep = target != ignore_index
@@ -296,65 +320,90 @@ def cross_entropy(logits_local: torch.Tensor, target: torch.Tensor, vocab: int, 
     return (losses * keep).sum() / keep.sum().clamp(min=1)
 
 
-# ---------------------------------------------------------------- gradients
+class VocabParallelReadout(Readout):
+    """The readout with the head split by vocabulary: the loss from the local logits, the logits
+    (when asked for) gathered across ranks."""
 
+    tp: TPContext
 
-def reduce_tp_grads(model: nn.Module) -> None:
-    """Sum over ``tp`` the gradients of replicated weights whose per-rank grads are partial
-    (call after backward, before the optimizer step)."""
-    tp: TPContext | None = getattr(model, "tp", None)
-    if tp is None or tp.size == 1:
-        return
-    kinds: dict[str, str] = getattr(model, "tp_grad_kinds", {})
-    for name, p in model.named_parameters():
-        kind = kinds.get(name)
-        if p.grad is None or kind is None or (kind == PARTIAL_IF_SP and not tp.last_sp):
-            continue
-        dist.all_reduce(local(p.grad), group=tp.group)
+    def forward(self, h_BTD, weight_VD, labels_BT=None, return_logits=False):
+        tp = self.tp
+        vocab = weight_VD.shape[0]
+        h = tp.enter(h_BTD)
+        w = weight_VD.to_local() if isinstance(weight_VD, DTensor) else weight_VD
+        logits_local = F.linear(h, w)
+        if self.logits_scaling != 1.0:
+            logits_local = logits_local / self.logits_scaling
+        logits = None
+        if labels_BT is None or return_logits:
+            logits = _GatherLast.apply(logits_local, tp, vocab_sizes(vocab, tp.size))
+        if labels_BT is None:
+            return None, logits
+        loss = cross_entropy(logits_local.flatten(0, 1), shift_labels(labels_BT).flatten(),
+                             vocab, tp)
+        return loss, logits
 
 
 # ---------------------------------------------------------------- the model under TP
 
 
-def tp_forward(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor | None):
-    """HybridModel.forward with vocab-parallel embedding, head and loss (see the module doc)."""
-    from composer.blocks.model import IGNORE_INDEX, ModelOutput, shift_labels
+def _mixer_enter(tp: TPContext):
+    return lambda module, args: (tp.enter(args[0]), *args[1:])
 
-    cfg, tp = model.config, model.tp
-    tp.last_sp = tp.sp_active(ids.shape[1])
-    x = embed(ids, model.embed.weight, tp, tp.last_sp)
-    if cfg.embedding_multiplier != 1.0:
-        x = x * cfg.embedding_multiplier
-    for layer in model.layers.values():
-        x = layer(x)
-    h = tp.enter(model.final_norm(x))
-    logits_local = F.linear(h, local(model.output_weight()))
-    if cfg.logits_scaling != 1.0:
-        logits_local = logits_local / cfg.logits_scaling
-    if labels is None:
-        return gather_vocab(logits_local, tp, vocab_sizes(cfg.vocab_size, tp.size))
-    loss = cross_entropy(logits_local.flatten(0, 1), shift_labels(labels).flatten(),
-                         cfg.vocab_size, tp, IGNORE_INDEX)
-    aux = model.aux_loss(loss)
-    return ModelOutput(loss=loss + aux, logits=None, aux_loss=aux)
+
+def _mixer_leave(tp: TPContext):
+    return lambda module, args, out: tp.leave(out)
 
 
 def apply_tp(model: nn.Module, tp: TPContext) -> None:
-    """Shard every block over ``tp`` (each block's ``apply_tp``), the norms replicated, the
+    """Shard every layer's mixer by the plans its modules declare, the norms replicated, the
     embedding and head split by vocabulary; record which gradients need a ``tp`` sum."""
-    for layer in model.layers.values():
-        to_replicated(layer.norm, ("weight",), tp, PARTIAL_IF_SP)
-        if not hasattr(layer.mixer, "apply_tp"):
-            from composer.parallel.mesh import LayoutError
+    from composer.parallel.mesh import LayoutError
 
-            raise LayoutError(f"{type(layer.mixer).__name__} (symbol {layer.symbol!r}) has no "
-                              "tensor-parallel plan (apply_tp); use --tp 1")
-        layer.mixer.apply_tp(tp)
-        layer.tp = tp
-    to_replicated(model.final_norm, ("weight",), tp, PARTIAL_IF_SP)
-    distribute_param(model.embed, "weight", tp.mesh, Shard(0))
+    for layer in model.layers.values():
+        distribute_param(layer.norm, "weight", tp.mesh, [Replicate()], grad=PARTIAL_IF_SP)
+        mixer = layer.mixer
+        if not hasattr(mixer, "parallel_plan"):
+            raise LayoutError(f"{type(mixer).__name__} (symbol {layer.symbol!r}) declares no "
+                              "tensor-parallel plan (parallel_plan); use --tp 1")
+        for module in mixer.modules():  # outer plans first: they win
+            if hasattr(module, "parallel_plan"):
+                apply_plan(module, module.parallel_plan(), tp)
+        skip = expert_params(mixer) if tp.experts_on_ep else set()
+        for name, p in mixer.named_parameters():
+            if not isinstance(p, DTensor) and p not in skip:
+                raise LayoutError(f"{type(mixer).__name__} (symbol {layer.symbol!r}): parameter "
+                                  f"{name!r} is not in its parallel plan; use --tp 1")
+        mixer.register_forward_pre_hook(_mixer_enter(tp))
+        mixer.register_forward_hook(_mixer_leave(tp))
+    distribute_param(model.final_norm, "weight", tp.mesh, [Replicate()], grad=PARTIAL_IF_SP)
+    distribute_param(model.embed, "weight", tp.mesh, [Shard(0)])
+    model.embed.__class__ = VocabParallelEmbedding
+    model.embed.tp = tp
+    model.embed._composer_local_views = True  # it reads its shard itself
     if not model.config.tie_embeddings:
-        distribute_param(model.lm_head, "weight", tp.mesh, Shard(0))
-    model.tp = tp
-    model.tp_grad_kinds = {name: p._tp_grad for name, p in model.named_parameters()
-                           if getattr(p, "_tp_grad", None)}
+        distribute_param(model.lm_head, "weight", tp.mesh, [Shard(0)])
+    model.readout.__class__ = VocabParallelReadout
+    model.readout.tp = tp
+    install_all_local_views(model)
+    tp.grad_kinds = {name: p._tp_grad for name, p in model.named_parameters()
+                     if getattr(p, "_tp_grad", None)}
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor:
+    g = p.grad
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
+def reduce_tp_grads(model: nn.Module, tp: TPContext | None) -> None:
+    """Sum over ``tp`` the gradients of replicated weights whose per-rank grads are partial
+    (after backward, before the optimizer step), coalesced into buckets."""
+    if tp is None or tp.size == 1:
+        return
+    grads = []
+    for name, p in model.named_parameters():
+        kind = tp.grad_kinds.get(name)
+        if p.grad is None or kind is None or (kind == PARTIAL_IF_SP and not tp.last_sp):
+            continue
+        grads.append(local_grad(p))
+    all_reduce_coalesced(grads, tp.group)

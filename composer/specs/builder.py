@@ -1,31 +1,37 @@
 """Config -> model: build on the meta device, materialise, seed, count, save and load.
 
-``build_model`` validates the config, builds every block on the meta device (no memory, any size),
-and, unless ``device="meta"``, allocates the weights on ``device`` and initialises them from
-``seed``. Parameter and FLOP counts work on the meta model, so a 56B preset is counted in
-seconds. The portable checkpoint is a folder with ``config.yaml`` and ``model.safetensors``.
+``build_model`` validates the config, builds every layer from its registry record on the meta
+device (no memory, any size) and hands the layers to :class:`HybridModel`; unless
+``device="meta"``, it then allocates the weights on ``device`` and initialises them from ``seed``
+(:func:`composer.specs.init.init_weights`: the same values whatever the layout or device).
+Parameter and FLOP counts work on the meta model, so a 56B preset is counted in seconds.
+Portable checkpoints (``config.yaml`` + ``model.safetensors``) are written and read through
+:mod:`composer.checkpoint`, the one owner of the format.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from composer.blocks.model import HybridModel
+from composer.blocks.plan import named_state
+from composer.checkpoint import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD,
+    DTYPE_NAMES,
+    PlannedTensor,
+    ShardedWriter,
+    TensorSource,
+    atomic_folder,
+    tensor_bytes,
+)
 from composer.config import ConfigError, ModelConfig
-from composer.specs.registry import REGISTRY, layer_kind, mixer_class
-
-CONFIG_FILE = "config.yaml"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from composer.specs.init import init_weights, load_weights, stored_dtypes
+from composer.specs.registry import REGISTRY, build_layer, layer_kind, layout_rules
 
 
 def check_buildable(cfg: ModelConfig) -> None:
@@ -44,7 +50,8 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
     """Build ``cfg``; on ``device="meta"`` no memory is allocated and nothing is initialised."""
     check_buildable(cfg)
     with torch.device("meta"):
-        model = HybridModel(cfg)
+        layers = {i: build_layer(cfg, i, sym) for i, sym in enumerate(cfg.parsed.layers)}
+        model = HybridModel(cfg, layers)
     if torch.device(device).type == "meta":
         return model
     model.to_empty(device=device)
@@ -54,15 +61,12 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
     return model
 
 
-def init_weights(model: HybridModel, seed: int) -> None:
-    """Seeded initialisation, module by module in a fixed order."""
-    device = model.embed.weight.device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        model.reset_parameters(generator)
-        for layer in model.layers.values():
-            layer.norm.reset_parameters()
-            layer.mixer.reset_parameters(generator)
+def check_model(dims, cfg: ModelConfig) -> None:
+    """Divisibility of the model's heads, groups, widths and experts by the layout (every
+    kind's declared rules); a one-line :class:`~composer.parallel.mesh.LayoutError`."""
+    from composer.parallel.mesh import check_layout
+
+    check_layout(dims, layout_rules(cfg))
 
 
 def fp32_names(model: HybridModel) -> set[str]:
@@ -75,12 +79,14 @@ def fp32_names(model: HybridModel) -> set[str]:
 
 
 def cast_model(model: HybridModel, dtype: torch.dtype) -> HybridModel:
-    """Cast floating tensors to ``dtype``, keeping :func:`fp32_names` in fp32."""
+    """Cast floating tensors to ``dtype``, keeping :func:`fp32_names` in at least fp32."""
     keep = fp32_names(model)
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if t.is_floating_point():
-                t.data = t.data.to(torch.float32 if name in keep else dtype)
+                # kept names stay at least fp32 (fp64 stays fp64)
+                t.data = t.data.to(torch.promote_types(dtype, torch.float32) if name in keep
+                                   else dtype)
     return model
 
 
@@ -128,7 +134,7 @@ def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
     total = sum(p.numel() for p in model.parameters())
     assert total == sum(by_kind.values()), "parameter accounting out of step with the model"
     forward = 2 * cfg.d_model * cfg.vocab_size
-    forward += sum(mixer_class(s).flops_per_token(cfg, seq_len) for s in pattern.layers)
+    forward += sum(REGISTRY[s].flops_per_token(cfg, seq_len) for s in pattern.layers)
     return ModelStats(
         n_layers=pattern.n_layers,
         layer_counts=dict(pattern.counts()),
@@ -144,65 +150,57 @@ def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
 # ---------------------------------------------------------------- portable checkpoints
 
 
-def save(model: HybridModel, folder: str | Path, force: bool = False) -> Path:
-    """Write ``config.yaml`` and ``model.safetensors`` atomically (temporary folder, rename)."""
+def write_portable(folder: str | Path, cfg: ModelConfig,
+                   tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                   read: Iterator[tuple[str, torch.Tensor]], force: bool = False,
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD) -> Path:
+    """Write a portable checkpoint atomically: ``tensors`` is the plan (name, dtype, shape) and
+    ``read`` yields the tensors in that order, one at a time (bounded memory)."""
     folder = Path(folder)
-    if folder.exists() and any(folder.iterdir()) and not force:
-        raise FileExistsError(f"{folder} is not empty; pass force=True (--force) to replace it")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        model.config.save(tmp / CONFIG_FILE)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        # mkdtemp makes a private folder; give the result the usual permissions
-        os.chmod(tmp, 0o777 & ~umask)
-        for path in tmp.iterdir():
-            os.chmod(path, 0o666 & ~umask)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    plan = [PlannedTensor(name, DTYPE_NAMES[dtype], tuple(shape)) for name, dtype, shape in tensors]
+    with atomic_folder(folder, force) as tmp:
+        cfg.save(tmp / CONFIG_FILE)
+        writer = ShardedWriter(tmp, plan, max_shard_bytes)  # keeps the plan's order
+        for name, t in read:
+            writer.write(name, tensor_bytes(t.cpu()))
+        writer.close()
     return folder
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / INDEX_FILE
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / name for name in dict.fromkeys(weight_map.values())]
-    if (folder / WEIGHTS_FILE).exists():
-        return [folder / WEIGHTS_FILE]
-    raise FileNotFoundError(f"{folder}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found")
+def save(model: HybridModel, folder: str | Path, force: bool = False,
+         max_shard_bytes: int = DEFAULT_MAX_SHARD) -> Path:
+    """Write ``config.yaml`` and ``model.safetensors`` (sharded with an index past
+    ``max_shard_bytes``) atomically; a single-device model."""
+    state = model.state_dict()
+    plan = [(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
+    return write_portable(folder, model.config, plan, iter(state.items()), force,
+                          max_shard_bytes)
 
 
-def load(folder: str | Path, device: str | torch.device = "cpu") -> HybridModel:
-    """Load a portable checkpoint; every key must match the config, with the right shape."""
+def open_portable(folder: str | Path) -> tuple[ModelConfig, TensorSource]:
     folder = Path(folder)
     if not (folder / CONFIG_FILE).exists():
         raise FileNotFoundError(f"{folder}: no {CONFIG_FILE}; not a composer checkpoint")
-    cfg = ModelConfig.load(folder / CONFIG_FILE)
-    model = build_model(cfg, device="meta")
-    expected = model.state_dict()
-    loaded: dict[str, torch.Tensor] = {}
-    for path in _weight_files(folder):
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            for key in f.keys():
-                if key not in expected:
-                    raise ValueError(f"{path.name}: unexpected tensor {key!r} for this config")
-                tensor = f.get_tensor(key)
-                if tensor.shape != expected[key].shape:
-                    raise ValueError(f"{path.name}: tensor {key!r} has shape "
-                                     f"{list(tensor.shape)}, the config needs "
-                                     f"{list(expected[key].shape)}")
-                loaded[key] = tensor
-    missing = sorted(set(expected) - set(loaded))
-    if missing:
-        more = " ..." if len(missing) > 5 else ""
-        raise ValueError(f"{folder}: missing tensors {missing[:5]}{more}")
-    model.load_state_dict(loaded, strict=True, assign=True)
+    return ModelConfig.load(folder / CONFIG_FILE), TensorSource(folder)
+
+
+def adopt_dtypes(model: HybridModel, source: TensorSource) -> None:
+    """Give the (meta) model's tensors the checkpoint's dtypes, before they are allocated."""
+    dtypes = stored_dtypes(model, source)
+    for name, t in named_state(model):
+        if t.dtype != dtypes[name]:
+            t.data = t.data.to(dtypes[name])
+
+
+def load(folder: str | Path, device: str | torch.device = "cpu") -> HybridModel:
+    """Load a portable checkpoint; every key must match the config, with the right shape. The
+    tensors keep the checkpoint's dtypes."""
+    cfg, source = open_portable(folder)
+    try:
+        model = build_model(cfg, device="meta")
+        adopt_dtypes(model, source)
+        model.to_empty(device=device)
+        load_weights(model, source)
+    finally:
+        source.close()
     return model

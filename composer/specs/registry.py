@@ -1,15 +1,23 @@
-"""The one table from pattern symbol to block spec, per backend (DESIGN §3, §4).
+"""The one table from pattern symbol to everything about its layer kind (DESIGN §3, §5).
 
-A symbol maps to a :class:`LayerKind`: its name, the config section it needs, and a
-:class:`ModuleSpec` per backend (``torch`` always; optional kernel backends may add their own with
-the same parameters and keys). Users register new kinds with :func:`register`; the pattern parser
-then accepts the symbol and the builder builds it. ``G``, ``+`` and ``D`` are recognised by the
-parser but have no entry here, so building them fails with a clear message.
+A symbol maps to a :class:`LayerKind`: its name, the config section it reads (and that
+section's dataclass and validation), its mixer class and a :class:`ModuleSpec` per backend
+(``torch`` always; optional kernel backends may add their own with the same parameters and keys).
+From the record one reaches the kind's parallel plan (the mixer's ``parallel_plan()``), its
+layout rules (``layout_rules(cfg)``), its FLOPs (``flops_per_token(cfg, seq_len)``) and its
+initialisation (``init_rules()``), all declared next to the mixer's code.
+
+Users register new kinds with :func:`register`; the pattern parser then accepts the symbol, the
+config validates and canonicalises its section, the layout checks and the builder know it, and
+``composer build`` counts it, without editing any composer file. ``G``, ``+`` and ``D`` are
+recognised by the parser but have no entry here, so building them fails with a clear message.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -18,9 +26,10 @@ from composer.blocks.layer import Layer
 from composer.blocks.mamba2 import Mamba2Mixer
 from composer.blocks.mlp import MLP
 from composer.blocks.moe import MoE
-from composer.config import ConfigError, ModelConfig
+from composer.blocks.plan import LayoutRule
+from composer.config import SECTIONS, SYMBOL_NEEDS, ConfigError, ModelConfig, register_section
+from composer.pattern import SYMBOLS, register_symbol
 from composer.specs.module_spec import ModuleSpec, build_module
-from composer.specs.pattern import SYMBOLS, register_symbol
 
 
 @dataclass
@@ -28,22 +37,50 @@ class LayerKind:
     symbol: str
     name: str
     section: str | None
-    """The ``ModelConfig`` field this kind reads (``mamba``, ``attention``, ...), if any."""
+    """The ``ModelConfig`` section this kind reads (``mamba``, ``attention``, ...), if any."""
     backends: dict[str, ModuleSpec] = field(default_factory=dict)
+
+    @property
+    def mixer(self) -> type[nn.Module]:
+        return self.backends["torch"].submodules["mixer"].module
+
+    @property
+    def section_type(self) -> type | None:
+        return SECTIONS[self.section].cls if self.section else None
+
+    def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
+        return self.mixer.flops_per_token(cfg, seq_len)
+
+    def layout_rules(self, cfg: ModelConfig) -> list[LayoutRule]:
+        rules = getattr(self.mixer, "layout_rules", None)
+        return list(rules(cfg)) if rules is not None else []
 
 
 REGISTRY: dict[str, LayerKind] = {}
 
 
 def register(symbol: str, name: str, mixer: type[nn.Module], section: str | None = None,
-             backend: str = "torch") -> LayerKind:
+             backend: str = "torch", *, config: type | None = None,
+             validate: Callable[[Any, ModelConfig], None] | None = None) -> LayerKind:
     """Map ``symbol`` to a residual :class:`Layer` around ``mixer`` for ``backend``.
 
-    ``mixer`` is called as ``mixer(cfg, layer_idx)`` and should provide
-    ``reset_parameters(generator)`` and ``flops_per_token(cfg, seq_len)``.
+    ``mixer`` is called as ``mixer(cfg, layer_idx)`` and declares, next to its code,
+    ``init_rules()``, ``flops_per_token(cfg, seq_len)`` (static), and for parallel layouts
+    ``parallel_plan()`` and ``layout_rules(cfg)`` (static); see ``composer/blocks/plan.py``.
+    ``section`` names the config section it reads: an existing one (``mlp``) or, with
+    ``config`` (a dataclass) and an optional ``validate(section, cfg)``, a new one.
     """
+    if section is not None and section not in SECTIONS:
+        if config is None:
+            raise ValueError(f"section {section!r} is not a config section; pass config= (its "
+                             "dataclass) to create it")
+        register_section(section, config, validate)
+    elif config is not None:
+        raise ValueError(f"section {section!r} already exists; config= creates a new one")
     if symbol not in SYMBOLS or symbol not in REGISTRY:
         register_symbol(symbol, name)
+    if section is not None:
+        SYMBOL_NEEDS[symbol] = section
     kind = REGISTRY.setdefault(symbol, LayerKind(symbol, name, section))
     kind.backends[backend] = ModuleSpec(Layer, params={"symbol": symbol},
                                         submodules={"mixer": ModuleSpec(mixer)})
@@ -69,11 +106,19 @@ def layer_spec(symbol: str, backend: str = "torch") -> ModuleSpec:
 
 
 def mixer_class(symbol: str) -> type[nn.Module]:
-    return layer_spec(symbol).submodules["mixer"].module
+    return layer_kind(symbol).mixer
 
 
 def build_layer(cfg: ModelConfig, layer_idx: int, symbol: str, backend: str = "torch") -> Layer:
     return build_module(layer_spec(symbol, backend), cfg, layer_idx)
+
+
+def layout_rules(cfg: ModelConfig) -> list[LayoutRule]:
+    """Every divisibility rule of the kinds the pattern uses."""
+    rules: list[LayoutRule] = []
+    for symbol in dict.fromkeys(cfg.parsed.layers):
+        rules += layer_kind(symbol).layout_rules(cfg)
+    return rules
 
 
 register("M", "Mamba-2", Mamba2Mixer, "mamba")

@@ -40,13 +40,12 @@ def case(layout: dict, cfg_dict: dict, data: np.ndarray, steps: int, fp64: bool 
     """Runs in every rank (or in this process for the reference)."""
     from composer.parallel.data import finish_grads
     from composer.parallel.mesh import build_parallel_dims
-    from composer.parallel.parallelize import parallelize
-    from composer.run import evaluate, train
+    from composer.run import build_sharded, evaluate, train
 
     cfg = ModelConfig.from_dict(cfg_dict)
-    dims = build_parallel_dims(ParallelConfig(**layout), cfg)
-    model = composer.build_model(cfg, seed=7)
-    model = parallelize(model.double() if fp64 else model, dims)
+    dims = build_parallel_dims(ParallelConfig(**layout))
+    # built on meta, parallelised, then each rank initialises its own shards
+    model = build_sharded(cfg, dims, seed=7, dtype=torch.float64 if fp64 else None)
     rows = list(data)
     loss, n = evaluate(model, dims, rows, batch_size=2)
     # gradients of one global batch (each dp rank its share)
@@ -165,7 +164,7 @@ def test_layout_errors():
         resolve_layout(ParallelConfig(ep=3), 4)
     dims = resolve_layout(ParallelConfig(tp=2, ep=2), 4)
     assert (dims.dp, dims.dp_outer) == (2, 1)
-    from composer.parallel.mesh import check_model
+    from composer.specs.builder import check_model
 
     cfg = tiny_cfg()
     cfg.attention.n_heads = 6

@@ -24,10 +24,10 @@ from torch.nn.attention import SDPBackend
 
 import composer.kernels as kernels
 from composer.blocks.mamba2 import Mamba2Mixer, _at_least_fp32
-from composer.blocks.split import SplitCausalConv1d, local
-from composer.blocks.ssd import ssd_scan_ref
+from composer.blocks.split import SplitCausalConv1d
 from composer.config import MambaConfig, ModelConfig
 from composer.kernels import probe
+from composer.kernels.ssd import ssd_scan_ref
 
 OPTIONAL = ("mamba_ssm", "causal_conv1d", "transformer_engine", "triton", "flash_attn")
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,7 +178,7 @@ def wired_forward(mixer: Mamba2Mixer, x_BTD: torch.Tensor) -> torch.Tensor:
     mamba2.py); the test below holds it to the current forward."""
     m = mixer.mamba_cfg
     b, T, _ = x_BTD.shape
-    dt_bias, A_log, D = local(mixer.dt_bias), local(mixer.A_log), local(mixer.D)
+    dt_bias, A_log, D = mixer.dt_bias, mixer.A_log, mixer.D
     H = dt_bias.shape[0]
     G = H * m.n_groups // m.n_heads
     E, F_ = H * m.d_head, G * m.d_state

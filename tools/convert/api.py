@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from composer.config import ConfigError, ModelConfig, config_diff
-from composer.convert.base import Adapter, encode_floats, load_hf_config
-from composer.convert.io import (
+from composer.checkpoint import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD,
     DTYPE_NAMES,
     DTYPES,
     CheckpointError,
@@ -30,6 +30,8 @@ from composer.convert.io import (
     atomic_folder,
     check_destination,
 )
+from composer.config import ConfigError, ModelConfig, config_diff
+from composer.convert.base import Adapter, encode_floats, load_hf_config
 from composer.convert.plan import (
     Link,
     assembled_shape,
@@ -40,13 +42,12 @@ from composer.convert.plan import (
     plan_tensors,
 )
 from composer.convert.sources import open_source, resolve_source
-from composer.specs.builder import CONFIG_FILE, build_model, check_buildable, fp32_names
+from composer.specs.builder import build_model, check_buildable, fp32_names
 
 HF_DIR = "hf"
 CONVERSION_FILE = "conversion.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
-DEFAULT_MAX_SHARD = 50 * 10**9
 Progress = Callable[[int], None]
 
 

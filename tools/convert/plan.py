@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from composer.convert.io import (
+from composer.checkpoint import (
     DTYPE_NAMES,
     DTYPES,
     CheckpointError,

@@ -1,10 +1,15 @@
-"""Streaming safetensors reading and writing, checked against headers, written atomically.
+"""The portable checkpoint format: file names, streaming safetensors reading and writing,
+checked against headers, published atomically. The one owner of the format: the builder
+(``composer build --out``, :func:`composer.save`), ``composer export`` and the converters all
+write through :class:`ShardedWriter` inside :func:`atomic_folder`, and read through
+:class:`TensorSource`.
 
-A checkpoint folder holds ``model.safetensors`` or shards listed by
-``model.safetensors.index.json``. :class:`TensorSource` reads every shard's header (8-byte length,
-JSON) up front and checks it against the index and the file size, so a truncated shard, an index
-naming a missing shard or a tensor the shard lacks is an error before any work. Tensors are read as
-byte ranges with ``readinto``: nothing is unpickled and memory holds one piece at a time.
+A portable checkpoint is a folder with ``config.yaml`` and ``model.safetensors`` (or shards listed
+by ``model.safetensors.index.json``), canonical keys (DESIGN §6). :class:`TensorSource` reads
+every shard's header (8-byte length, JSON) up front and checks it against the index and the
+file size, so a truncated shard, an index naming a missing shard or a tensor the shard lacks is an
+error before any work. Tensors are read as byte ranges with ``readinto``: nothing is unpickled
+and memory holds one piece at a time.
 
 :class:`ShardedWriter` is given the full plan (names, dtypes, shapes) first, writes each shard's
 header, then takes each tensor's bytes in order and checks that every planned tensor is written
@@ -25,8 +30,10 @@ from pathlib import Path
 
 import torch
 
+CONFIG_FILE = "config.yaml"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+DEFAULT_MAX_SHARD = 50 * 10**9
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer.blocks.ssd import ssd_scan, ssd_scan_ref
+from composer.kernels.ssd import ssd_scan, ssd_scan_ref
 
 F64 = torch.float64
 

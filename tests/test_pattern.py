@@ -6,7 +6,7 @@ import re
 import pytest
 
 from composer import Pattern, PatternError, parse_pattern
-from composer.specs import pattern as pattern_mod
+from composer import pattern as pattern_mod
 
 
 @pytest.mark.parametrize(

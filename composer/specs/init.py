@@ -1,0 +1,194 @@
+"""Shard-local materialisation: initialise or load only this rank's part of every tensor.
+
+A model is built on the meta device and parallelised there (``composer/parallel/``); then each
+rank allocates its own shards (``to_empty``) and fills them here, so no rank ever holds the
+whole model.
+
+**Initialisation does not depend on the layout.** Every parameter and persistent buffer takes
+its values from the :class:`~composer.blocks.plan.Init` its blocks declare (``init_rules``),
+filled in *row blocks*: dim 0 is cut into blocks of ``max(1, BLOCK_ELEMENTS // row_size)`` rows
+(a function of the full shape only), and block ``b`` of tensor ``name`` is filled in fp32 on the
+CPU from a generator seeded by ``sha256(seed, name, b)``. A rank fills just the blocks its shard
+touches and copies its slice of them. So for a given seed the weights are bit-identical under any
+tensor, expert or data-parallel layout, on any device, and equal to ``composer build --seed S``.
+
+**Loading reads only this rank's slices** of a portable checkpoint: each tensor's region (its
+DTensor shard, or the whole tensor) is read from the safetensors files as byte ranges, never the
+whole file. Mamba's fused projections are stored fused and held per part
+(:meth:`~composer.blocks.split.SplitParams.stored_as` gives the part's rows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from composer.blocks.plan import named_state, rule_for
+from composer.checkpoint import CheckpointError, TensorSource, bytes_to_tensor
+
+BLOCK_ELEMENTS = 1 << 22
+"""Elements per initialisation block (16 MiB in fp32); part of the definition of the init."""
+
+Region = tuple[tuple[int, ...], tuple[int, ...]]
+"""``(offsets, sizes)`` of a shard inside the full tensor."""
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard, or ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_region(t: torch.Tensor) -> Region:
+    """Where this rank's part of ``t`` sits in the full tensor."""
+    if not hasattr(t, "device_mesh"):
+        return (0,) * t.ndim, tuple(t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(offsets), tuple(sizes)
+
+
+def _block_rows(shape: tuple[int, ...]) -> int:
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return max(1, BLOCK_ELEMENTS // max(row, 1))
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.sha256(f"{seed}\0{name}\0{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module that holds tensor ``name`` and the tensor's name there."""
+    prefix, _, leaf = name.rpartition(".")
+    return (model.get_submodule(prefix) if prefix else model), leaf
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Fill every parameter and persistent buffer (its local shard) from its declared rule."""
+    for name, t in named_state(model):
+        rule = rule_for(model, name)
+        if rule is None:
+            raise ValueError(f"no initialisation declared for {name!r}: add it to the "
+                             "init_rules() of the block that holds it")
+        offsets, sizes = local_region(t)
+        out = local_tensor(t)
+        if out.numel() == 0:
+            continue
+        full = tuple(t.shape)
+        if not full:
+            value = torch.empty((), dtype=torch.float32)
+            rule.fill(value, torch.Generator().manual_seed(_block_seed(seed, name, 0)))
+            out.copy_(value)
+            continue
+        rows = _block_rows(full)
+        start, stop = offsets[0], offsets[0] + sizes[0]
+        inner = tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True))
+        for b in range(start // rows, (stop - 1) // rows + 1):
+            lo, hi = b * rows, min((b + 1) * rows, full[0])
+            block = torch.empty((hi - lo, *full[1:]), dtype=torch.float32)
+            rule.fill(block, torch.Generator().manual_seed(_block_seed(seed, name, b)))
+            a, z = max(lo, start), min(hi, stop)
+            out[a - start:z - start].copy_(block[(slice(a - lo, z - lo), *inner)])
+
+
+def stored_as(model: nn.Module, name: str) -> tuple[str, int]:
+    """The state-dict key that holds tensor ``name`` and the row where it starts there."""
+    module, leaf = owner(model, name)
+    prefix = name[: len(name) - len(leaf)]
+    if hasattr(module, "stored_as"):
+        key, row = module.stored_as(leaf)
+        return prefix + key, row
+    return name, 0
+
+
+def _runs(offsets: tuple[int, ...], sizes: tuple[int, ...],
+          shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+    """Contiguous ``(element offset, length)`` runs of a region of a row-major tensor."""
+    ndim = len(shape)
+    k = ndim  # dims k.. are covered whole
+    while k > 0 and offsets[k - 1] == 0 and sizes[k - 1] == shape[k - 1]:
+        k -= 1
+    if k == 0:
+        yield 0, math.prod(shape)
+        return
+    inner = math.prod(shape[k:])
+    run = sizes[k - 1] * inner
+    strides = [math.prod(shape[i + 1:]) for i in range(ndim)]
+    ranges = [range(offsets[i], offsets[i] + sizes[i]) for i in range(k - 1)]
+
+    def walk(dim: int, base: int) -> Iterator[tuple[int, int]]:
+        if dim == k - 1:
+            yield base + offsets[k - 1] * strides[k - 1], run
+            return
+        for i in ranges[dim]:
+            yield from walk(dim + 1, base + i * strides[dim])
+
+    yield from walk(0, 0)
+
+
+def read_region(source: TensorSource, key: str, offsets: tuple[int, ...],
+                sizes: tuple[int, ...]) -> torch.Tensor:
+    """The ``sizes`` block at ``offsets`` of tensor ``key``, read as byte ranges."""
+    info = source.tensors[key]
+    dtype = info.torch_dtype
+    buf = bytearray(math.prod(sizes) * dtype.itemsize)
+    view, pos = memoryview(buf), 0
+    for start, length in _runs(offsets, sizes, info.shape):
+        n = length * dtype.itemsize
+        source.read_into(key, start * dtype.itemsize, view[pos:pos + n])
+        pos += n
+    return bytes_to_tensor(buf, dtype, sizes)
+
+
+def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The state-dict keys a portable checkpoint of ``model`` holds, with their full shapes."""
+    shapes: dict[str, list[int]] = {}
+    for name, t in named_state(model):
+        key, row = stored_as(model, name)
+        shape = list(t.shape)
+        if key in shapes:  # another part of a fused tensor
+            shapes[key][0] = max(shapes[key][0], row + shape[0])
+        else:
+            if shape:
+                shape[0] += row
+            shapes[key] = shape
+    return {k: tuple(v) for k, v in shapes.items()}
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, source: TensorSource) -> None:
+    """Fill every tensor of ``model`` (its local shard) from a portable checkpoint: strict (every
+    key of the checkpoint used, every tensor found, shapes equal to the config's)."""
+    expected = checkpoint_shapes(model)
+    where = source.folder
+    unexpected = sorted(set(source.tensors) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} for this config")
+    missing = sorted(set(expected) - set(source.tensors))
+    if missing:
+        more = " ..." if len(missing) > 5 else ""
+        raise CheckpointError(f"{where}: missing tensors {missing[:5]}{more}")
+    for key, shape in expected.items():
+        if tuple(source.tensors[key].shape) != shape:
+            raise CheckpointError(f"{where}: tensor {key!r} has shape "
+                                  f"{list(source.tensors[key].shape)}, the config needs "
+                                  f"{list(shape)}")
+    for name, t in named_state(model):
+        key, row = stored_as(model, name)
+        offsets, sizes = local_region(t)
+        out = local_tensor(t)
+        if t.ndim:
+            offsets = (offsets[0] + row, *offsets[1:])
+        out.copy_(read_region(source, key, offsets, sizes))
+
+
+def stored_dtypes(model: nn.Module, source: TensorSource) -> dict[str, torch.dtype]:
+    """Each tensor's dtype in the checkpoint, by the model's tensor names."""
+    return {name: source.tensors[stored_as(model, name)[0]].torch_dtype
+            for name, _ in named_state(model)}
