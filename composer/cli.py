@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -44,12 +45,12 @@ def _bytes(n: float) -> str:
 def resolve_config(args: argparse.Namespace) -> ModelConfig:
     from composer.zoo import get_preset
 
-    if args.preset and args.pattern:
+    if args.preset and args.pattern is not None:
         raise UsageError("give --pattern or --preset, not both")
     if args.preset:
         cfg = get_preset(args.preset).config()
-    else:
-        cfg = ModelConfig(pattern=args.pattern or DEFAULT_PATTERN)
+    else:  # an explicitly empty --pattern "" is an error, not the default
+        cfg = ModelConfig(pattern=DEFAULT_PATTERN if args.pattern is None else args.pattern)
     apply_overrides(cfg, args.set or [])
     return cfg.validate()
 
@@ -213,18 +214,19 @@ def _layout(args: argparse.Namespace):
     from composer.parallel.mesh import ParallelConfig
 
     return ParallelConfig(tp=args.tp, ep=args.ep, dp=args.dp, dp_mode=args.dp_mode,
-                          sequence_parallel=not args.no_sequence_parallel)
+                          sequence_parallel=not args.no_sequence_parallel,
+                          activation_checkpointing=args.activation_checkpointing,
+                          compile=args.compile)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from composer.parallel.launch import init_distributed, is_main_process
     from composer.run import check_vocab, evaluate, load_tokens, prepare
 
-    init_distributed()
+    init_distributed(args.device)
     rows = load_tokens(args.tokens, args.seq_len)
-    model, dims, _, _ = prepare(args.ckpt, _layout(args))
+    model, dims, _, _ = prepare(args.ckpt, _layout(args), device=args.device)
     check_vocab(rows, model.config, args.tokens)
-    _maybe_compile(model, args)
     loss, n = evaluate(model, dims, rows, args.batch_size)
     if is_main_process():
         if args.json:
@@ -238,24 +240,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from composer.parallel.checkpoint import save_checkpoint
     from composer.parallel.launch import init_distributed, is_main_process
-    from composer.run import check_vocab, load_tokens, prepare, train
+    from composer.run import TrainResult, check_vocab, load_tokens, prepare, train
 
-    if args.steps < 1 or args.batch_size < 1 or args.lr <= 0:
-        raise UsageError("--steps and --batch-size must be >= 1 and --lr > 0")
-    init_distributed()
+    if args.steps < 0 or args.batch_size < 1 or args.lr <= 0:
+        raise UsageError("--steps must be >= 0, --batch-size >= 1 and --lr > 0")
+    if args.steps > 0 and args.tokens is None:
+        raise UsageError("--tokens is required to train (only --steps 0 runs without data)")
+    if args.steps == 0 and not args.save:
+        raise UsageError("--steps 0 only writes the initial weights: give --save")
+    init_distributed(args.device)
     torch_seed(args.seed)
-    rows = load_tokens(args.tokens, args.seq_len)
+    rows = load_tokens(args.tokens, args.seq_len) if args.tokens is not None else []
     model, dims, opt, start = prepare(args.source, _layout(args), seed=args.seed,
-                                      optimizer_lr=args.lr)
-    check_vocab(rows, model.config, args.tokens)
-    _maybe_compile(model, args)
+                                      optimizer_lr=args.lr, device=args.device)
+    if rows:
+        check_vocab(rows, model.config, args.tokens)
     main_rank = is_main_process()
 
     def report(step: int, loss: float) -> None:
         if main_rank and not args.json:
             print(f"step {step:>6}  loss {loss:.6f}", flush=True)
 
-    result = train(model, dims, opt, rows, args.steps, args.batch_size, args.seed, start, report)
+    result = train(model, dims, opt, rows, args.steps, args.batch_size, args.seed, start, report) \
+        if args.steps else TrainResult(losses=[], step=start)
     if args.save:
         save_checkpoint(args.save, result.step, model, opt)
     if main_rank:
@@ -266,11 +273,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _maybe_compile(model, args: argparse.Namespace) -> None:
-    if args.compile:
-        from composer.kernels import compile_layers
+def cmd_export(args: argparse.Namespace) -> int:
+    from composer.checkpoint import parse_size
+    from composer.export import export
 
-        compile_layers(model)
+    try:
+        max_shard = parse_size(args.max_shard_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    start = time.perf_counter()
+    bar = _progress_bar(0, "export")
+    try:
+        export(args.run, args.out, force=args.force, max_shard_bytes=max_shard,
+               progress=bar.update)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"run": str(args.run), "out": str(args.out),
+                          "seconds": round(seconds, 3)}))
+    else:
+        print(f"wrote {args.out} (config.yaml, model.safetensors) in {seconds:.2f}s")
+    return 0
 
 
 def torch_seed(seed: int) -> None:
@@ -291,6 +315,10 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one line of JSON on stdout")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every layer (slower start, a few %% faster steps)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each layer's activations in the backward (less memory)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto (default): CUDA when available; under torchrun cuda:LOCAL_RANK")
 
 
 def make_parser() -> Parser:
@@ -335,14 +363,24 @@ def make_parser() -> Parser:
 
     tr = sub.add_parser("train", help="train with AdamW at a constant learning rate")
     tr.add_argument("source", help="a checkpoint folder (portable or --save) or a preset name")
-    tr.add_argument("--tokens", required=True, help="a .npy array of token ids (1-D or 2-D)")
-    tr.add_argument("--steps", type=int, required=True)
+    tr.add_argument("--tokens", help="a .npy array of token ids (1-D or 2-D)")
+    tr.add_argument("--steps", type=int, required=True,
+                    help="optimizer steps; 0 writes the initial weights to --save")
     tr.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
     tr.add_argument("--lr", type=float, default=3e-4)
     tr.add_argument("--seed", type=int, default=0, help="init (for presets) and data order")
     tr.add_argument("--save", help="write a DCP checkpoint folder here at the end")
     _add_layout(tr)
     tr.set_defaults(func=cmd_train)
+
+    ex = sub.add_parser("export", help="training checkpoint (any layout) -> portable checkpoint")
+    ex.add_argument("run", help="a `composer train --save` folder")
+    ex.add_argument("out", help="the portable checkpoint folder to write")
+    ex.add_argument("--max-shard-size", default="50GB",
+                    help="split model.safetensors into shards of at most this size")
+    ex.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    ex.add_argument("--json", action="store_true", help="one line of JSON on stdout")
+    ex.set_defaults(func=cmd_export)
 
     zoo = sub.add_parser("zoo", help="list and show model presets")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True, parser_class=Parser)
@@ -380,7 +418,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("--seq-len must be positive")
         code = args.func(args)
         _leave_process_group()
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return code
+    except BrokenPipeError:  # `composer zoo show X | head`: the reader left; exit quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (UsageError, ValueError, FileExistsError, FileNotFoundError,
             PermissionError) as exc:  # ConfigError, PatternError, CheckpointError are ValueErrors
         if _is_main_rank():

@@ -22,16 +22,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def init_distributed() -> bool:
-    """Join the process group torchrun describes; False when not launched by torchrun."""
+def init_distributed(device: str = "auto") -> bool:
+    """Join the process group torchrun describes; False when not launched by torchrun. NCCL with
+    ``cuda:LOCAL_RANK`` when ``device`` is ``cuda`` (or ``auto`` and CUDA is available), gloo on
+    the CPU otherwise."""
     if dist.is_initialized():
         return True
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    dist.init_process_group("nccl" if cuda else "gloo")
     return True
 
 

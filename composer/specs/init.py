@@ -71,6 +71,7 @@ def owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int) -> None:
     """Fill every parameter and persistent buffer (its local shard) from its declared rule."""
+    scratch = torch.empty(BLOCK_ELEMENTS, dtype=torch.float32)  # one buffer for every block
     for name, t in named_state(model):
         rule = rule_for(model, name)
         if rule is None:
@@ -91,7 +92,9 @@ def init_weights(model: nn.Module, seed: int) -> None:
         inner = tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True))
         for b in range(start // rows, (stop - 1) // rows + 1):
             lo, hi = b * rows, min((b + 1) * rows, full[0])
-            block = torch.empty((hi - lo, *full[1:]), dtype=torch.float32)
+            shape = (hi - lo, *full[1:])
+            block = scratch[:math.prod(shape)].view(shape) if math.prod(shape) <= \
+                BLOCK_ELEMENTS else torch.empty(shape, dtype=torch.float32)
             rule.fill(block, torch.Generator().manual_seed(_block_seed(seed, name, b)))
             a, z = max(lo, start), min(hi, stop)
             out[a - start:z - start].copy_(block[(slice(a - lo, z - lo), *inner)])

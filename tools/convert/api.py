@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +43,7 @@ from composer.convert.plan import (
     plan_tensors,
 )
 from composer.convert.sources import open_source, resolve_source
+from composer.parallel.checkpoint import is_training_checkpoint
 from composer.specs.builder import build_model, check_buildable, fp32_names
 
 HF_DIR = "hf"
@@ -207,9 +209,17 @@ def _hf_dtype(name: str, ours: list[TensorInfo], recorded: dict[str, str],
 def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
           force: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD,
           architecture: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
-    """Export a composer checkpoint at ``src`` as a Hugging Face folder at ``dst``."""
+    """Export a composer checkpoint at ``src`` as a Hugging Face folder at ``dst``: a portable
+    checkpoint, or a training checkpoint folder (exported to a temporary portable one first)."""
     folder, dst = Path(src), Path(dst)
     check_destination(dst, force)
+    if is_training_checkpoint(folder):
+        from composer.export import export
+
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{dst.name}.export-", dir=dst.parent) as tmp:
+            portable = export(folder, Path(tmp) / "portable", max_shard_bytes=max_shard_bytes)
+            return to_hf(portable, dst, dtype, force, max_shard_bytes, architecture, progress)
     if not (folder / CONFIG_FILE).exists():
         raise ConfigError(f"{folder}: no {CONFIG_FILE}; not a composer checkpoint")
     cfg = ModelConfig.load(folder / CONFIG_FILE).validate()
