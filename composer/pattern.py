@@ -28,6 +28,9 @@ SYMBOLS: dict[str, str] = {
 }
 """Every layer symbol the parser accepts, with a short name. The registry adds to it."""
 
+MEGATRON_SYMBOLS = frozenset(SYMBOLS)
+"""The symbols recognised without any registration."""
+
 RESERVED = frozenset("|/()x0123456789")
 
 

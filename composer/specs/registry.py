@@ -27,8 +27,16 @@ from composer.blocks.mamba2 import Mamba2Mixer
 from composer.blocks.mlp import MLP
 from composer.blocks.moe import MoE
 from composer.blocks.plan import LayoutRule
-from composer.config import SECTIONS, SYMBOL_NEEDS, ConfigError, ModelConfig, register_section
-from composer.pattern import SYMBOLS, register_symbol
+from composer.config import (
+    BUILTIN_SECTIONS,
+    SECTIONS,
+    SUBCONFIGS,
+    SYMBOL_NEEDS,
+    ConfigError,
+    ModelConfig,
+    register_section,
+)
+from composer.pattern import MEGATRON_SYMBOLS, SYMBOLS, register_symbol
 from composer.specs.module_spec import ModuleSpec, build_module
 
 
@@ -85,6 +93,19 @@ def register(symbol: str, name: str, mixer: type[nn.Module], section: str | None
     kind.backends[backend] = ModuleSpec(Layer, params={"symbol": symbol},
                                         submodules={"mixer": ModuleSpec(mixer)})
     return kind
+
+
+def unregister(symbol: str) -> None:
+    """Forget a kind registered with :func:`register` (and the section it created)."""
+    kind = REGISTRY.pop(symbol)
+    if symbol not in MEGATRON_SYMBOLS:
+        SYMBOLS.pop(symbol, None)
+    SYMBOL_NEEDS.pop(symbol, None)
+    section = kind.section
+    if section not in BUILTIN_SECTIONS and not any(k.section == section
+                                                    for k in REGISTRY.values()):
+        SECTIONS.pop(section, None)
+        SUBCONFIGS.pop(section, None)
 
 
 def built_symbols() -> list[str]:
