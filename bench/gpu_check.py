@@ -1,6 +1,6 @@
 """GPU check of composer.kernels on one CUDA device: parity with the torch path, then MFU.
 
-    python bench/gpu_check.py [--budget 540] [--phases parity,mfu,mfu-torch] [--json]
+    python bench/gpu_check.py [--budget 540] [--phases device,parity,mfu,mfu-torch] [--json]
                               [--results bench/RESULTS.md | --no-results] [--dry-run]
 
 Each phase runs in its own child process under its own timeout, inside ``--budget`` seconds:
@@ -25,6 +25,12 @@ mfu-torch  the same with ``COMPOSER_DISABLE_KERNELS=all`` (attention then runs S
            without the causal discount, as Megatron and PaLM do) x tokens/s / 989 TFLOP/s, the
            H200 SXM dense bf16 peak of NVIDIA's spec sheet (a plain 8192^3 bf16 matmul reaches
            about 790 there).
+
+device     the command line end to end on the GPU (``--device cuda``): ``train --steps 0`` on the
+           GPU and on the CPU, exported, must give bit-identical weights (the init does not
+           depend on the device); 3 fp32 training steps of ``nemotron-3-nano-debug`` on the GPU
+           against the CPU (relative loss difference); the same under ``torchrun`` with one NCCL
+           rank; ``eval --device cuda`` of the trained run folder.
 
 Without a CUDA device it says so and exits 0. ``--dry-run`` runs every phase on the CPU with
 tiny shapes (kernel rows then read "n/a"), to check the script itself; it writes no results.
@@ -61,7 +67,7 @@ from composer.kernels import sdpa as ksdpa  # noqa: E402
 
 PEAK_BF16 = 989e12
 TOL = {torch.float32: 1e-2, torch.bfloat16: 3e-2, "fp8": 1.5e-1}
-CAPS = {"parity": 200, "mfu": 180, "mfu-torch": 160, "mfu-no-mamba": 160}
+CAPS = {"device": 120, "parity": 200, "mfu": 180, "mfu-torch": 160, "mfu-no-mamba": 160}
 MFU_RUNS = {"mfu": ("on", None), "mfu-torch": ("off (all)", "all"),
             "mfu-no-mamba": ("SDPA only", "mamba_ssm,causal_conv1d")}
 """MFU phase -> (table label, COMPOSER_DISABLE_KERNELS)."""
@@ -412,6 +418,42 @@ def run_mfu(dev: str, dry: bool, seconds: float) -> dict:
 # ---------------------------------------------------------------- orchestration and output
 
 
+def run_device(dev: str, dry: bool) -> dict:
+    """The CLI on ``dev`` against the CPU (see the module docstring, ``device``)."""
+    import numpy as np
+
+    from composer.testing import read_all
+
+    def cli(*args: str, torchrun: bool = False) -> str:
+        head = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc_per_node", "1"] if torchrun else [sys.executable])
+        proc = subprocess.run([*head, "-m", "composer", *args], capture_output=True, text=True,
+                              cwd=tmp, timeout=100)
+        if proc.returncode:
+            raise RuntimeError(f"composer {' '.join(args)}: {proc.stderr.strip()[-300:]}")
+        return proc.stdout
+
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(Path(tmp) / "t.npy", np.random.default_rng(0).integers(0, 512, (8, 32)))
+        for where in dict.fromkeys(("cpu", dev)):
+            cli("train", "nemotron-3-nano-debug", "--steps", "0", "--seed", "3", "--save",
+                f"init-{where}", "--device", where)
+            cli("export", f"init-{where}", f"out-{where}")
+        a, b = read_all(Path(tmp) / "out-cpu"), read_all(Path(tmp) / f"out-{dev}")
+        out["init_identical"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        train = ["train", "nemotron-3-nano-debug", "--tokens", "t.npy", "--steps", "3",
+                 "--batch-size", "4", "--json"]
+        cpu = json.loads(cli(*train, "--device", "cpu"))["losses"]
+        gpu = json.loads(cli(*train, "--device", dev, "--save", "run"))["losses"]
+        one = json.loads(cli(*train, "--device", dev, torchrun=True))["losses"]
+        out["train_rel_diff"] = max(abs(g - c) / abs(c) for g, c in zip(gpu, cpu, strict=True))
+        out["torchrun_rel_diff"] = max(abs(g - c) / abs(c) for g, c in zip(one, cpu, strict=True))
+        out["eval_loss"] = json.loads(cli("eval", "run", "--tokens", "t.npy", "--device", dev,
+                                          "--json"))["loss"]
+    return out
+
+
 def fmt(v, spec: str = ".2e") -> str:
     if v is None:
         return "-"
@@ -504,6 +546,9 @@ def report(results: dict, args: argparse.Namespace) -> str:
         parts.append(parity_table(par["rows"]))
     elif "error" in par:
         parts.append(f"parity: {par['error']}")
+    if "device" in results:
+        parts.append("device (CLI end to end): " + ", ".join(
+            f"{k} {fmt(v) if isinstance(v, float) else v}" for k, v in results["device"].items()))
     if any(p in results for p in MFU_RUNS):
         parts.append(mfu_table(results))
     return "\n\n".join(parts)
@@ -521,7 +566,7 @@ def append_results(text: str, path: Path, command: str) -> None:
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--budget", type=float, default=540, help="seconds for all phases")
-    p.add_argument("--phases", default="parity,mfu,mfu-torch")
+    p.add_argument("--phases", default="device,parity,mfu,mfu-torch")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md")
     p.add_argument("--no-results", action="store_true")
     p.add_argument("--json", action="store_true")
@@ -539,6 +584,8 @@ def child(args: argparse.Namespace) -> None:
     try:
         if args.phase == "parity":
             out = run_parity(dev, args.dry_run)
+        elif args.phase == "device":
+            out = run_device(dev, args.dry_run)
         else:
             out = run_mfu(dev, args.dry_run, args.seconds)
     except torch.cuda.OutOfMemoryError as e:

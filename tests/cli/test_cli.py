@@ -144,3 +144,16 @@ def test_train_compile_gives_the_eager_losses(capsys, tmp_path):
     compiled = json.loads(out)["losses"]
     assert len(compiled) == 2
     assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+def test_explicitly_empty_pattern_is_an_error(capsys):
+    code, out, err = run(capsys, "build", "--pattern", "")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "empty pattern ''" in err
+
+
+def test_output_to_a_closed_pipe_exits_quietly(tmp_path):
+    # `composer zoo show NAME | head`: here a reader that leaves before anything is written
+    proc = subprocess.run(f"{sys.executable} -m composer zoo show nemotron-h-8b | true",
+                          shell=True, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
