@@ -1,6 +1,8 @@
-"""Parallelism on torch.distributed (DESIGN §5): one named DeviceMesh, tensor + sequence parallel
-(DTensor plans declared next to each block), expert parallel (all-to-all), sharded or replicated
-data parallel (FSDP2), DCP checkpoints that reshard on load."""
+"""Parallelism on torch.distributed (DESIGN §5), applied from outside the single-device blocks:
+one named DeviceMesh (``mesh.py``), tensor + sequence parallel read from the plans the blocks
+declare (``tensor.py``), expert parallel on the declared expert groups (``expert.py``), FSDP2
+sharded or replicated data parallel (``data.py``), in the one order of ``parallelize.py``; DCP
+checkpoints that reshard on load (``checkpoint.py``). Nothing here imports ``composer.specs``."""
 
 from composer.parallel.mesh import ParallelConfig, ParallelDims, build_parallel_dims
 

@@ -36,12 +36,22 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: in
     chunks = x.chunk(size, dim=dim)
     stacked = torch.cat([c.contiguous() for c in chunks], dim=0) if dim != 0 else x.contiguous()
     out = torch.empty_like(chunks[rank], memory_format=torch.contiguous_format)
-    try:
-        _reduce_scatter_single(out, stacked, group=group)
-    except (RuntimeError, NotImplementedError):  # a backend without reduce-scatter
-        dist.all_reduce(stacked, group=group)
-        out.copy_(stacked.chunk(size, dim=0)[rank])
+    if _native_reduce_scatter(group):
+        try:
+            _reduce_scatter_single(out, stacked, group=group)
+            return out
+        except NotImplementedError:
+            _NO_REDUCE_SCATTER.add(dist.get_backend(group))
+    dist.all_reduce(stacked, group=group)  # emulation, only where the backend lacks the op
+    out.copy_(stacked.chunk(size, dim=0)[rank])
     return out
+
+
+_NO_REDUCE_SCATTER: set[str] = set()
+
+
+def _native_reduce_scatter(group: dist.ProcessGroup) -> bool:
+    return dist.get_backend(group) not in _NO_REDUCE_SCATTER
 
 
 class AllReduceSum(torch.autograd.Function):
