@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -65,7 +66,9 @@ def save_checkpoint(folder: str | Path, step: int, model: nn.Module,
     folder = Path(folder)
     step_dir = folder / f"step-{step:08d}"
     state: dict = {"model": model_state(model), "step": torch.tensor(step)}
-    if optimizer is not None:
+    # A fresh optimizer has no state yet (train --steps 0): saving it would materialise its
+    # moments (2x the model); resuming then starts a fresh one, which is the same thing.
+    if optimizer is not None and optimizer.state:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     if _rank0():
         folder.mkdir(parents=True, exist_ok=True)
@@ -86,9 +89,11 @@ def load_checkpoint(folder: str | Path, model: nn.Module,
     """Load the latest step into an already parallelised ``model`` (any layout); its step."""
     step_dir = latest_step(Path(folder))
     state: dict = {"model": model_state(model), "step": torch.tensor(0)}
-    if optimizer is not None:
+    saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    with_optim = optimizer is not None and any(k.startswith("optim.") for k in saved)
+    if with_optim:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=str(step_dir))
-    if optimizer is not None:
+    if with_optim:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     return int(state["step"])

@@ -136,17 +136,25 @@ def _runs(offsets: tuple[int, ...], sizes: tuple[int, ...],
 
 
 def read_region(source: TensorSource, key: str, offsets: tuple[int, ...],
-                sizes: tuple[int, ...]) -> torch.Tensor:
-    """The ``sizes`` block at ``offsets`` of tensor ``key``, read as byte ranges."""
+                sizes: tuple[int, ...], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``sizes`` block at ``offsets`` of tensor ``key``, read as byte ranges: straight into
+    ``out`` when it is a contiguous CPU tensor of the stored dtype (no temporary), else into a
+    new tensor."""
     info = source.tensors[key]
     dtype = info.torch_dtype
-    buf = bytearray(math.prod(sizes) * dtype.itemsize)
-    view, pos = memoryview(buf), 0
+    direct = out is not None and out.device.type == "cpu" and out.dtype == dtype \
+        and out.is_contiguous() and tuple(out.shape) == tuple(sizes) and out.numel() > 0
+    if direct:
+        view = memoryview(out.detach().view(-1).view(torch.uint8).numpy()).cast("B")
+    else:
+        buf = bytearray(math.prod(sizes) * dtype.itemsize)
+        view = memoryview(buf)
+    pos = 0
     for start, length in _runs(offsets, sizes, info.shape):
         n = length * dtype.itemsize
         source.read_into(key, start * dtype.itemsize, view[pos:pos + n])
         pos += n
-    return bytes_to_tensor(buf, dtype, sizes)
+    return out if direct else bytes_to_tensor(buf, dtype, sizes)
 
 
 def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -188,7 +196,9 @@ def load_weights(model: nn.Module, source: TensorSource) -> None:
         out = local_tensor(t)
         if t.ndim:
             offsets = (offsets[0] + row, *offsets[1:])
-        out.copy_(read_region(source, key, offsets, sizes))
+        got = read_region(source, key, offsets, sizes, out)
+        if got is not out:
+            out.copy_(got)
 
 
 def stored_dtypes(model: nn.Module, source: TensorSource) -> dict[str, torch.dtype]:
