@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from composer.blocks.attention import Attention
@@ -26,7 +27,7 @@ from composer.blocks.layer import Layer
 from composer.blocks.mamba2 import Mamba2Mixer
 from composer.blocks.mlp import MLP
 from composer.blocks.moe import MoE
-from composer.blocks.plan import LayoutRule
+from composer.blocks.plan import LayoutRule, ParallelPlan
 from composer.config import (
     BUILTIN_SECTIONS,
     SECTIONS,
@@ -62,6 +63,24 @@ class LayerKind:
     def layout_rules(self, cfg: ModelConfig) -> list[LayoutRule]:
         rules = getattr(self.mixer, "layout_rules", None)
         return list(rules(cfg)) if rules is not None else []
+
+    def validate(self, cfg: ModelConfig) -> None:
+        """Check the kind's config section (one-line :class:`ConfigError`)."""
+        if self.section is None:
+            return
+        value = cfg.section(self.section)
+        if value is None:
+            raise ConfigError(f"pattern symbol {self.symbol!r} needs the '{self.section}' "
+                              "section, which is None")
+        check = SECTIONS[self.section].validate
+        if check is not None:
+            check(value, cfg)
+
+    def parallel_plan(self, cfg: ModelConfig) -> ParallelPlan | None:
+        """The plan the mixer declares for ``cfg`` (built on the meta device to ask it)."""
+        with torch.device("meta"):
+            mixer = self.mixer(cfg, 0)
+        return mixer.parallel_plan() if hasattr(mixer, "parallel_plan") else None
 
 
 REGISTRY: dict[str, LayerKind] = {}

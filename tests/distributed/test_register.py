@@ -105,6 +105,14 @@ def test_the_kind_is_known_everywhere(registered, capsys):
     with pytest.raises(ConfigError, match="unknown config key 'meanmx'"):
         ModelConfig.from_dict({**cfg_dict(), "meanmx": {}})
     cfg = ModelConfig.from_dict(cfg_dict())
+    from composer.specs.registry import REGISTRY
+
+    kind = REGISTRY["R"]  # everything about the kind, one hop away
+    assert kind.section_type is MeanMixConfig and kind.mixer is MeanMix
+    assert kind.parallel_plan(cfg).rowwise == ("out",)
+    assert kind.flops_per_token(cfg, 16) == 2 * 3 * 32 * 48
+    assert [r.what for r in kind.layout_rules(cfg)] == ["meanmix.d_inner"]
+    kind.validate(cfg)
     model = composer.build_model(cfg, seed=0)
     stats = composer.model_stats(model, seq_len=16)
     mixer_params = 32 * 48 + 48 + 32 * 48 + 48 + 48 * 32 + 32
