@@ -69,7 +69,20 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
                     timeout: float = 300.0) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the results in rank order."""
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the results in rank order. The
+    free port can be taken by another process before rank 0 listens on it: then it retries
+    with another port (twice at most)."""
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except RuntimeError as exc:
+            if "address already in use" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple,
+              timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -21,6 +21,7 @@ whole file. Mamba's fused projections are stored fused and held per part
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 from collections.abc import Iterator
 
@@ -70,13 +71,23 @@ def owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int) -> None:
-    """Fill every parameter and persistent buffer (its local shard) from its declared rule."""
+    """Fill every parameter and persistent buffer (its local shard) from its declared rule.
+
+    A tensor no rule names falls back to the ``reset_parameters`` of the outermost module
+    around it that has one (a user's block that declares no rules): that module is filled whole
+    on the CPU from a generator seeded by ``(seed, module name)`` and each rank copies its part;
+    layout-independent too, at the cost of holding that one module whole for a moment."""
     scratch = torch.empty(BLOCK_ELEMENTS, dtype=torch.float32)  # one buffer for every block
+    fallback: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named_state(model):
         rule = rule_for(model, name)
         if rule is None:
-            raise ValueError(f"no initialisation declared for {name!r}: add it to the "
-                             "init_rules() of the block that holds it")
+            holder = _reset_holder(model, name)
+            if holder is None:
+                raise ValueError(f"no initialisation declared for {name!r}: add it to the "
+                                 "init_rules() of the block that holds it")
+            fallback.setdefault(holder, []).append((name, t))
+            continue
         offsets, sizes = local_region(t)
         out = local_tensor(t)
         if out.numel() == 0:
@@ -98,6 +109,51 @@ def init_weights(model: nn.Module, seed: int) -> None:
             rule.fill(block, torch.Generator().manual_seed(_block_seed(seed, name, b)))
             a, z = max(lo, start), min(hi, stop)
             out[a - start:z - start].copy_(block[(slice(a - lo, z - lo), *inner)])
+
+
+    for holder, tensors in fallback.items():
+        _init_by_reset(model, holder, tensors, seed)
+
+
+def _reset_holder(model: nn.Module, name: str) -> str | None:
+    """The outermost module on ``name``'s path (below the root) with ``reset_parameters``."""
+    module, path = model, []
+    for part in name.split(".")[:-1]:
+        module = getattr(module, part)
+        path.append(part)
+        if hasattr(module, "reset_parameters"):
+            return ".".join(path)
+    return None
+
+
+def _init_by_reset(model: nn.Module, holder: str, tensors: list[tuple[str, torch.Tensor]],
+                   seed: int) -> None:
+    module = model.get_submodule(holder)
+    originals: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+    full: dict[str, torch.Tensor] = {}
+    for sub_name, sub in module.named_modules():
+        for kind in ("_parameters", "_buffers"):
+            for leaf, t in getattr(sub, kind).items():
+                if t is None:
+                    continue
+                temp = torch.empty(t.shape, dtype=torch.float32)
+                originals.append((sub, leaf, kind == "_parameters", t))
+                getattr(sub, kind)[leaf] = nn.Parameter(temp, requires_grad=False) \
+                    if kind == "_parameters" else temp
+                full[f"{holder}.{sub_name}.{leaf}" if sub_name else f"{holder}.{leaf}"] = temp
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_block_seed(seed, holder, 0))
+            generator = torch.Generator().manual_seed(_block_seed(seed, holder, 1))
+            takes = "generator" in inspect.signature(module.reset_parameters).parameters
+            module.reset_parameters(generator) if takes else module.reset_parameters()
+    finally:
+        for sub, leaf, is_param, t in originals:
+            (sub._parameters if is_param else sub._buffers)[leaf] = t
+    for name, t in tensors:
+        offsets, sizes = local_region(t)
+        region = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+        local_tensor(t).copy_(full[name][region])
 
 
 def stored_as(model: nn.Module, name: str) -> tuple[str, int]:

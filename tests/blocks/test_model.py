@@ -147,5 +147,4 @@ def test_register_a_new_symbol():
         assert type(model.layers["0"].mixer) is Doubler
         assert model(torch.randint(0, 97, (1, 4))).shape == (1, 4, 97)
     finally:
-        registry.REGISTRY.pop("R", None)
-        composer.pattern.SYMBOLS.pop("R", None)
+        registry.unregister("R")

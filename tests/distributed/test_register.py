@@ -1,7 +1,8 @@
 """A layer kind registered from user code, with its own config section and its declared plan,
 is known everywhere without editing a composer file: validation, YAML, ``--set`` overrides,
-layout checks, the builder, the counts, ``composer build``, and tensor parallelism (tp=2 equal
-to one process for eval loss, every gradient and three AdamW steps)."""
+layout checks, the builder, the counts, ``composer build``, and tensor and data parallelism
+(tp=2 and dp=2 equal to one process for eval loss, every gradient and three AdamW steps, from
+the same initial weights: also for a kind that declares only ``reset_parameters``)."""
 
 from __future__ import annotations
 
@@ -68,13 +69,44 @@ class MeanMix(nn.Module):
         return 2 * 3 * cfg.d_model * cfg.meanmix.d_inner
 
 
+class LegacyMix(nn.Module):
+    """A user mixer that declares no init rules, only ``reset_parameters(generator)``: the
+    builder falls back to it, layout-independently."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, 2 * cfg.d_model)
+        self.down = nn.Linear(2 * cfg.d_model, cfg.d_model)
+
+    def reset_parameters(self, generator=None):
+        for linear in (self.up, self.down):
+            nn.init.normal_(linear.weight, 0.0, 0.1, generator=generator)
+            nn.init.uniform_(linear.bias, -0.1, 0.1, generator=generator)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan(colwise=("up",), rowwise=("down",))
+
+    @staticmethod
+    def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+        return 2 * 4 * cfg.d_model ** 2
+
+
 def register() -> None:
     composer.register("R", "causal mean mix", MeanMix, "meanmix", config=MeanMixConfig,
                       validate=validate_mean_mix)
+    composer.register("L", "legacy mix", LegacyMix)
+
+
+def unregister_all() -> None:
+    unregister("R")
+    unregister("L")
 
 
 def cfg_dict() -> dict:
-    cfg = ModelConfig.from_dict({"pattern": "R*R-", "d_model": 32, "vocab_size": 61,
+    cfg = ModelConfig.from_dict({"pattern": "R*R-L", "d_model": 32, "vocab_size": 61,
                                  "attention": {"n_heads": 4}, "mlp": {"d_ff": 64},
                                  "meanmix": {"d_inner": 48}})
     return cfg.canonical().to_dict()
@@ -85,14 +117,14 @@ def case_with_kind(*args):
     try:
         return case(*args)
     finally:
-        unregister("R")
+        unregister_all()
 
 
 @pytest.fixture
 def registered():
     register()
     yield
-    unregister("R")
+    unregister_all()
 
 
 def test_the_kind_is_known_everywhere(registered, capsys):
@@ -117,6 +149,7 @@ def test_the_kind_is_known_everywhere(registered, capsys):
     stats = composer.model_stats(model, seq_len=16)
     mixer_params = 32 * 48 + 48 + 32 * 48 + 48 + 48 * 32 + 32
     assert stats.params_by_kind["R causal mean mix"] == 2 * (mixer_params + 32)
+    assert stats.params_by_kind["L legacy mix"] == 2 * 32 * 64 + 64 + 32 + 32
     assert stats.forward_flops_per_token > 2 * 2 * 3 * 32 * 48
     ids = torch.randint(0, 61, (2, 8))
     assert model(ids).shape == (2, 8, 61)
@@ -130,7 +163,7 @@ def test_the_kind_is_known_everywhere(registered, capsys):
     assert main(["build", "--pattern", "R-", "--set", "meanmix.d_inner=8",
                               "--json"]) == 0
     assert '"R": 1' in capsys.readouterr().out
-    unregister("R")
+    unregister_all()
     with pytest.raises(ValueError, match="invalid symbol"):
         composer.parse_pattern("R*")
     register()
@@ -142,7 +175,8 @@ def test_tp2_equals_one_process():
         config = cfg_dict()
         reference = case({}, config, tokens(), 3)
     finally:
-        unregister("R")
-    for got in run_distributed(case_with_kind, 2, {"tp": 2}, config, tokens(), 3):
-        check_same(got, reference)
+        unregister_all()
+    for layout in ({"tp": 2}, {"dp": 2}):
+        for got in run_distributed(case_with_kind, 2, layout, config, tokens(), 3):
+            check_same(got, reference)
     assert math.isfinite(reference["eval"])
