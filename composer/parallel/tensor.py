@@ -13,12 +13,11 @@ with explicit collectives around each mixer:
     leave a mixer     reduce-scatter over T (SP)    | all-reduce (no SP)
 
 Module swaps that live here: row-parallel linears (bias added on one rank), head-selecting
-linears (fewer kv heads than ranks), the vocabulary-parallel embedding and readout (head + loss,
-never gathering the logits for the loss). Replicated weights whose per-rank gradients are partial
-sums (norms under SP, qk-norms, the router, replicated kv projections, row-parallel biases) are
-recorded and summed over ``tp`` by :func:`reduce_tp_grads`, in buckets. The vocabulary is split
-unevenly when it does not divide ``tp`` (DTensor's chunking); padding exists only inside the
-logits gather.
+linears (fewer kv heads than ranks); and from ``vocab.py`` the vocabulary-parallel embedding and
+readout (head + loss, never gathering the logits for the loss). Replicated weights whose
+per-rank gradients are partial sums (norms under SP, qk-norms, the router, replicated kv
+projections, row-parallel biases) are recorded and summed over ``tp`` by
+:func:`reduce_tp_grads`, in buckets.
 """
 
 from __future__ import annotations
@@ -33,13 +32,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from composer.blocks.model import Readout, shift_labels
 from composer.blocks.plan import ParallelPlan
 from composer.parallel.comm import all_gather, all_reduce_coalesced, reduce_scatter
+from composer.parallel.vocab import VocabParallelEmbedding, VocabParallelReadout
 
 PARTIAL = "partial"  # grads are partial sums on every forward
 PARTIAL_IF_SP = "partial_if_sp"  # partial under sequence parallel, identical otherwise
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -100,23 +98,6 @@ class _Leave(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         tp = ctx.tp
         return (all_gather(g, 1, tp.group, tp.size) if ctx.sp else g), None, None
-
-
-class _GatherLast(torch.autograd.Function):
-    """All-gather an unevenly split last dimension (vocab); backward keeps the local part."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPContext, sizes: list[int]) -> torch.Tensor:
-        ctx.tp, ctx.sizes = tp, sizes
-        width = max(sizes)
-        padded = F.pad(x, (0, width - x.shape[-1])).movedim(-1, 0)
-        parts = all_gather(padded, 0, tp.group, tp.size).split(width, dim=0)
-        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)], 0).movedim(0, -1)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        start = sum(ctx.sizes[: ctx.tp.rank])
-        return g[..., start:start + ctx.sizes[ctx.tp.rank]].contiguous(), None, None
 
 
 # ---------------------------------------------------------------- local views of DTensors
@@ -251,97 +232,6 @@ def expert_params(mixer: nn.Module) -> set[nn.Parameter]:
         if plan is not None and plan.experts is not None:
             out |= set(module.get_submodule(plan.experts).parameters())
     return out
-
-
-# ---------------------------------------------------------------- vocabulary parallel
-
-
-def vocab_sizes(vocab: int, size: int) -> list[int]:
-    """Rows per rank of a ``Shard(0)`` split of ``vocab`` (DTensor's torch.chunk semantics)."""
-    chunk = -(-vocab // size)
-    return [max(0, min(chunk, vocab - r * chunk)) for r in range(size)]
-
-
-class VocabParallelEmbedding(nn.Embedding):
-    """Each rank looks up its rows of the vocabulary; the partial sums are reduced (scattered
-    over the sequence under SP). The first op of the model: it decides SP for this forward."""
-
-    tp: TPContext
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        tp = self.tp
-        tp.last_sp = tp.sp_active(ids.shape[1])
-        w = self.weight.to_local()
-        start = sum(vocab_sizes(self.weight.shape[0], tp.size)[: tp.rank])
-        inside = (ids >= start) & (ids < start + w.shape[0])
-        rows = (ids - start).clamp(0, max(w.shape[0] - 1, 0))
-        out = F.embedding(rows, w) * inside.unsqueeze(-1).to(w.dtype) if w.shape[0] else \
-            w.new_zeros((*ids.shape, w.shape[1]))
-        return tp.leave(out)
-
-
-class _VocabParallelCE(torch.autograd.Function):
-    """Cross-entropy over logits split by vocabulary, never gathering them (Megatron-LM)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int,
-                group: dist.ProcessGroup) -> torch.Tensor:
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        top = logits.max(dim=-1).values if logits.shape[-1] else \
-            logits.new_full(logits.shape[:-1], float("-inf"))
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        exp = (logits - top.unsqueeze(-1)).exp()
-        total = exp.sum(-1)
-        dist.all_reduce(total, group=group)
-        inside = (target >= start) & (target < start + logits.shape[-1])
-        idx = (target - start).clamp(0, max(logits.shape[-1] - 1, 0))
-        picked = torch.zeros_like(total)
-        if logits.shape[-1]:
-            picked = (logits.gather(-1, idx.unsqueeze(-1)).squeeze(-1) - top) * inside
-        dist.all_reduce(picked, group=group)
-        ctx.save_for_backward(exp / total.unsqueeze(-1), inside, idx)
-        return total.log() - picked
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        probs, inside, idx = ctx.saved_tensors
-        grad = probs.clone()
-        if grad.shape[-1]:
-            grad.scatter_add_(-1, idx.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
-        return grad * g.unsqueeze(-1), None, None, None
-
-
-def cross_entropy(logits_local: torch.Tensor, target: torch.Tensor, vocab: int, tp: TPContext,
-                  ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Mean next-token loss over the non-ignored targets, from vocab-split logits."""
-    start = sum(vocab_sizes(vocab, tp.size)[: tp.rank])
-    keep = target != ignore_index
-    losses = _VocabParallelCE.apply(logits_local, torch.where(keep, target, 0), start, tp.group)
-    return (losses * keep).sum() / keep.sum().clamp(min=1)
-
-
-class VocabParallelReadout(Readout):
-    """The readout with the head split by vocabulary: the loss from the local logits, the logits
-    (when asked for) gathered across ranks."""
-
-    tp: TPContext
-
-    def forward(self, h_BTD, weight_VD, labels_BT=None, return_logits=False):
-        tp = self.tp
-        vocab = weight_VD.shape[0]
-        h = tp.enter(h_BTD)
-        w = weight_VD.to_local() if isinstance(weight_VD, DTensor) else weight_VD
-        logits_local = F.linear(h, w)
-        if self.logits_scaling != 1.0:
-            logits_local = logits_local / self.logits_scaling
-        logits = None
-        if labels_BT is None or return_logits:
-            logits = _GatherLast.apply(logits_local, tp, vocab_sizes(vocab, tp.size))
-        if labels_BT is None:
-            return None, logits
-        loss = cross_entropy(logits_local.flatten(0, 1), shift_labels(labels_BT).flatten(),
-                             vocab, tp)
-        return loss, logits
 
 
 # ---------------------------------------------------------------- the model under TP
