@@ -157,3 +157,15 @@ def test_output_to_a_closed_pipe_exits_quietly(tmp_path):
     proc = subprocess.run(f"{sys.executable} -m composer zoo show nemotron-h-8b | true",
                           shell=True, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_device_cuda_without_a_gpu_is_a_one_line_error(capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, out, err = run(capsys, "train", "llama-debug", "--steps", "0", "--save",
+                         str(tmp_path / "run"), "--device", "cuda")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--device cuda: no CUDA device is available" in err
+    assert not (tmp_path / "run").exists()
