@@ -189,13 +189,8 @@ class ModelConfig:
 
 
 BUILTIN_SECTIONS = ("attention", "mamba", "mlp", "moe")
-SUBCONFIGS: dict[str, type] = {
-    "attention": AttentionConfig,
-    "mamba": MambaConfig,
-    "mlp": MLPConfig,
-    "moe": MoEConfig,
-    "rope_scaling": RopeScaling,
-}
+SUBCONFIGS: dict[str, type] = {"rope_scaling": RopeScaling}
+"""Nested configs that are not sections (sections are in :data:`SECTIONS`)."""
 SYMBOL_NEEDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 """Pattern symbol -> the config section it reads (``composer.register`` adds to it)."""
 
@@ -220,7 +215,6 @@ def register_section(name: str, cls: type,
     if name in known and name not in BUILTIN_SECTIONS:
         raise ValueError(f"{name!r} is a ModelConfig field, not a section name")
     SECTIONS[name] = Section(cls, validate)
-    SUBCONFIGS.setdefault(name, cls)
 
 
 # ---------------------------------------------------------------- plain <-> dataclass
@@ -355,7 +349,7 @@ def set_field(config: Any, dotted: str, value: Any) -> None:
             raise _unknown(part, list(hints), where)
         child = getattr(target, part)
         if not dataclasses.is_dataclass(child):
-            sub = SUBCONFIGS.get(part)
+            sub = SECTIONS[part].cls if part in SECTIONS else SUBCONFIGS.get(part)
             if sub is None:
                 raise ConfigError(f"{where}{part} is not a section; set it as {where}{part}=VALUE")
             child = sub()

@@ -10,7 +10,6 @@ Memory stays bounded by a group plus one tensor, never the model.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,12 +25,6 @@ from composer.specs.builder import build_model, write_portable
 from composer.specs.init import stored_as
 
 GROUP_BYTES = 256 * 2**20
-
-
-def _load(step_dir: Path, wanted: dict[str, torch.Tensor]) -> None:
-    with warnings.catch_warnings():  # a single process is the intended reader here
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": wanted}, checkpoint_id=str(step_dir))
 
 
 def export(run: str | Path, out: str | Path, force: bool = False,
@@ -68,7 +61,7 @@ def export(run: str | Path, out: str | Path, force: bool = False,
                 continue
             wanted = {name: torch.empty(shape, dtype=dtypes[k])
                       for k in group for name, shape in parts[k]}
-            _load(step_dir, wanted)
+            dcp.load({"model": wanted}, checkpoint_id=str(step_dir))  # one process
             for k in group:
                 pieces = [wanted.pop(name) for name, _ in parts[k]]
                 t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)

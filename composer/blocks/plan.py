@@ -20,6 +20,7 @@ MLP's plan); when two modules on a parameter's path both name it, the outer one 
 
 from __future__ import annotations
 
+import abc
 import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,13 +32,14 @@ from torch import nn
 # ---------------------------------------------------------------- initialisation
 
 
-class Init:
+class Init(abc.ABC):
     """Fills a tensor in place from a generator; element by element independent, so that any
     block of rows can be filled on its own (the builder fills a parameter in row blocks, each
     from its own generator)."""
 
+    @abc.abstractmethod
     def fill(self, t: torch.Tensor, generator: torch.Generator | None) -> None:
-        raise NotImplementedError
+        """Fill ``t`` in place."""
 
 
 @dataclass(frozen=True)

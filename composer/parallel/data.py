@@ -22,7 +22,10 @@ from composer.parallel.tensor import expert_params, local_grad, reduce_tp_grads
 
 
 def _experts_apart(layer: nn.Module, dims: ParallelDims) -> set[nn.Parameter] | None:
-    return expert_params(layer.mixer) or None if dims.ep > 1 else None
+    """The routed experts FSDP leaves alone (already split over ep), or None."""
+    if dims.ep == 1:
+        return None
+    return expert_params(layer.mixer) or None
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:

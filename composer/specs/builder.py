@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from composer.checkpoint import (
 from composer.config import ConfigError, ModelConfig
 from composer.specs.init import init_weights, load_weights, stored_dtypes
 from composer.specs.registry import REGISTRY, build_layer, layer_kind, layout_rules
+
+if TYPE_CHECKING:
+    from composer.parallel.mesh import ParallelDims
 
 
 def check_buildable(cfg: ModelConfig) -> None:
@@ -61,7 +65,7 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
     return model
 
 
-def check_model(dims, cfg: ModelConfig) -> None:
+def check_model(dims: ParallelDims, cfg: ModelConfig) -> None:
     """Divisibility of the model's heads, groups, widths and experts by the layout (every
     kind's declared rules); a one-line :class:`~composer.parallel.mesh.LayoutError`."""
     from composer.parallel.mesh import check_layout

@@ -31,7 +31,6 @@ from composer.blocks.plan import LayoutRule, ParallelPlan
 from composer.config import (
     BUILTIN_SECTIONS,
     SECTIONS,
-    SUBCONFIGS,
     SYMBOL_NEEDS,
     ConfigError,
     ModelConfig,
@@ -124,7 +123,6 @@ def unregister(symbol: str) -> None:
     if section not in BUILTIN_SECTIONS and not any(k.section == section
                                                     for k in REGISTRY.values()):
         SECTIONS.pop(section, None)
-        SUBCONFIGS.pop(section, None)
 
 
 def built_symbols() -> list[str]:

@@ -163,7 +163,7 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error(capsys, tmp_path):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
+        pytest.skip("CUDA is available here; the error is for machines without a GPU")
     code, out, err = run(capsys, "train", "llama-debug", "--steps", "0", "--save",
                          str(tmp_path / "run"), "--device", "cuda")
     assert code == 2 and out == "" and err.count("\n") == 1
