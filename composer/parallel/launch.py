@@ -109,6 +109,18 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple,
             results[rank] = torch.load(io.BytesIO(payload), weights_only=True)
         else:
             errors.append(f"rank {rank} failed:\n{payload}")
+    if errors:  # the first report may be a peer's broken connection: hear the others too
+        until = time.monotonic() + 5
+        while len(results) + len(errors) < world_size and time.monotonic() < until:
+            try:
+                rank, ok, payload = queue.get(timeout=0.5)
+            except queue_module.Empty:
+                continue
+            if not ok:
+                errors.append(f"rank {rank} failed:\n{payload}")
+        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead:
+            errors.append(f"exit codes: {[procs[r].exitcode for r in range(world_size)]}")
     for p in procs:
         p.join(timeout=timeout if not errors else 5)
         if p.is_alive():
