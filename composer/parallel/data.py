@@ -25,7 +25,7 @@ def _experts_apart(layer: nn.Module, dims: ParallelDims) -> set[nn.Parameter] | 
     """The routed experts FSDP leaves alone (already split over ep), or None."""
     if dims.ep == 1:
         return None
-    return expert_params(layer.mixer) or None
+    return set(expert_params(layer.mixer)) or None
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:

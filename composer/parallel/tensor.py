@@ -224,14 +224,15 @@ def apply_plan(module: nn.Module, plan: ParallelPlan, tp: TPContext) -> None:
                 distribute_param(experts, leaf, mesh, [Shard(dim)])
 
 
-def expert_params(mixer: nn.Module) -> set[nn.Parameter]:
-    """The routed-expert parameters of every expert group declared inside ``mixer``."""
-    out: set[nn.Parameter] = set()
+def expert_params(mixer: nn.Module) -> list[nn.Parameter]:
+    """The routed-expert parameters of every expert group declared inside ``mixer``, in module
+    order: the same order on every rank, which a coalesced reduction of them relies on."""
+    out: dict[int, nn.Parameter] = {}
     for module in mixer.modules():
         plan = module.parallel_plan() if hasattr(module, "parallel_plan") else None
         if plan is not None and plan.experts is not None:
-            out |= set(module.get_submodule(plan.experts).parameters())
-    return out
+            out.update((id(p), p) for p in module.get_submodule(plan.experts).parameters())
+    return list(out.values())
 
 
 # ---------------------------------------------------------------- the model under TP
@@ -259,9 +260,9 @@ def apply_tp(model: nn.Module, tp: TPContext) -> None:
         for module in mixer.modules():  # outer plans first: they win
             if hasattr(module, "parallel_plan"):
                 apply_plan(module, module.parallel_plan(), tp)
-        skip = expert_params(mixer) if tp.experts_on_ep else set()
+        skip = {id(p) for p in expert_params(mixer)} if tp.experts_on_ep else set()
         for name, p in mixer.named_parameters():
-            if not isinstance(p, DTensor) and p not in skip:
+            if not isinstance(p, DTensor) and id(p) not in skip:
                 raise LayoutError(f"{type(mixer).__name__} (symbol {layer.symbol!r}): parameter "
                                   f"{name!r} is not in its parallel plan; use --tp 1")
         mixer.register_forward_pre_hook(_mixer_enter(tp))

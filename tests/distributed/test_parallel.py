@@ -95,7 +95,7 @@ def test_two_processes(reference, layout):
         check_same(got, reference)
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2, "dp": 2}, {"tp": 2, "ep": 2}],
+@pytest.mark.parametrize("layout", [{"tp": 2, "dp": 2}, {"tp": 2, "ep": 2}, {"ep": 2}],
                          ids=lambda d: json.dumps(d))
 def test_four_processes(reference, layout):
     check_same(run_distributed(case, 4, layout, tiny_cfg().to_dict(), tokens(), 3)[0], reference)
