@@ -401,14 +401,16 @@ def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _leave_process_group() -> None:
-    """Under torchrun: wait for every rank, then tear the process group down. Exiting with it
-    alive lets one rank's exit break another's gloo connections while that one is still
-    closing them (seen as "terminate called without an active exception")."""
+def _leave_process_group() -> bool:
+    """Under torchrun: wait for every rank, then tear the process group down; True if there was
+    one. Exiting with it alive lets one rank's exit break another's gloo connections while that
+    one is still closing them (seen as "terminate called without an active exception")."""
     dist = sys.modules.get("torch.distributed")  # never initialised if never imported
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        return True
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -417,8 +419,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (getattr(args, "seq_len", 1) or 1) <= 0:
             raise UsageError("--seq-len must be positive")
         code = args.func(args)
-        _leave_process_group()
+        distributed = _leave_process_group()
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        if distributed:
+            # Communication threads still alive at interpreter finalisation can abort the
+            # process (a thread taking the GIL after finalisation began: SIGABRT, "terminate
+            # called without an active exception"), rarely, after all the work is done. The
+            # work is done and every rank has passed the barrier: leave without finalising.
+            sys.stderr.flush()
+            os._exit(code)
         return code
     except BrokenPipeError:  # `composer zoo show X | head`: the reader left; exit quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

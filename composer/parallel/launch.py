@@ -65,6 +65,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Leave without interpreter finalisation, where a communication thread taking the GIL
+    # aborts the process (rarely; see composer.cli.main), once the report is surely sent.
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
