@@ -1,59 +1,77 @@
-"""GPU check of composer.kernels on one CUDA device: parity with the torch path, then MFU.
+"""One-GPU check of composer (written for an H200 without network); bench/gpu_check.sh drives it.
 
-    python bench/gpu_check.py [--budget 540] [--phases device,parity,mfu,mfu-torch] [--json]
-                              [--results bench/RESULTS.md | --no-results] [--dry-run]
+    python bench/gpu_check.py PHASE [--out DIR] [--seconds S] [--steps N] [--dry-run]
+    python bench/gpu_check.py --dry-run [--out DIR]       # the whole check's logic, on a CPU
 
-Each phase runs in its own child process under its own timeout, inside ``--budget`` seconds:
+PHASE is one of the phases below. Each writes its results into ``--out`` (default ``$OUT``, else
+``bench/out``) as it goes, prints a short table and also writes that table to ``DIR/PHASE.txt``;
+it exits 0 when its checks pass, 1 when one fails. Without a CUDA device a phase says so and
+exits 0. With ``--dry-run`` a phase runs on the CPU with tiny shapes instead.
 
-parity     kernel vs torch path, forward and backward, fp32 and bf16, each measured against an
-           fp64 torch reference on the same (rounded) inputs: ``err = max|out - ref| / max|ref|``,
-           the max over the output and every input gradient. Rows: the SSD scan (mamba_ssm),
-           the causal conv + SiLU (causal_conv1d), SDPA per backend (flash, cuDNN, efficient,
-           math, and the hook's choice), TE linear (bf16 and FP8, when TE imports), and whole
-           blocks (Mamba-2 mixer, attention) through their hooks. Tolerances on the kernel's
-           error: fp32 1e-2 (the Triton kernels use TF32 operands), bf16 3e-2; FP8 1.5e-1.
-           ``ms`` is one forward + backward. A block row says "not wired" when the block does
-           not call its composer.kernels hook.
-mfu        bf16 training steps (forward + backward + fused AdamW, eager) of a 0.93B hybrid,
-           Nemotron-H style ``(M-M-M*-)x4`` at d_model 2048 (Mamba-2: 64 heads x 64, 8 groups,
-           state 128, chunk 128; attention: 16 heads, 4 kv heads, width 128, no RoPE; squared-ReLU
-           MLP 8192; vocabulary 32000, untied), batch 2 x 4096, kernels on: 3 warm-up steps,
-           then up to 20 timed;
-mfu-torch  the same with ``COMPOSER_DISABLE_KERNELS=all`` (attention then runs SDPA's math
-           backend too); ``--phases ...,mfu-no-mamba`` adds a run without the Mamba kernels only.
-           MFU = ``model_stats(model, seq).flops_per_token`` (3 x forward; attention counted
-           without the causal discount, as Megatron and PaLM do) x tokens/s / 989 TFLOP/s, the
-           H200 SXM dense bf16 peak of NVIDIA's spec sheet (a plain 8192^3 bf16 matmul reaches
-           about 790 there).
+setup    the interpreter, torch / CUDA / triton, the GPU, which kernels and torchao import, where
+         composer imports from (and whether ``composer.zoo`` does, which the CLI needs)
+         -> setup.json
+train    writes train/recipe.yaml: ``model: {pattern, set}`` for the 1.0B hybrid of ``MODEL``
+         below plus the optimiser settings of ``recipe()``; sizes it with ``composer build
+         --json`` (train/model.json); runs ``python -m composer train --config recipe.yaml
+         --tokens synthetic --seq-len 4096 --steps 30 --precision bf16 --ac full --device cuda
+         --peak-tflops 989 --log-dir train --log-every 1 --json`` (train/command.txt,
+         stdout.txt, train.log); then reads train/metrics.jsonl (one line per step, written by
+         the CLI): every step must have its parameters (``device``) and its batch
+         (``batch_device``) on CUDA, all steps logged, losses finite and falling, none skipped,
+         and the final ``--json`` line must be there. tokens/s and MFU are medians over the
+         steps after the first ``warm`` (compilation, autotuning, LR warm-up); MFU as the CLI
+         reports it and as checked here: ``composer build``'s flops_per_token (3 x forward,
+         attention without the causal discount) x tokens/s / 989 TFLOP/s, the H200 SXM dense
+         bf16 peak of NVIDIA's spec sheet -> train/report.json
+fp8      the same recipe with ``--precision fp8`` for 6 steps -> fp8/; "skipped: ..." when
+         torchao does not import or the GPU is older than compute capability 8.9
+kernels  parity of composer.kernels against the torch path, forward and backward, fp32 and bf16,
+         each against an fp64 torch reference on the same (rounded) inputs: ``err = max|out -
+         ref| / max|ref|`` over the output and every input gradient. Rows: the SSD scan
+         (mamba_ssm), causal conv + SiLU (causal_conv1d), SDPA per backend (flash, cuDNN,
+         efficient, math, and the hook's choice), TE linear (bf16 and FP8, when TE imports), and
+         whole blocks (Mamba-2 mixer, attention, at the trained model's widths) through their
+         hooks. Tolerances on a kernel's error: fp32 1e-2 (the Triton kernels use TF32
+         operands), bf16 3e-2, FP8 1.5e-1. ``ms``: one forward + backward. A block row says "not
+         wired" when the block does not call its composer.kernels hook. Rows are appended to
+         kernels.jsonl after each check, then kernels.json holds them all.
+summary  reads phases.tsv (``phase<TAB>exit status<TAB>seconds``, one line per phase, written by
+         the shell script) and the tables -> summary.txt; exits 1 when a phase failed or timed
+         out.
 
-device     the command line end to end on the GPU (``--device cuda``): ``train --steps 0`` on the
-           GPU and on the CPU, exported, must give bit-identical weights (the init does not
-           depend on the device); 3 fp32 training steps of ``nemotron-3-nano-debug`` on the GPU
-           against the CPU (relative loss difference); the same under ``torchrun`` with one NCCL
-           rank; ``eval --device cuda`` of the trained run folder.
-
-Without a CUDA device it says so and exits 0. ``--dry-run`` runs every phase on the CPU with
-tiny shapes (kernel rows then read "n/a"), to check the script itself; it writes no results.
-The tables are printed and appended to ``bench/RESULTS.md`` with the date and command.
+``--dry-run`` alone checks the script on a CPU: ``bash -n`` and shellcheck (when installed) on
+gpu_check.sh; the 1.0B recipe parses as YAML, uses only the CLI's keys and builds with ``composer
+build``; the train report's assertions on made-up metrics (a batch left on the CPU must fail);
+then ``GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh``, every phase on the CPU with tiny shapes,
+the train phase through the real CLI (reported as "pending" while the CLI rejects the flags),
+and the files each phase must leave; and without a GPU, that plain ``bash bench/gpu_check.sh``
+exits 0. It writes into a temporary folder unless ``--out`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
+import importlib.util
 import json
 import math
 import os
+import shlex
+import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing it
+if importlib.util.find_spec("composer") is None:  # not installed, not on PYTHONPATH: the checkout
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -65,16 +83,379 @@ from composer.kernels import probe  # noqa: E402
 from composer.kernels import scan as kscan  # noqa: E402
 from composer.kernels import sdpa as ksdpa  # noqa: E402
 
-PEAK_BF16 = 989e12
+PEAK_TFLOPS = 989  # H200 SXM, dense bf16 (NVIDIA's spec sheet)
 TOL = {torch.float32: 1e-2, torch.bfloat16: 3e-2, "fp8": 1.5e-1}
-CAPS = {"device": 120, "parity": 200, "mfu": 180, "mfu-torch": 160, "mfu-no-mamba": 160}
-MFU_RUNS = {"mfu": ("on", None), "mfu-torch": ("off (all)", "all"),
-            "mfu-no-mamba": ("SDPA only", "mamba_ssm,causal_conv1d")}
-"""MFU phase -> (table label, COMPOSER_DISABLE_KERNELS)."""
 INF = float("inf")
+PHASES = ("setup", "train", "fp8", "kernels", "summary")
+
+# ---------------------------------------------------------------- the model and the recipe
+
+MODEL = {
+    "pattern": "M-M-M*-M-M-M*-M-",  # 7 Mamba-2, 7 MLP, 2 attention: Nemotron-H's mix
+    "set": {
+        "d_model": 2048, "vocab_size": 131072, "tie_embeddings": False,
+        "attention.n_heads": 16, "attention.n_kv_heads": 4, "attention.d_head": 128,
+        "mamba.n_heads": 64, "mamba.d_head": 64, "mamba.n_groups": 8, "mamba.d_state": 128,
+        "mamba.chunk_size": 128,
+        "mlp.d_ff": 8192, "mlp.activation": "relu2",
+    },
+}
+"""999,441,728 parameters (embedding and lm head 268M each). Attention keeps the default RoPE:
+``attention.position=none`` (Nemotron-H's) cannot be given as an override today (the string
+"none" is read as null)."""
+
+TINY = {
+    "pattern": "M-M*-",
+    "set": {
+        "d_model": 64, "vocab_size": 512, "tie_embeddings": False,
+        "attention.n_heads": 4, "attention.n_kv_heads": 2, "attention.d_head": 16,
+        "mamba.n_heads": 4, "mamba.d_head": 32, "mamba.n_groups": 2, "mamba.d_state": 16,
+        "mamba.chunk_size": 16,
+        "mlp.d_ff": 128, "mlp.activation": "relu2",
+    },
+}
+"""The dry run's model (CPU)."""
+
+CLI_KEYS = {"model", "tokens", "seq_len", "steps", "global_batch_size", "micro_batch_size", "lr",
+            "min_lr", "warmup_steps", "schedule", "optimizer", "grad_clip", "precision", "ac",
+            "tp", "ep", "dp", "device", "save", "log_dir", "log_every", "peak_tflops", "json"}
+CLI_CHOICES = {"schedule": {"constant", "cosine", "linear", "wsd"},
+               "optimizer": {"adamw", "muon"}, "precision": {"fp32", "bf16", "fp8"},
+               "ac": {"none", "full", "selective"}, "device": {"auto", "cpu", "cuda"}}
+"""What ``composer train`` accepts (recipe keys are its flags with underscores)."""
 
 
-# ---------------------------------------------------------------- measuring
+@dataclass(frozen=True)
+class Plan:
+    """One ``composer train`` run of the check."""
+
+    model: dict = field(default_factory=lambda: MODEL)
+    precision: str = "bf16"
+    device: str = "cuda"
+    seq_len: int = 4096
+    steps: int = 30
+    warm: int = 5  # steps left out of the tokens/s and MFU medians
+    global_batch: int = 8
+    micro_batch: int = 4
+
+
+TRAIN = Plan()
+FP8 = replace(TRAIN, precision="fp8", steps=6, warm=2)
+DRY = Plan(model=TINY, precision="fp32", device="cpu", seq_len=64, steps=3, warm=1,
+           global_batch=2, micro_batch=1)
+
+
+def recipe(plan: Plan) -> dict:
+    """The recipe file: the model and the optimiser; the run's flags go on the command line."""
+    return {"model": plan.model, "global_batch_size": plan.global_batch,
+            "micro_batch_size": plan.micro_batch, "lr": 3e-4, "min_lr": 3e-5,
+            "warmup_steps": min(5, plan.steps), "schedule": "cosine", "optimizer": "adamw",
+            "grad_clip": 1.0}
+
+
+def train_command(plan: Plan, folder: Path) -> list[str]:
+    return [sys.executable, "-m", "composer", "train", "--config", str(folder / "recipe.yaml"),
+            "--tokens", "synthetic", "--seq-len", str(plan.seq_len), "--steps", str(plan.steps),
+            "--precision", plan.precision, "--ac", "full", "--device", plan.device,
+            "--peak-tflops", str(PEAK_TFLOPS), "--log-dir", str(folder), "--log-every", "1",
+            "--json"]
+
+
+def build_command(model: dict, seq_len: int) -> list[str]:
+    sets = [a for k, v in model["set"].items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    return [sys.executable, "-m", "composer", "build", "--pattern", model["pattern"], *sets,
+            "--seq-len", str(seq_len), "--json"]
+
+
+def model_config(model: dict):
+    from composer import ModelConfig, apply_overrides
+
+    return apply_overrides(ModelConfig(pattern=model["pattern"]),
+                           [f"{k}={json.dumps(v)}" for k, v in model["set"].items()])
+
+
+def dims(model: dict) -> str:
+    s = model["set"]
+    return (f"d_model {s['d_model']}, vocab {s['vocab_size']}, Mamba-2 {s['mamba.n_heads']} x "
+            f"{s['mamba.d_head']} (groups {s['mamba.n_groups']}, state {s['mamba.d_state']}), "
+            f"attention {s['attention.n_heads']} heads / {s['attention.n_kv_heads']} kv x "
+            f"{s['attention.d_head']}, MLP {s['mlp.d_ff']} {s['mlp.activation']}")
+
+
+# ---------------------------------------------------------------- small helpers
+
+
+class Interrupted(BaseException):
+    """SIGTERM (the shell's ``timeout``): stop, but still write what there is."""
+
+
+def on_sigterm(signum, frame) -> None:
+    raise Interrupted
+
+
+def child_env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH", "")
+    if str(ROOT) not in path.split(os.pathsep):
+        path = os.pathsep.join(p for p in (path, str(ROOT)) if p)  # after a shim, if any
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+def cli_json(cmd: list[str], timeout: float = 120) -> dict:
+    """Run a ``composer ... --json`` command; its last stdout line as JSON."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(),
+                          cwd=tempfile.gettempdir())  # cwd: not the checkout (see gpu_check.sh)
+    if proc.returncode:
+        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut short by a kill
+                pass
+    return rows
+
+
+def last_json(path: Path) -> dict | None:
+    for line in reversed(path.read_text().splitlines() if path.exists() else []):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            return obj
+    return None
+
+
+def num(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def median(values) -> float | None:
+    values = [v for v in map(num, values) if v is not None]
+    return statistics.median(values) if values else None
+
+
+def fmt(v, spec: str = ".2e") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    return format(v, spec) if isinstance(v, float) else str(v)
+
+
+def pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def publish(out: Path, name: str, text: str) -> None:
+    print(text, flush=True)
+    (out / f"{name}.txt").write_text(text + "\n")
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def tail(path: Path, n: int = 8) -> str:
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return "\n".join("    " + line for line in lines[-n:])
+
+
+# ---------------------------------------------------------------- setup
+
+
+def phase_setup(out: Path, dry: bool, pip: str) -> int:
+    def attempt(name: str) -> str:
+        try:
+            mod = __import__(name, fromlist=["_"])
+            return f"{getattr(mod, '__version__', 'imports')} ({Path(mod.__file__).parent})"
+        except Exception as e:
+            return f"not importable: {type(e).__name__}: {e!s:.100}"
+
+    cuda = torch.cuda.is_available()
+    info = {"python": f"{sys.executable} ({sys.version.split()[0]})",
+            "torch": f"{torch.__version__}, CUDA {torch.version.cuda}, triton "
+                     f"{attempt('triton').split(' (')[0]}",
+            "gpu": "none (dry run)" if not cuda else
+            "{}, {:.1f} GiB, capability {}.{}".format(
+                torch.cuda.get_device_name(0),
+                torch.cuda.get_device_properties(0).total_memory / 2**30,
+                *torch.cuda.get_device_capability(0)),
+            "composer": attempt("composer"), "composer.zoo": attempt("composer.zoo"),
+            "pip install -e .": pip, "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+            "kernels": {n: probe.why_unavailable(n) or "available" for n in probe.KERNELS},
+            "torchao": attempt("torchao")}
+    write_json(out / "setup.json", info)
+    width = max(map(len, info))
+    lines = ["== setup"] + [f"{k:<{width}}  {'; '.join(f'{a}: {b}' for a, b in v.items())}"
+                            if isinstance(v, dict) else f"{k:<{width}}  {v}"
+                            for k, v in info.items()]
+    ok = "not importable" not in info["composer.zoo"] and (cuda or dry)
+    if "not importable" in info["composer.zoo"]:
+        lines.append("FAIL composer.zoo does not import: the CLI cannot run")
+    publish(out, "setup", "\n".join(lines))
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------- train and fp8
+
+
+def train_report(folder: Path, rc: int, plan: Plan, info: dict | None,
+                 expect: str) -> dict:
+    """Read ``folder/metrics.jsonl`` (and the final ``--json`` line) and check them."""
+    steps = read_jsonl(folder / "metrics.jsonl")
+    final = last_json(folder / "stdout.txt")
+    after = steps[plan.warm:] or steps
+    tok_s = median(s.get("tokens_per_s") for s in after)
+    losses = [num(s.get("loss")) for s in steps]
+    where = {k: sorted({str(s.get(k)) for s in steps}) for k in ("device", "batch_device")}
+    mem = [num(s.get("max_memory_bytes")) for s in steps]
+    fpt = (info or {}).get("flops_per_token")
+    r = {"steps": len(steps), "of": plan.steps, "exit": rc,
+         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+         "tokens_per_s": tok_s, "mfu_cli": median(s.get("mfu") for s in after),
+         "mfu_check": fpt * tok_s / (PEAK_TFLOPS * 1e12) if fpt and tok_s else None,
+         "max_memory_gib": max((m for m in mem if m is not None), default=None),
+         "device": where["device"], "batch_device": where["batch_device"], "final": final,
+         "n_params": (info or {}).get("n_params"), "flops_per_token": fpt}
+    if r["max_memory_gib"] is not None:
+        r["max_memory_gib"] /= 2**30
+    if rc == 2:  # the project's CLI: bad input is one line on stderr and exit code 2
+        lines = (folder / "train.log").read_text().strip().splitlines() \
+            if (folder / "train.log").exists() else []
+        r["cli_rejected"] = lines[-1] if lines else "exit 2"
+
+    def on(key: str) -> bool:
+        return bool(steps) and all(str(s.get(key, "")).startswith(expect) for s in steps)
+
+    checks = [("exit 0", rc == 0, "timed out" if rc == 124 else f"exit {rc}"),
+              (f"{plan.steps} steps logged", len(steps) == plan.steps, f"{len(steps)} logged"),
+              (f"parameters on {expect} (device)", on("device"), ", ".join(where["device"])),
+              (f"batches on {expect} (batch_device)", on("batch_device"),
+               ", ".join(where["batch_device"])),
+              ("losses finite", bool(losses) and all(v is not None and math.isfinite(v)
+                                                     for v in losses), str(losses[-3:])),
+              ("no skipped steps", bool(steps) and not any(s.get("skipped") for s in steps),
+               f"{sum(bool(s.get('skipped')) for s in steps)} skipped"),
+              ("final --json line", bool(final) and final.get("steps") == plan.steps,
+               str(final)[:120])]
+    if plan.steps >= 10:
+        checks.append(("loss falls", bool(losses) and None not in losses[:1] + losses[-1:]
+                       and losses[-1] < losses[0], f"{r['loss_first']} -> {r['loss_last']}"))
+    r["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
+    r["ok"] = all(ok for _, ok, _ in checks)
+    if r["mfu_cli"] and r["mfu_check"] and abs(r["mfu_cli"] / r["mfu_check"] - 1) > 0.15:
+        r["note"] = "the CLI's MFU and the check's differ by more than 15%"
+    return r
+
+
+def train_table(name: str, plan: Plan, r: dict) -> str:
+    if "skipped" in r:
+        return f"== {name}: skipped: {r['skipped']}"
+    n = r.get("n_params")
+    lines = [f"== {name}: {fmt(n / 1e9, '.2f') if n else '?'}B hybrid {plan.model['pattern']} "
+             f"({dims(plan.model)}); {plan.precision}, ac full, {plan.global_batch} x "
+             f"{plan.seq_len} tokens/step (micro {plan.micro_batch}), {plan.steps} steps on "
+             f"{plan.device}; medians after step {plan.warm}",
+             f"{'steps':>7} {'loss first -> last':>20} {'tok/s':>9} {'MFU CLI':>8} "
+             f"{'MFU check':>9} {'max GiB':>8} {'wall s':>7}  params / batches"]
+    loss = f"{fmt(r['loss_first'], '.3f')} -> {fmt(r['loss_last'], '.3f')}"
+    wall = (r.get("final") or {}).get("wall_s")
+    lines.append(f"{r['steps']:>3}/{r['of']:<3} {loss:>20} {fmt(r['tokens_per_s'], ',.0f'):>9} "
+                 f"{pct(r['mfu_cli']):>8} {pct(r['mfu_check']):>9} "
+                 f"{fmt(r['max_memory_gib'], '.1f'):>8} {fmt(num(wall), '.1f'):>7}  "
+                 f"{','.join(r['device']) or '-'} / {','.join(r['batch_device']) or '-'}")
+    lines += [f"{'ok  ' if c['ok'] else 'FAIL'} {c['check']}" + ("" if c["ok"] else
+                                                                 f": {c['detail']}")
+              for c in r["checks"]]
+    if "cli_rejected" in r:
+        lines.append(f"the CLI rejected the command line: {r['cli_rejected']}")
+    if "note" in r:
+        lines.append(f"note: {r['note']}")
+    return "\n".join(lines)
+
+
+def run_logged(cmd: list[str], folder: Path, timeout: float, name: str, steps: int) -> int:
+    """Run ``cmd`` (stdout -> stdout.txt, stderr -> train.log), printing progress from
+    metrics.jsonl every 20 s; 124 when it ran out of time."""
+    t0 = time.monotonic()
+    with (folder / "stdout.txt").open("w") as so, (folder / "train.log").open("w") as se:
+        proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=child_env(), cwd=folder)
+        try:
+            while True:
+                try:
+                    return proc.wait(timeout=max(1.0, min(20.0, t0 + timeout - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    rows = read_jsonl(folder / "metrics.jsonl")
+                    last = rows[-1] if rows else {}
+                    print(f"   {name}: {time.monotonic() - t0:.0f} s, {len(rows)}/{steps} steps,"
+                          f" loss {fmt(num(last.get('loss')), '.3f')}, tok/s "
+                          f"{fmt(num(last.get('tokens_per_s')), ',.0f')}", flush=True)
+                    if time.monotonic() > t0 + timeout:
+                        raise Interrupted from None
+        except Interrupted:
+            proc.terminate()
+            try:
+                proc.wait(timeout=8)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return 124
+
+
+def skip_fp8(plan: Plan) -> str | None:
+    """Why the fp8 run cannot be tried here, else ``None``."""
+    try:
+        import torchao  # noqa: F401
+    except Exception as e:
+        return f"torchao is not importable ({type(e).__name__}: {e!s:.80})"
+    if plan.device != "cuda" or not torch.cuda.is_available():
+        return "fp8 needs a CUDA device"
+    if torch.cuda.get_device_capability(0) < (8, 9):
+        return f"fp8 needs compute capability 8.9+, this GPU has {torch.cuda.get_device_capability(0)}"
+    return None
+
+
+def phase_train(out: Path, name: str, plan: Plan, seconds: float) -> int:
+    deadline = time.monotonic() + seconds - 8  # keep time to write the report
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    if name == "fp8" and (why := skip_fp8(plan)):
+        write_json(folder / "report.json", {"skipped": why})
+        publish(out, name, train_table(name, plan, {"skipped": why}))
+        return 0
+    for stale in ("metrics.jsonl", "stdout.txt", "train.log", "report.json"):
+        (folder / stale).unlink(missing_ok=True)  # the CLI appends to metrics.jsonl
+    import yaml
+
+    (folder / "recipe.yaml").write_text(
+        f"# composer train recipe written by bench/gpu_check.py ({name})\n"
+        + yaml.safe_dump(recipe(plan), sort_keys=False))
+    try:
+        info = cli_json(build_command(plan.model, plan.seq_len), timeout=90)
+        write_json(folder / "model.json", info)
+    except Exception as e:
+        info = None
+        print(f"   {name}: composer build failed ({e!s:.200}); MFU check unavailable")
+    cmd = train_command(plan, folder)
+    (folder / "command.txt").write_text(shlex.join(cmd) + "\n")
+    print(f"   {name}: {shlex.join(cmd[1:])}", flush=True)
+    rc = run_logged(cmd, folder, deadline - time.monotonic(), name, plan.steps)
+    r = train_report(folder, rc, plan, info, expect=plan.device)
+    write_json(folder / "report.json", r)
+    text = train_table(name, plan, r)
+    if not r["ok"]:
+        text += f"\nlast lines of {folder / 'train.log'}:\n{tail(folder / 'train.log')}"
+    publish(out, name, text)
+    return 0 if r["ok"] else 1
+
+
+# ---------------------------------------------------------------- kernels: measuring
 
 
 def sync(dev: str) -> None:
@@ -139,7 +520,7 @@ def paths(name: str, dtype, leaves: list, ref: list, torch_fn: Callable,
     return rows
 
 
-# ---------------------------------------------------------------- parity
+# ---------------------------------------------------------------- kernels: parity
 
 
 def shapes(dry: bool) -> dict:
@@ -253,26 +634,6 @@ def check_te(dev: str, s: dict) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------- blocks and the model
-
-
-def hybrid_config(dry: bool):
-    """0.93B parameters: Nemotron-H's block settings at d_model 2048, vocabulary 32000."""
-    from composer.config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig
-
-    d, heads, kv, d_ff, m_heads, n_state = (64, 4, 2, 128, 4, 16) if dry else \
-        (2048, 16, 4, 8192, 64, 128)
-    return ModelConfig(
-        pattern="(M-M-M*-)x1" if dry else "(M-M-M*-)x4", d_model=d,
-        vocab_size=512 if dry else 32000, tie_embeddings=False, norm_eps=1e-5,
-        attention=AttentionConfig(n_heads=heads, n_kv_heads=kv, d_head=d // heads * 2 if dry
-                                  else 128, position="none"),
-        mamba=MambaConfig(n_heads=m_heads, d_head=32 if dry else 64, n_groups=2 if dry else 8,
-                          d_state=n_state, d_conv=4, chunk_size=16 if dry else 128,
-                          dt_limit=(1e-3, INF)),
-        mlp=MLPConfig(d_ff=d_ff, activation="relu2"), moe=None)
-
-
 class count_dispatch:
     """Counts the calls that reach each kernel wrapper (they are looked up at call time)."""
 
@@ -328,7 +689,7 @@ def check_blocks(dev: str, dry: bool, dtypes: list) -> list[dict]:
     from composer.blocks.attention import Attention
     from composer.blocks.mamba2 import Mamba2Mixer
 
-    cfg = hybrid_config(dry)
+    cfg = model_config(TINY if dry else MODEL)
     rows = []
     for name, cls, key in (("Mamba-2 mixer", Mamba2Mixer, "mamba_ssm"),
                            ("attention block", Attention, "sdpa on GPU")):
@@ -356,112 +717,6 @@ def check_blocks(dev: str, dry: bool, dtypes: list) -> list[dict]:
     return rows
 
 
-def run_parity(dev: str, dry: bool) -> dict:
-    s = shapes(dry)
-    dtypes = [torch.float32] if dry else [torch.float32, torch.bfloat16]
-    env = {name: probe.why_unavailable(name) or "available" for name in probe.KERNELS}
-    checks = [("SSD scan", lambda: check_scan(dev, s, dtypes)),
-              ("causal conv + SiLU", lambda: check_conv(dev, s, dtypes)),
-              ("SDPA causal GQA", lambda: check_sdpa(dev, s, dtypes)),
-              ("TE linear", lambda: check_te(dev, s)),
-              ("blocks", lambda: check_blocks(dev, dry, dtypes))]
-    rows = []
-    for name, check in checks:
-        try:
-            rows += check()
-        except Exception as e:  # one failing check (OOM, a kernel crash) must not hide the rest
-            rows.append(row(name, "-", "-", None, None, None, f"check failed: {e!r:.90}"))
-        if dev == "cuda":
-            torch.cuda.empty_cache()
-    return dict(rows=rows, kernels=env)
-
-
-def run_mfu(dev: str, dry: bool, seconds: float) -> dict:
-    from composer import build_model, model_stats
-
-    stop = time.monotonic() + seconds - 15
-    cfg = hybrid_config(dry)
-    batch, seq = (1, 64) if dry else (2, 4096)
-    model = build_model(cfg, device=dev, dtype=torch.float32 if dry else torch.bfloat16)
-    stats = model_stats(model, seq_len=seq)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=dev == "cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g, device=dev)
-
-    def step() -> float:
-        loss = model(ids, ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()  # syncs
-
-    t0 = time.perf_counter()
-    with count_dispatch() as counts:
-        losses = [step()]
-    first_s = time.perf_counter() - t0
-    losses += [step() for _ in range(2)]
-    times = []
-    while len(times) < (2 if dry else 20) and time.monotonic() < stop:
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
-    step_s = sum(times) / len(times)
-    tok_s = batch * seq / step_s
-    flops = stats.flops_per_token * tok_s
-    peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None
-    return dict(params=stats.n_params, flops_per_token=stats.flops_per_token, batch=batch,
-                seq=seq, steps=len(times), step_ms=1e3 * step_s, tokens_per_s=tok_s,
-                tflops=flops / 1e12, mfu=flops / PEAK_BF16, peak_gib=peak, first_step_s=first_s,
-                loss_first=losses[0], loss_last=losses[-1], dispatch=counts)
-
-
-# ---------------------------------------------------------------- orchestration and output
-
-
-def run_device(dev: str, dry: bool) -> dict:
-    """The CLI on ``dev`` against the CPU (see the module docstring, ``device``)."""
-    import numpy as np
-
-    from composer.testing import read_all
-
-    def cli(*args: str, torchrun: bool = False) -> str:
-        head = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc_per_node", "1"] if torchrun else [sys.executable])
-        proc = subprocess.run([*head, "-m", "composer", *args], capture_output=True, text=True,
-                              cwd=tmp, timeout=100)
-        if proc.returncode:
-            raise RuntimeError(f"composer {' '.join(args)}: {proc.stderr.strip()[-300:]}")
-        return proc.stdout
-
-    out: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        np.save(Path(tmp) / "t.npy", np.random.default_rng(0).integers(0, 512, (8, 32)))
-        for where in dict.fromkeys(("cpu", dev)):
-            cli("train", "nemotron-3-nano-debug", "--steps", "0", "--seed", "3", "--save",
-                f"init-{where}", "--device", where)
-            cli("export", f"init-{where}", f"out-{where}")
-        a, b = read_all(Path(tmp) / "out-cpu"), read_all(Path(tmp) / f"out-{dev}")
-        out["init_identical"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        train = ["train", "nemotron-3-nano-debug", "--tokens", "t.npy", "--steps", "3",
-                 "--batch-size", "4", "--json"]
-        cpu = json.loads(cli(*train, "--device", "cpu"))["losses"]
-        gpu = json.loads(cli(*train, "--device", dev, "--save", "run"))["losses"]
-        one = json.loads(cli(*train, "--device", dev, torchrun=True))["losses"]
-        out["train_rel_diff"] = max(abs(g - c) / abs(c) for g, c in zip(gpu, cpu, strict=True))
-        out["torchrun_rel_diff"] = max(abs(g - c) / abs(c) for g, c in zip(one, cpu, strict=True))
-        out["eval_loss"] = json.loads(cli("eval", "run", "--tokens", "t.npy", "--device", dev,
-                                          "--json"))["loss"]
-    return out
-
-
-def fmt(v, spec: str = ".2e") -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "NO"
-    return format(v, spec) if isinstance(v, float) else str(v)
-
-
 def parity_table(rows: list[dict]) -> str:
     head = f"{'check':<22} {'dtype':<8} {'path':<19} {'err':>9} {'tol':>9} {'ok':>3} " \
            f"{'ms':>8}  note"
@@ -472,158 +727,244 @@ def parity_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def mfu_table(results: dict) -> str:
-    head = f"{'kernels':<12} {'params':>7} {'batch x seq':>11} {'step ms':>8} {'tok/s':>8} " \
-           f"{'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8} {'1st step s':>10} {'loss':>13}  " \
-           "dispatches in step 1"
-    lines = [head, "-" * len(head)]
-    for phase, (label, _) in MFU_RUNS.items():
-        r = results.get(phase)
-        if r is None:
-            continue
-        if "error" in r:
-            lines.append(f"{label:<12} {r['error']}")
-            continue
-        loss = f"{r['loss_first']:.2f}->{r['loss_last']:.2f}"
-        lines.append(
-            f"{label:<12} {r['params'] / 1e9:>6.2f}B {r['batch']:>4} x {r['seq']:<4} "
-            f"{r['step_ms']:>8.1f} {r['tokens_per_s']:>8.0f} {r['tflops']:>8.1f} "
-            f"{100 * r['mfu']:>5.1f}% {fmt(r['peak_gib'], '.1f'):>8} {r['first_step_s']:>10.1f} "
-            f"{loss:>13}  {r['dispatch']}")
-    on, off = results.get("mfu", {}), results.get("mfu-torch", {})
-    if "tokens_per_s" in on and "tokens_per_s" in off:
-        lines.append(f"speed-up with kernels: {on['tokens_per_s'] / off['tokens_per_s']:.2f}x")
-    return "\n".join(lines)
+def phase_kernels(out: Path, dry: bool) -> int:
+    dev = "cpu" if dry else "cuda"
+    s = shapes(dry)
+    dtypes = [torch.float32] if dry else [torch.float32, torch.bfloat16]
+    env = {name: probe.why_unavailable(name) or "available" for name in probe.KERNELS}
+    checks = [("SSD scan", lambda: check_scan(dev, s, dtypes)),
+              ("causal conv + SiLU", lambda: check_conv(dev, s, dtypes)),
+              ("SDPA causal GQA", lambda: check_sdpa(dev, s, dtypes)),
+              ("TE linear", lambda: check_te(dev, s)),
+              ("blocks", lambda: check_blocks(dev, dry, dtypes))]
+    jsonl = out / "kernels.jsonl"
+    jsonl.write_text("")
+    rows: list[dict] = []
+    done = "complete"
+    torch.manual_seed(0)
+    try:
+        for name, check in checks:
+            t0 = time.perf_counter()
+            try:
+                new = check()
+            except Exception as e:  # one failing check (OOM, a crash) must not hide the rest
+                new = [{**row(name, "-", "-", None, None, None, f"check failed: {e!r:.90}"),
+                        "ok": False}]
+            rows += new
+            with jsonl.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in new)
+            bad = sum(r["ok"] is False for r in new)
+            print(f"   kernels: {name}: {len(new)} rows, {bad} failed "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    except Interrupted:
+        done = "interrupted (timeout): the rows so far"
+    write_json(out / "kernels.json", {"rows": rows, "kernels": env, "status": done})
+    failed = [r for r in rows if r["ok"] is False]
+    text = "\n".join([f"== kernels ({done}; {len(failed)} failed)",
+                      "available: " + "; ".join(f"{k}: {v}" for k, v in env.items()),
+                      parity_table(rows)])
+    publish(out, "kernels", text)
+    return 0 if done == "complete" and not failed else 1
 
 
-def run_child(phase: str, timeout: float, dry: bool) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_CACHE_AUTOTUNING": "1"}
-    env.pop(probe.ENV_DISABLE, None)
-    disable = MFU_RUNS.get(phase, (None, None))[1]
-    if disable:
-        env[probe.ENV_DISABLE] = disable
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "out.json"
-        argv = [sys.executable, __file__, "--phase", phase, "--out", str(out),
-                "--seconds", str(int(timeout))] + (["--dry-run"] if dry else [])
-        print(f"== {phase} (timeout {timeout:.0f} s)", flush=True)
+# ---------------------------------------------------------------- summary
+
+
+def phase_summary(out: Path) -> int:
+    results = []
+    tsv = out / "phases.tsv"
+    for line in tsv.read_text().splitlines() if tsv.exists() else []:
+        name, rc, secs = (line.split("\t") + ["", ""])[:3]
+        report = out / name / "report.json"
+        skipped = json.loads(report.read_text()).get("skipped") if report.exists() else None
+        result = ("ok" if rc == "0" and not skipped else f"skipped: {skipped}" if rc == "0"
+                  else "skipped (time budget)" if rc == "skipped"
+                  else "TIMED OUT" if rc in ("124", "137") else f"FAIL (exit {rc})")
+        results.append((name, result, secs))
+    bad = [n for n, res, _ in results if not res.startswith(("ok", "skipped"))]
+    lines = [f"== gpu_check summary ({out})", f"{'phase':<8} {'seconds':>7}  result"]
+    lines += [f"{n:<8} {s:>7}  {res}" for n, res, s in results]
+    lines.append(f"{'FAILED: ' + ', '.join(bad) if bad else 'all phases passed'}")
+    tables = [(out / f"{n}.txt").read_text().rstrip() for n, _, _ in results
+              if (out / f"{n}.txt").exists()]
+    text = "\n\n".join(tables + ["\n".join(lines)])
+    print("\n".join(lines))
+    (out / "summary.txt").write_text(text + "\n")
+    print(f"(all tables: {out / 'summary.txt'})")
+    return 1 if bad or not results else 0
+
+
+# ---------------------------------------------------------------- the dry run
+
+
+def dry_run(out: Path) -> int:
+    """See the module docstring (``--dry-run`` alone)."""
+    import yaml
+
+    script = ROOT / "bench" / "gpu_check.sh"
+    results: list[tuple[str, str, str]] = []
+
+    def record(name: str, fn: Callable[[], str | None]) -> None:
+        print(f"-- {name}", flush=True)
         try:
-            proc = subprocess.run(argv, env=env, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f} s"}
-        if proc.returncode != 0 or not out.exists():
-            return {"error": f"failed (exit {proc.returncode}); see its output above"}
-        return json.loads(out.read_text())
+            detail = fn() or ""
+            status = "pending" if detail.startswith("pending") else "ok"
+        except Exception as e:
+            status, detail = "FAIL", f"{type(e).__name__}: {e}"
+        results.append((name, status, detail))
+
+    def sh(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                              env={**os.environ, **env})
+
+    def shell_syntax() -> str:
+        p = sh(["bash", "-n", str(script)])
+        assert p.returncode == 0, p.stderr
+        if not shutil.which("shellcheck"):
+            return "bash -n ok; shellcheck not installed"
+        p = sh(["shellcheck", str(script)])
+        assert p.returncode == 0, p.stdout[-1500:]
+        return "bash -n and shellcheck ok"
+
+    def recipe_1b() -> str:
+        folder = out / "recipe-1b"
+        folder.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(recipe(TRAIN), sort_keys=False)
+        (folder / "recipe.yaml").write_text(text)
+        back = yaml.safe_load((folder / "recipe.yaml").read_text())
+        assert back == recipe(TRAIN), "the recipe does not read back as written"
+        assert set(back) <= CLI_KEYS, f"keys the CLI lacks: {set(back) - CLI_KEYS}"
+        assert set(back["model"]) == {"pattern", "set"}
+        for key, allowed in CLI_CHOICES.items():
+            assert back.get(key, next(iter(allowed))) in allowed, f"{key}: {back[key]}"
+        flags = train_command(TRAIN, folder)[3:]
+        keys = {f[2:].replace("-", "_") for f in flags if f.startswith("--")} - {"config"}
+        assert keys <= CLI_KEYS, f"flags the CLI lacks: {keys - CLI_KEYS}"
+        info = cli_json(build_command(TRAIN.model, TRAIN.seq_len))
+        write_json(folder / "model.json", info)
+        n = info["n_params"]
+        assert 0.9e9 <= n <= 1.1e9, f"{n:,} parameters, not about 1B"
+        tiny = cli_json(build_command(TINY, DRY.seq_len))
+        return (f"{n:,} parameters, {info['n_layers']} layers {info['layer_counts']}, "
+                f"{info['flops_per_token'] / 1e9:.2f} GFLOP/token at seq 4096; tiny model "
+                f"{tiny['n_params']:,}")
+
+    def report_logic() -> str:
+        folder = out / "report-logic"
+        folder.mkdir(parents=True, exist_ok=True)
+        info = {"flops_per_token": 4.66e9, "n_params": 1e9}
+
+        def fake(n: int, batch_device: str = "cuda:0", rc: int = 0) -> dict:
+            with (folder / "metrics.jsonl").open("w") as f:
+                for i in range(n):
+                    f.write(json.dumps(dict(
+                        step=i + 1, loss=11.0 - 0.1 * i, lr=3e-4, grad_norm=1.0,
+                        tokens=(i + 1) * 32768, tokens_per_s=80000.0 + i, mfu=0.377,
+                        skipped=False, max_memory_bytes=30 * 2**30, device="cuda:0",
+                        batch_device=batch_device)) + "\n")
+                f.write('{"step": 31, "lo')  # a line cut short
+            (folder / "stdout.txt").write_text(json.dumps(dict(
+                steps=n, loss=11.0 - 0.1 * (n - 1), tokens=n * 32768, tokens_per_s=79000.0,
+                wall_s=50.0)) + "\n")
+            return train_report(folder, rc, TRAIN, info, expect="cuda")
+
+        good = fake(30)
+        assert good["ok"], [c for c in good["checks"] if not c["ok"]]
+        assert abs(good["mfu_check"] - 4.66e9 * good["tokens_per_s"] / 989e12) < 1e-9
+        print(train_table("train (made-up metrics)", TRAIN, good))
+        bad = fake(30, batch_device="cpu")
+        failed = {c["check"] for c in bad["checks"] if not c["ok"]}
+        assert failed == {"batches on cuda (batch_device)"}, failed
+        short = fake(12, rc=124)
+        failed = {c["check"] for c in short["checks"] if not c["ok"]}
+        assert failed == {"exit 0", "30 steps logged", "final --json line"}, failed
+        return "passes good metrics; fails a batch on the CPU, a timed-out run"
+
+    def whole_script() -> str:
+        folder = out / "sh"
+        p = sh(["bash", str(script)], OUT=str(folder), GPU_CHECK_DRY_RUN="1")
+        (out / "sh.log").write_text(p.stdout + p.stderr)
+        print(p.stdout[-6000:], p.stderr[-2000:])
+        for f in ("setup.json", "setup.txt", "train/recipe.yaml", "train/command.txt",
+                  "train/report.json", "train.txt", "fp8/report.json", "kernels.jsonl",
+                  "kernels.json", "phases.tsv", "summary.txt"):
+            assert (folder / f).exists(), f"{f} was not written"
+        assert yaml.safe_load((folder / "train/recipe.yaml").read_text())["model"] == TINY
+        assert len(read_jsonl(folder / "kernels.jsonl")) >= 10, "kernel rows missing"
+        phases = dict(line.split("\t")[:2] for line in (folder / "phases.tsv").read_text()
+                      .splitlines())
+        assert set(phases) == {"setup", "train", "fp8", "kernels"}, phases
+        failed = {k for k, v in phases.items() if v != "0"}
+        train = json.loads((folder / "train/report.json").read_text())
+        if failed == {"train"} and "cli_rejected" in train:
+            assert p.returncode == 1, f"exit {p.returncode} with train failing"
+            return ("pending: every phase ran; the train CLI rejects the command line: "
+                    f"{train['cli_rejected']}")
+        assert not failed, f"phases failed: {failed} (see {folder}/summary.txt)"
+        assert p.returncode == 0, f"exit {p.returncode}"
+        return f"every phase ran on the CPU and passed; train: {train['steps']} steps"
+
+    def no_gpu() -> str:
+        has_gpu = shutil.which("nvidia-smi") and "GPU" in sh(["nvidia-smi", "-L"]).stdout
+        if has_gpu:
+            return "not run: this machine has a GPU"
+        p = sh(["bash", str(script)], OUT=str(out / "no-gpu"))
+        assert p.returncode == 0 and "no CUDA device" in p.stdout, (p.returncode, p.stdout)
+        return "says so, exits 0"
+
+    record("gpu_check.sh syntax", shell_syntax)
+    record("1.0B recipe: YAML, keys, composer build", recipe_1b)
+    record("train report assertions (made-up metrics)", report_logic)
+    record("GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh", whole_script)
+    record("bash bench/gpu_check.sh without a GPU", no_gpu)
+    print(f"\n== dry run ({out})")
+    for name, status, detail in results:
+        print(f"{status:<8} {name}: {detail}")
+    return 1 if any(s == "FAIL" for _, s, _ in results) else 0
 
 
-def machine() -> str:
-    if not torch.cuda.is_available():
-        return f"CPU (dry run), torch {torch.__version__}"
-    try:
-        import triton
-        tri = triton.__version__
-    except Exception:
-        tri = "absent"
-    return (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-            f"CUDA {torch.version.cuda}, triton {tri}")
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip() or "?"
-    except Exception:
-        return "?"
-
-
-def report(results: dict, args: argparse.Namespace) -> str:
-    parts = [f"machine: {machine()}; commit {commit()}; peak for MFU {PEAK_BF16 / 1e12:.0f} "
-             "TFLOP/s (H200 bf16 dense spec)"]
-    par = results.get("parity", {})
-    if "kernels" in par:
-        parts.append("kernels: " + "; ".join(f"{k}: {v}" for k, v in par["kernels"].items()))
-    if "rows" in par:
-        parts.append(parity_table(par["rows"]))
-    elif "error" in par:
-        parts.append(f"parity: {par['error']}")
-    if "device" in results:
-        parts.append("device (CLI end to end): " + ", ".join(
-            f"{k} {fmt(v) if isinstance(v, float) else v}" for k, v in results["device"].items()))
-    if any(p in results for p in MFU_RUNS):
-        parts.append(mfu_table(results))
-    return "\n\n".join(parts)
-
-
-def append_results(text: str, path: Path, command: str) -> None:
-    date = datetime.date.today().isoformat()
-    with path.open("a") as f:
-        f.write(f"\n## GPU check of composer.kernels ({date})\n\nCommand: `{command}` "
-                "(what each column means: the docstring of `bench/gpu_check.py`).\n\n"
-                f"```\n{text}\n```\n")
-    print(f"appended to {path}")
+# ---------------------------------------------------------------- main
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--budget", type=float, default=540, help="seconds for all phases")
-    p.add_argument("--phases", default="device,parity,mfu,mfu-torch")
-    p.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md")
-    p.add_argument("--no-results", action="store_true")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no results")
-    p.add_argument("--command", default=None, help="the command to record in RESULTS.md")
-    p.add_argument("--phase", help=argparse.SUPPRESS)  # child mode
-    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--seconds", type=float, default=600, help=argparse.SUPPRESS)
+    p.add_argument("phase", nargs="?", choices=PHASES)
+    p.add_argument("--out", type=Path, default=None, help="results folder ($OUT, bench/out)")
+    p.add_argument("--seconds", type=float, default=300, help="time for the phase")
+    p.add_argument("--steps", type=int, default=None, help="train steps (30)")
+    p.add_argument("--pip", default="not run", help="setup: what `pip install -e .` said")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes")
     return p.parse_args()
-
-
-def child(args: argparse.Namespace) -> None:
-    dev = "cpu" if args.dry_run else "cuda"
-    torch.manual_seed(0)
-    try:
-        if args.phase == "parity":
-            out = run_parity(dev, args.dry_run)
-        elif args.phase == "device":
-            out = run_device(dev, args.dry_run)
-        else:
-            out = run_mfu(dev, args.dry_run, args.seconds)
-    except torch.cuda.OutOfMemoryError as e:
-        out = {"error": f"out of memory: {e!s:.100}"}
-    args.out.write_text(json.dumps(out))
 
 
 def main() -> int:
     args = parse()
-    if args.phase:
-        child(args)
-        return 0
+    signal.signal(signal.SIGTERM, on_sigterm)
+    if args.phase is None:
+        if not args.dry_run:
+            print("gpu_check.py: give a PHASE or --dry-run; bash bench/gpu_check.sh runs them all")
+            return 2
+        out = args.out or Path(tempfile.mkdtemp(prefix="gpu_check_dry_"))
+        out.mkdir(parents=True, exist_ok=True)
+        return dry_run(out.resolve())
+    out = (args.out or Path(os.environ.get("OUT") or ROOT / "bench" / "out")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.phase == "summary":
+        return phase_summary(out)
     if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing to "
-              "check. It needs one NVIDIA GPU (written for an H200); --dry-run checks the script "
-              "on the CPU.")
+        print(f"gpu_check.py {args.phase}: no CUDA device here (torch.cuda.is_available() is "
+              "False): nothing to check; --dry-run runs it on the CPU")
         return 0
-    deadline = time.monotonic() + args.budget
-    phases = [p for p in args.phases.split(",") if p]
-    if set(phases) - set(CAPS):
-        print(f"gpu_check: unknown phase(s) {sorted(set(phases) - set(CAPS))}; known: "
-              f"{', '.join(CAPS)}")
-        return 2
-    results: dict[str, dict] = {}
-    for i, phase in enumerate(phases):
-        left = deadline - time.monotonic() - 60 * (len(phases) - i - 1)
-        if left < 30:
-            results[phase] = {"error": "skipped: time budget spent"}
-            continue
-        results[phase] = run_child(phase, min(CAPS[phase], left), args.dry_run)
-    text = report(results, args)
-    print("\n" + text)
-    if args.json:
-        print(json.dumps(results, indent=1))
-    if not (args.no_results or args.dry_run):
-        command = args.command or "python " + " ".join([sys.argv[0]] + sys.argv[1:])
-        append_results(text, args.results, command)
-    return 0
+    if args.phase == "setup":
+        return phase_setup(out, args.dry_run, args.pip)
+    if args.phase == "kernels":
+        return phase_kernels(out, args.dry_run)
+    plan = DRY if args.dry_run else TRAIN if args.phase == "train" else FP8
+    if args.steps and args.phase == "train":
+        plan = replace(plan, steps=args.steps, warm=min(plan.warm, args.steps // 3))
+    return phase_train(out, args.phase, plan, args.seconds)
 
 
 if __name__ == "__main__":

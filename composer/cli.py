@@ -237,40 +237,73 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+TRAIN_ONLY = {"func", "command", "config", "list_recipes", "json", "source"}
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    from composer.parallel.checkpoint import save_checkpoint
     from composer.parallel.launch import init_distributed, is_main_process
-    from composer.run import TrainResult, check_vocab, load_tokens, prepare, train
+    from composer.train.recipe import shipped_recipes
 
-    if args.steps < 0 or args.batch_size < 1 or args.lr <= 0:
-        raise UsageError("--steps must be >= 0, --batch-size >= 1 and --lr > 0")
-    if args.steps > 0 and args.tokens is None:
-        raise UsageError("--tokens is required to train (only --steps 0 runs without data)")
-    if args.steps == 0 and not args.save:
-        raise UsageError("--steps 0 only writes the initial weights: give --save")
-    init_distributed(args.device)
-    torch_seed(args.seed)
-    rows = load_tokens(args.tokens, args.seq_len) if args.tokens is not None else []
-    model, dims, opt, start = prepare(args.source, _layout(args), seed=args.seed,
-                                      optimizer_lr=args.lr, device=args.device)
-    if rows:
-        check_vocab(rows, model.config, args.tokens)
-    main_rank = is_main_process()
-
-    def report(step: int, loss: float) -> None:
-        if main_rank and not args.json:
-            print(f"step {step:>6}  loss {loss:.6f}", flush=True)
-
-    result = train(model, dims, opt, rows, args.steps, args.batch_size, args.seed, start, report) \
-        if args.steps else TrainResult(losses=[], step=start)
-    if args.save:
-        save_checkpoint(args.save, result.step, model, opt)
-    if main_rank:
+    if args.list_recipes:
+        recipes = shipped_recipes()
         if args.json:
-            print(json.dumps({"losses": result.losses}))
-        elif args.save:
-            print(f"saved step {result.step} to {args.save}")
+            print(json.dumps(recipes))
+        else:
+            width = max(map(len, recipes))
+            for name, text in recipes.items():
+                print(f"{name:<{width}}  {text}")
+        return 0
+    from composer.train.engine import resolve, train
+
+    flags = {k: v for k, v in vars(args).items() if k not in TRAIN_ONLY}
+    if flags.pop("activation_checkpointing", False):
+        flags.setdefault("ac", "full")
+    recipe, resume = resolve(args.source, args.config, flags)
+    init_distributed(recipe.device, recipe.timeout_s)
+    summary = train(recipe, resume, quiet=args.json)
+    if is_main_process():
+        if args.json:
+            print(json.dumps({"steps": summary.steps, "step": summary.step, "loss": summary.loss,
+                              "losses": summary.losses, "tokens": summary.tokens,
+                              "tokens_per_s": summary.tokens_per_s,
+                              "wall_s": round(summary.wall_s, 3), "skipped": summary.skipped,
+                              "stopped_by_signal": summary.stopped_by_signal}))
+        elif recipe.save:
+            print(f"saved step {summary.step} to {recipe.save}")
     return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from composer.train.plot import plot
+
+    out = plot(args.run, args.out)
+    if args.json:
+        print(json.dumps({"out": str(out)}))
+    else:
+        print(f"wrote {out}")
+    return 0
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per recipe field; only the flags given reach the recipe (no defaults here)."""
+    from composer.train.recipe import CHOICES, FIELDS, HELP
+
+    for name, help_text in HELP.items():
+        flag = "--" + name.replace("_", "-")
+        kind = str(FIELDS[name].type)
+        if kind.startswith("bool"):
+            p.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=help_text)
+            continue
+        names = [flag, "--batch-size"] if name == "global_batch_size" else [flag]
+        typ = int if kind.startswith("int") else float if kind.startswith("float") else str
+        p.add_argument(*names, dest=name, type=typ, choices=CHOICES.get(name),
+                       default=argparse.SUPPRESS, help=help_text)
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   default=argparse.SUPPRESS, help="keep activations replicated across tp ranks")
+    p.add_argument("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS,
+                   help="the same as --ac full")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
+                   help="override a model config field of a preset or pattern (repeatable)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -295,12 +328,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {args.out} (config.yaml, model.safetensors) in {seconds:.2f}s")
     return 0
-
-
-def torch_seed(seed: int) -> None:
-    import torch
-
-    torch.manual_seed(seed)
 
 
 def _add_layout(p: argparse.ArgumentParser) -> None:
@@ -361,17 +388,21 @@ def make_parser() -> Parser:
     _add_layout(ev)
     ev.set_defaults(func=cmd_eval)
 
-    tr = sub.add_parser("train", help="train with AdamW at a constant learning rate")
-    tr.add_argument("source", help="a checkpoint folder (portable or --save) or a preset name")
-    tr.add_argument("--tokens", help="a .npy array of token ids (1-D or 2-D)")
-    tr.add_argument("--steps", type=int, required=True,
-                    help="optimizer steps; 0 writes the initial weights to --save")
-    tr.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
-    tr.add_argument("--lr", type=float, default=3e-4)
-    tr.add_argument("--seed", type=int, default=0, help="init (for presets) and data order")
-    tr.add_argument("--save", help="write a DCP checkpoint folder here at the end")
-    _add_layout(tr)
+    tr = sub.add_parser("train", help="train (mixed precision, schedules, exact resume)")
+    tr.add_argument("source", nargs="?", default=None,
+                    help="a preset, a portable checkpoint, or a run folder to resume")
+    tr.add_argument("--config", help="a recipe YAML file or a shipped recipe's name")
+    tr.add_argument("--list-recipes", action="store_true", help="list the shipped recipes")
+    tr.add_argument("--json", action="store_true",
+                    help="no per-step lines; one line of JSON on stdout at the end")
+    _add_train_flags(tr)
     tr.set_defaults(func=cmd_train)
+
+    pl = sub.add_parser("plot", help="draw loss, learning rate and grad norm of a run")
+    pl.add_argument("run", help="a folder with metrics.jsonl (--save or --log-dir)")
+    pl.add_argument("--out", help="the image to write (default RUN/loss.png)")
+    pl.add_argument("--json", action="store_true", help="one line of JSON on stdout")
+    pl.set_defaults(func=cmd_plot)
 
     ex = sub.add_parser("export", help="training checkpoint (any layout) -> portable checkpoint")
     ex.add_argument("run", help="a `composer train --save` folder")
@@ -437,6 +468,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _is_main_rank():
             print(f"composer: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        from composer.train.loop import TrainingHalted
+
+        if not isinstance(exc, TrainingHalted):
+            raise
+        if _is_main_rank():
+            print(f"composer: error: {exc}".replace("\n", " "), file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("composer: interrupted", file=sys.stderr)
         return 130

@@ -10,6 +10,7 @@ same rows. Losses are next-token cross-entropy, averaged over every predicted to
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,18 +102,22 @@ def prepare(source: str, pc: ParallelConfig, seed: int = 0,
 
 
 def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,
-                  tensors: TensorSource | None = None,
-                  dtype: torch.dtype | None = None) -> HybridModel:
+                  tensors: TensorSource | None = None, dtype: torch.dtype | None = None,
+                  transform: Callable[[HybridModel], None] | None = None) -> HybridModel:
     """Build on meta, parallelise there, allocate this rank's shards on its device and fill them:
-    from a portable checkpoint's ``tensors`` (their dtypes), from ``seed`` (``dtype`` or fp32),
-    or not at all (``seed=None``: a training checkpoint loads next)."""
+    from a portable checkpoint's ``tensors``, from ``seed``, or not at all (``seed=None``: a
+    training checkpoint loads next). Tensors take ``dtype`` (fp32 masters for training; kept
+    names stay at least fp32) or, without it, the checkpoint's dtypes (fp32 for a seed).
+    ``transform`` changes the model on meta before it is parallelised (float8 linears)."""
     check_buildable(cfg)
     check_model(dims, cfg)
     model = build_model(cfg, device="meta")
-    if tensors is not None:
-        adopt_dtypes(model, tensors)
-    elif dtype is not None:
+    if dtype is not None:
         cast_model(model, dtype)
+    elif tensors is not None:
+        adopt_dtypes(model, tensors)
+    if transform is not None:
+        transform(model)
     parallelize(model, dims)
     model.to_empty(device=dims.device)
     if tensors is not None:

@@ -3,15 +3,22 @@
 A ``--save`` folder holds ``config.yaml``, one ``step-NNNNNNNN/`` folder per saved step and a
 ``latest`` file naming the newest complete one. Every rank writes its shards; ``latest`` is
 replaced atomically by rank 0 only after all ranks finished, so a crash never publishes a
-partial step. The state is keyed by parameter name (the same under every layout: tensor-parallel
-shards are DTensors of the full shape, Mamba's fused projections are stored per component), so a
-step saved at one layout loads at another.
+partial step, and step folders newer than ``latest`` are leftovers of an interrupted save
+(:func:`remove_incomplete` deletes them). Old steps are renamed to a hidden name before being
+deleted, so an interrupted deletion leaves nothing that looks complete. The state is keyed by
+parameter name (the same under every layout: tensor-parallel shards are DTensors of the full
+shape, Mamba's fused projections are stored per component), so a step saved at one layout loads
+at another.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -28,19 +35,28 @@ from composer.blocks.plan import named_state
 from composer.checkpoint import CONFIG_FILE
 
 LATEST = "latest"
+STEP_RE = re.compile(r"step-(\d+)$")
 
 # DCP warns when it runs without a process group; a single process is a supported layout here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized", category=UserWarning)
 
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 
-def _barrier() -> None:
+
+def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-def _rank0() -> bool:
+def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _opt_list(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
+    if optimizers is None:
+        return []
+    return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -52,6 +68,10 @@ def is_training_checkpoint(folder: Path) -> bool:
     return (Path(folder) / LATEST).exists()
 
 
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
 def latest_step(folder: Path) -> Path:
     folder = Path(folder)
     name = (folder / LATEST).read_text().strip()
@@ -61,39 +81,105 @@ def latest_step(folder: Path) -> Path:
     return path
 
 
-def save_checkpoint(folder: str | Path, step: int, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> Path:
-    folder = Path(folder)
-    step_dir = folder / f"step-{step:08d}"
+def _state(model: nn.Module, opts: list[torch.optim.Optimizer], step: int) -> dict:
     state: dict = {"model": model_state(model), "step": torch.tensor(step)}
     # A fresh optimizer has no state yet (train --steps 0): saving it would materialise its
     # moments (2x the model); resuming then starts a fresh one, which is the same thing.
-    if optimizer is not None and optimizer.state:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
-    if _rank0():
+    if any(o.state for o in opts):
+        state["optim"] = get_optimizer_state_dict(model, opts)
+    return state
+
+
+def write_step(folder: str | Path, step: int, model: nn.Module, optimizers: Optimizers = None,
+               async_group: dist.ProcessGroup | None = None,
+               async_save: bool = False) -> tuple[Path, Future | None]:
+    """Write this rank's shards of step ``step`` (not yet published). ``async_save``: the state
+    is staged in host memory and written in the background (over ``async_group``, a process
+    group of its own so that its collectives never interleave with training's); the returned
+    future completes when this rank's part is on disk."""
+    folder = Path(folder)
+    step_dir = folder / step_name(step)
+    if is_rank0():
         folder.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    barrier()
+    state = _state(model, _opt_list(optimizers), step)
+    if async_save:
+        return step_dir, dcp.async_save(state, checkpoint_id=str(step_dir),
+                                        process_group=async_group)
     dcp.save(state, checkpoint_id=str(step_dir))
-    _barrier()
-    if _rank0():
-        model.config.save(folder / CONFIG_FILE)
+    return step_dir, None
+
+
+def publish(folder: str | Path, step_dir: Path, config, keep_last: int | None = None,
+            before: Callable[[], None] | None = None) -> None:
+    """Once every rank has written ``step_dir``: point ``latest`` at it (atomically, rank 0),
+    then delete all but the newest ``keep_last`` steps. ``before`` runs on rank 0 first."""
+    folder = Path(folder)
+    barrier()
+    if is_rank0():
+        if before is not None:
+            before()
+        config.save(folder / CONFIG_FILE)
         tmp = folder / f".{LATEST}.tmp"
         tmp.write_text(step_dir.name + "\n")
         os.replace(tmp, folder / LATEST)
-    _barrier()
+        if keep_last:
+            for old in _steps(folder)[:-keep_last]:
+                _remove(old)
+    barrier()
+
+
+def save_checkpoint(folder: str | Path, step: int, model: nn.Module,
+                    optimizers: Optimizers = None) -> Path:
+    """Write and publish step ``step`` (every rank calls it)."""
+    step_dir, _ = write_step(folder, step, model, optimizers)
+    publish(folder, step_dir, model.config)
     return step_dir
 
 
-def load_checkpoint(folder: str | Path, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Load the latest step into an already parallelised ``model`` (any layout); its step."""
-    step_dir = latest_step(Path(folder))
+def _steps(folder: Path) -> list[Path]:
+    """Step folders up to the one ``latest`` names, oldest first."""
+    newest = latest_step(folder).name
+    found = sorted(p for p in folder.iterdir() if p.is_dir() and STEP_RE.match(p.name))
+    return [p for p in found if p.name <= newest]
+
+
+def _remove(path: Path) -> None:
+    trash = path.with_name(f".trash-{path.name}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_incomplete(folder: str | Path) -> list[str]:
+    """Delete step folders that ``latest`` never named (newer than it, or all of them when it
+    is missing) and half-deleted ones; rank 0 only. Returns the names removed."""
+    folder = Path(folder)
+    if not folder.is_dir() or not is_rank0():
+        return []
+    newest = latest_step(folder).name if is_training_checkpoint(folder) else ""
+    removed = []
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith(".trash-") or (p.is_dir() and STEP_RE.match(p.name)
+                                            and p.name > newest):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+        elif p.name == f".{LATEST}.tmp":
+            p.unlink(missing_ok=True)
+    return removed
+
+
+def load_checkpoint(folder: str | Path, model: nn.Module, optimizers: Optimizers = None,
+                    step_dir: Path | None = None) -> int:
+    """Load the latest step (or ``step_dir``) into an already parallelised ``model`` (any
+    layout) and, when the step holds one, the optimizer state; returns the step."""
+    step_dir = step_dir or latest_step(Path(folder))
+    opts = _opt_list(optimizers)
     state: dict = {"model": model_state(model), "step": torch.tensor(0)}
     saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    with_optim = optimizer is not None and any(k.startswith("optim.") for k in saved)
+    with_optim = bool(opts) and any(k.startswith("optim.") for k in saved)
     if with_optim:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = get_optimizer_state_dict(model, opts)
     dcp.load(state, checkpoint_id=str(step_dir))
     if with_optim:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        set_optimizer_state_dict(model, opts, state["optim"])
     return int(state["step"])

@@ -12,9 +12,10 @@ is divided by the whole ``dp`` after the sum over ``dp_outer``.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from composer.parallel.comm import all_reduce_coalesced
 from composer.parallel.mesh import ParallelDims
@@ -28,11 +29,20 @@ def _experts_apart(layer: nn.Module, dims: ParallelDims) -> set[nn.Parameter] | 
     return set(expert_params(layer.mixer)) or None
 
 
+def mixed_precision(dims: ParallelDims) -> MixedPrecisionPolicy:
+    """bf16 compute copies of the fp32 masters, gradients reduced in fp32 (or all fp32)."""
+    if dims.precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
 def apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:
     layers = list(model.layers.values())
+    mp = mixed_precision(dims)
     for layer in layers:
-        fully_shard(layer, mesh=dims.dp_mesh, ignored_params=_experts_apart(layer, dims))
-    fully_shard(model, mesh=dims.dp_mesh)
+        fully_shard(layer, mesh=dims.dp_mesh, ignored_params=_experts_apart(layer, dims),
+                    mp_policy=mp)
+    fully_shard(model, mesh=dims.dp_mesh, mp_policy=mp)
     for i, layer in enumerate(layers):
         if i + 1 < len(layers):
             layer.set_modules_to_forward_prefetch([layers[i + 1]])
@@ -41,9 +51,11 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:
 
 
 def apply_replicate(model: nn.Module, dims: ParallelDims) -> None:
+    mp = mixed_precision(dims)
     for layer in model.layers.values():
-        replicate(layer, mesh=dims.dp_mesh, ignored_params=_experts_apart(layer, dims))
-    replicate(model, mesh=dims.dp_mesh)
+        replicate(layer, mesh=dims.dp_mesh, ignored_params=_experts_apart(layer, dims),
+                  mp_policy=mp)
+    replicate(model, mesh=dims.dp_mesh, mp_policy=mp)
 
 
 def finish_grads(model: nn.Module, dims: ParallelDims) -> None:

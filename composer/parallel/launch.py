@@ -8,6 +8,7 @@ rank's exception is raised here with its traceback text.
 
 from __future__ import annotations
 
+import datetime
 import io
 import os
 import queue as queue_module
@@ -22,10 +23,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def init_distributed(device: str = "auto") -> bool:
+def init_distributed(device: str = "auto", timeout_s: float | None = None) -> bool:
     """Join the process group torchrun describes; False when not launched by torchrun. NCCL with
     ``cuda:LOCAL_RANK`` when ``device`` is ``cuda`` (or ``auto`` and CUDA is available), gloo on
-    the CPU otherwise."""
+    the CPU otherwise. ``timeout_s`` bounds every collective (PyTorch's default otherwise)."""
     if dist.is_initialized():
         return True
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -33,7 +34,8 @@ def init_distributed(device: str = "auto") -> bool:
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
     return True
 
 

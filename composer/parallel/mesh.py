@@ -40,9 +40,15 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     activation_checkpointing: bool = False
-    """Recompute each layer's activations in the backward instead of keeping them."""
+    """The same as ``ac="full"`` (kept for the eval command's flag)."""
+    ac: Literal["none", "full", "selective"] = "none"
+    """Activation checkpointing per layer: ``full`` recomputes each layer in the backward,
+    ``selective`` keeps the outputs of its matmuls and recomputes the rest."""
     compile: bool = False
     """``torch.compile`` each layer (after the plans, before data parallel)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: data parallel gathers bf16 copies of the fp32 master weights for compute and
+    reduces gradients in fp32 (FSDP2 ``MixedPrecisionPolicy``)."""
 
 
 @dataclass
@@ -59,8 +65,9 @@ class ParallelDims:
     deprecated)."""
     device: torch.device = torch.device("cpu")
     """Where this rank's tensors live (``cuda:LOCAL_RANK`` with NCCL, the CPU with gloo)."""
-    activation_checkpointing: bool = False
+    ac: str = "none"
     compile: bool = False
+    precision: str = "fp32"
     tp_context: Any = None
     """The tensor-parallel state once applied (``composer.parallel.tensor.TPContext``)."""
 
@@ -81,6 +88,8 @@ class ParallelDims:
 
 def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
     """Check sizes against the world; one-line :class:`LayoutError` otherwise."""
+    if pc.ac not in ("none", "full", "selective"):
+        raise LayoutError(f"--ac must be none, full or selective; got {pc.ac!r}")
     for name in ("tp", "ep", "pp", "cp"):
         if getattr(pc, name) < 1:
             raise LayoutError(f"--{name} must be >= 1, got {getattr(pc, name)}")
@@ -99,8 +108,8 @@ def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
                           "over the data-parallel ranks")
     return ParallelDims(tp=pc.tp, ep=pc.ep, dp=dp, dp_mode=pc.dp_mode,
                         sequence_parallel=pc.sequence_parallel, world_size=world_size,
-                        activation_checkpointing=pc.activation_checkpointing,
-                        compile=pc.compile)
+                        ac="full" if pc.activation_checkpointing else pc.ac,
+                        compile=pc.compile, precision=pc.precision)
 
 
 def check_layout(dims: ParallelDims, rules: Iterable[LayoutRule]) -> None:

@@ -3,9 +3,11 @@
 1. tensor + sequence parallel (``tensor.py``: the blocks' plans, vocab-parallel embedding/head),
 2. expert parallel (``expert.py``: the expert groups the plans name) and global token sums,
 3. [context parallel: reserved],
-4. activation checkpointing (``--activation-checkpointing``: each layer recomputed in backward),
+4. activation checkpointing (``--ac full``: each layer recomputed in the backward; ``--ac
+   selective``: each layer's matmul and attention outputs kept, everything else recomputed),
 5. compile (``--compile``: each layer, same keys),
-6. data parallel (``data.py``: FSDP2 sharded, or FSDP2-style replicate).
+6. data parallel (``data.py``: FSDP2 sharded, or FSDP2-style replicate; with ``precision="bf16"``
+   bf16 compute copies of the fp32 masters and fp32 gradient reduction).
 
 Run it on the meta device (``build_model(cfg, device="meta")``): nothing is allocated, and each
 rank then materialises only its own shards (``to_empty`` + ``composer.specs.init``). It also works
@@ -14,8 +16,12 @@ on a materialised model whose ranks hold the same full weights (each keeps its c
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 from torch import nn
 from torch.distributed._composable.checkpoint_activation import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from composer.parallel.data import apply_fsdp, apply_replicate
 from composer.parallel.expert import apply_ep, make_global
@@ -30,6 +36,30 @@ def _moes(model: nn.Module) -> list[nn.Module]:
         if plan is not None and plan.experts is not None:
             out.append(layer.mixer)
     return out
+
+
+SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+             torch.ops.aten._scaled_mm.default}
+"""What ``--ac selective`` keeps: the outputs of matrix multiplications and attention (the
+expensive ops); norms, activations, the scan's elementwise work and casts are recomputed."""
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    """Activation checkpointing of every layer (composable: the keys do not change)."""
+    if mode == "none":
+        return
+    kwargs = {}
+    if mode == "selective":
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
+    for layer in model.layers.values():
+        checkpoint(layer, **kwargs)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
@@ -49,9 +79,7 @@ def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
             group = dims.dp_mesh.get_group() if dims.dp > 1 else None
             for name in moe.parallel_plan().token_sums:
                 make_global(moe.get_submodule(name), group=group, grad_scale=1.0 / dims.tp)
-    if dims.activation_checkpointing:
-        for layer in model.layers.values():
-            checkpoint(layer)
+    apply_ac(model, dims.ac)
     if dims.compile:
         from composer.kernels import compile_layers
 

@@ -66,7 +66,7 @@ def test_cli_train_steps_0_under_torchrun_exports_the_build(tmp_path, built):
     # a step-0 checkpoint holds no optimizer state (a fresh one); training resumes from it
     np.save(tmp_path / "t.npy", np.random.default_rng(0).integers(0, 512, (4, 16)))
     assert main(["train", str(tmp_path / "run"), "--tokens", str(tmp_path / "t.npy"), "--steps",
-                 "1", "--batch-size", "2", "--save", str(tmp_path / "run")]) == 0
+                 "1", "--batch-size", "2", "--save", str(tmp_path / "run"), "--tp", "1"]) == 0
     assert (tmp_path / "run" / "latest").read_text().strip() == "step-00000001"
 
 

@@ -1,0 +1,54 @@
+"""The global gradient norm and clipping, under any layout.
+
+After :func:`composer.parallel.data.finish_grads` every rank holds complete gradients for its
+pieces of the parameters: a DTensor's local shard, or a whole tensor. A piece that several
+ranks hold (replicated over tp, over dp_outer for experts, over every rank for a plain tensor)
+is counted once by weighting its squared sum by ``shards / world``, where ``shards`` is the
+number of distinct pieces of that parameter (the product of the mesh sizes it is sharded
+over); one all-reduce over the world then gives the single-process sum of squares.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _pieces(p: torch.Tensor) -> int:
+    if not isinstance(p, DTensor):
+        return 1
+    mesh = p.device_mesh
+    return math.prod(mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_shard())
+
+
+def grad_norm(model: nn.Module, device: torch.device) -> torch.Tensor:
+    """The L2 norm of all gradients, as on one process (an fp32 0-dim tensor on ``device``;
+    no host synchronisation)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    grads, weights = [], []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        grads.append((g.to_local() if isinstance(g, DTensor) else g).float())
+        weights.append(_pieces(p) / world)
+    if not grads:
+        return torch.zeros((), device=device)
+    sq = torch.stack(torch._foreach_norm(grads)).double().square()
+    total = (sq * torch.tensor(weights, dtype=torch.float64, device=sq.device)).sum()
+    if world > 1:
+        dist.all_reduce(total)
+    return total.sqrt().float()
+
+
+def clip_grads(model: nn.Module, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` (PyTorch's rule)."""
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+             for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))

@@ -1,0 +1,226 @@
+"""``composer train``: resolve the recipe, find what to resume, build, train.
+
+Resuming: when ``SOURCE`` is a run folder (it has ``latest``), or ``--save`` names one, the run
+continues from its latest step with the recipe saved there; the command line and ``--config``
+override only what they name (``--steps M`` extends or shortens the run to ``M`` steps in all,
+the schedule reshaped accordingly). Step folders an interrupted save left behind are removed
+first. ``--exit-at-step K`` stops after step ``K`` with a checkpoint, leaving the schedule for
+``--steps`` untouched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from composer.checkpoint import CONFIG_FILE
+from composer.config import ConfigError, ModelConfig, apply_overrides
+from composer.parallel.checkpoint import (
+    is_rank0,
+    is_training_checkpoint,
+    latest_step,
+    load_checkpoint,
+    remove_incomplete,
+)
+from composer.parallel.mesh import LayoutError, ParallelConfig, build_parallel_dims
+from composer.train.data import SYNTHETIC, Batches, synthetic_rows
+from composer.train.loop import Run, Summary, seed_everything, train_loop
+from composer.train.metrics import MetricsLog
+from composer.train.optim import build_optimizers
+from composer.train.recipe import (
+    RECIPE_FILE,
+    Recipe,
+    merge,
+    model_source,
+    read_recipe,
+    recipe_path,
+)
+from composer.train.schedule import Schedule
+from composer.train.state import Saver, read_train_state, restore_rng
+
+DEFAULT_SYNTHETIC_SEQ_LEN = 128
+
+
+def resolve(source: str | None, config: str | None,
+            flags: dict[str, Any]) -> tuple[Recipe, Path | None]:
+    """The recipe (defaults < a resumed run's < ``--config`` < flags) and the run to resume."""
+    from_config = read_recipe(recipe_path(config)) if config else {}
+    save = flags.get("save") or from_config.get("save")
+    resume = next((Path(c) for c in (source, save) if c and is_training_checkpoint(Path(c))),
+                  None)
+    recipe = Recipe()
+    if resume is not None:
+        saved = read_train_state(latest_step(resume)).get("recipe") or {}
+        recipe = merge(recipe, saved, f"{resume} (saved recipe)")
+        recipe.model = str(resume)
+        if save is None:
+            recipe.save = str(resume)
+    recipe = merge(recipe, from_config, config or "")
+    recipe = merge(recipe, flags, "command line")
+    if source is not None and resume is None:
+        recipe.model = source
+    if resume is not None:
+        recipe.model = str(resume)
+    if recipe.model is None:
+        raise ConfigError("nothing to train: give SOURCE (a preset or checkpoint folder) or a "
+                          "recipe with `model:`")
+    if recipe.steps is None:
+        raise ConfigError("--steps is required (the run's total number of optimizer steps)")
+    return recipe, resume
+
+
+def _model_config(recipe: Recipe) -> tuple[ModelConfig, Any]:
+    """The config and, for a portable checkpoint, its tensors."""
+    from composer.specs.builder import open_portable
+    from composer.zoo import get_preset, presets
+
+    name, pattern, overrides = model_source(recipe.model)
+    overrides = overrides + list(recipe.set or [])
+    if pattern is not None:
+        cfg = ModelConfig(pattern=pattern)
+    elif name in presets():
+        cfg = get_preset(name).config()
+    elif name is not None and Path(name).is_dir():
+        if overrides:
+            raise ConfigError(f"{name}: `set` overrides apply to presets and patterns, not to "
+                              "a checkpoint's fixed shapes")
+        return open_portable(Path(name))
+    else:
+        raise ConfigError(f"{name}: not a checkpoint folder or a preset name")
+    apply_overrides(cfg, overrides)
+    return cfg.validate(), None
+
+
+def _check(recipe: Recipe, dp: int) -> int:
+    g, m = recipe.global_batch_size, recipe.micro_batch_size
+    if recipe.steps < 0 or g < 1 or recipe.lr <= 0:
+        raise ConfigError("--steps must be >= 0, --global-batch-size >= 1 and --lr > 0")
+    if g % dp:
+        raise ConfigError(f"--global-batch-size ({g}) must be divisible by dp ({dp})")
+    m = m or g // dp
+    if m < 1 or (g // dp) % m:
+        raise ConfigError(f"--global-batch-size ({g}) must be a multiple of --micro-batch-size "
+                          f"({m}) x dp ({dp})")
+    for name in ("save_every", "keep_last", "max_skipped_steps", "log_every"):
+        if getattr(recipe, name) < (0 if name == "save_every" else 1):
+            raise ConfigError(f"--{name.replace('_', '-')} must be "
+                              f"{'>= 0' if name == 'save_every' else '>= 1'}")
+    if recipe.exit_at_step is not None and recipe.exit_at_step < 1:
+        raise ConfigError("--exit-at-step must be >= 1")
+    return m
+
+
+def _precision(recipe: Recipe, device: torch.device) -> str:
+    precision = recipe.precision or ("bf16" if device.type == "cuda" else "fp32")
+    if precision == "fp8":
+        if device.type != "cuda":
+            raise ConfigError("--precision fp8 needs a CUDA device (torchao float8 training)")
+        try:
+            import torchao.float8  # noqa: F401
+        except Exception:  # noqa: BLE001 - any import failure means it is not usable
+            raise ConfigError("--precision fp8 needs torchao (pip install torchao)") from None
+    return precision
+
+
+def _fp8(model: torch.nn.Module) -> None:
+    """torchao float8 training for the linear layers whose shapes suit it (multiples of 16),
+    the LM head excepted."""
+    from torchao.float8 import convert_to_float8_training
+
+    def keep(module: torch.nn.Module, fqn: str) -> bool:
+        ok = isinstance(module, torch.nn.Linear) and "lm_head" not in fqn
+        return ok and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    convert_to_float8_training(model, module_filter_fn=keep)
+
+
+def _rows(recipe: Recipe, cfg: ModelConfig) -> tuple[np.ndarray, int]:
+    from composer.run import check_vocab, load_tokens
+
+    if recipe.tokens is None:
+        if recipe.steps:
+            raise ConfigError("--tokens is required to train (a .npy file, or `synthetic`)")
+        return np.zeros((1, 2), dtype=np.int64), 2
+    if recipe.tokens == SYNTHETIC:
+        seq_len = recipe.seq_len or DEFAULT_SYNTHETIC_SEQ_LEN
+        return synthetic_rows(cfg.vocab_size, seq_len, recipe.seed), seq_len
+    rows = load_tokens(recipe.tokens, recipe.seq_len)
+    if len({len(r) for r in rows}) != 1:
+        rows = [r for r in rows if len(r) == len(rows[0])]  # drop a 1-D array's short tail
+    check_vocab(rows, cfg, recipe.tokens)
+    return np.stack(rows), len(rows[0])
+
+
+def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run, int]:
+    """Build the run; returns it and the last step to take."""
+    from composer.run import build_sharded
+    from composer.specs.builder import build_model, model_stats
+
+    if resume is not None:
+        remove_incomplete(resume)
+        cfg, tensors = ModelConfig.load(resume / CONFIG_FILE), None
+    else:
+        cfg, tensors = _model_config(recipe)
+    pc = ParallelConfig(tp=recipe.tp, ep=recipe.ep, dp=recipe.dp, dp_mode=recipe.dp_mode,
+                        sequence_parallel=recipe.sequence_parallel, ac=recipe.ac,
+                        compile=recipe.compile)
+    try:
+        dims = build_parallel_dims(pc, recipe.device)
+    except LayoutError as exc:
+        if resume is None:
+            raise
+        raise LayoutError(f"{exc} (the layout of a resumed run comes from its saved recipe; "
+                          "give --tp/--ep/--dp to change it)") from None
+    precision = _precision(recipe, dims.device)
+    dims.precision = "bf16" if precision in ("bf16", "fp8") else "fp32"
+    micro = _check(recipe, dims.dp)
+    data, seq_len = _rows(recipe, cfg)
+    seed_everything(recipe.seed)
+    try:  # fp32 masters whatever the source's dtype
+        model = build_sharded(cfg, dims, seed=None if resume else recipe.seed, tensors=tensors,
+                              dtype=torch.float32,
+                              transform=_fp8 if precision == "fp8" else None)
+    finally:
+        if tensors is not None:
+            tensors.close()
+    opt = build_optimizers(model, recipe.optimizer, recipe.lr, recipe.weight_decay,
+                           (recipe.adam_beta1, recipe.adam_beta2), recipe.adam_eps)
+    run = Run(recipe=recipe, model=model, dims=dims, optimizers=opt,
+              batches=Batches(data, recipe.global_batch_size, recipe.seed),
+              schedule=Schedule(recipe.lr, recipe.lr / 10 if recipe.min_lr is None
+                                else recipe.min_lr, recipe.steps, recipe.warmup_steps,
+                                recipe.schedule, recipe.decay_steps),
+              micro_batch=micro, seq_len=seq_len, precision=precision,
+              flops_per_token=model_stats(build_model(cfg, device="meta"),
+                                          seq_len=seq_len).flops_per_token)
+    if resume is not None:
+        step_dir = latest_step(resume)
+        run.start_step = load_checkpoint(resume, model, opt.opts, step_dir)
+        saved = read_train_state(step_dir)
+        run.consumed = saved.get("consumed_samples", run.start_step * recipe.global_batch_size)
+        run.tokens = saved.get("tokens", run.consumed * seq_len)
+        run.skipped = saved.get("skipped_steps", 0)
+        restore_rng(step_dir)
+    if recipe.save:
+        if resume is None or Path(recipe.save).resolve() != resume.resolve():
+            remove_incomplete(recipe.save)
+        run.saver = Saver(recipe.save, recipe.keep_last, recipe.async_save)
+        if is_rank0():
+            Path(recipe.save).mkdir(parents=True, exist_ok=True)
+            recipe.write(Path(recipe.save) / RECIPE_FILE)
+    last = recipe.steps if recipe.exit_at_step is None else min(recipe.steps, recipe.exit_at_step)
+    run.log = MetricsLog(recipe.log_dir or recipe.save, is_rank0(), last, run.start_step, quiet,
+                         recipe.tensorboard)
+    return run, last
+
+
+def train(recipe: Recipe, resume: Path | None = None, quiet: bool = False) -> Summary:
+    """Train as ``recipe`` says (every rank calls it, inside the process group if any)."""
+    run, last = setup(recipe, resume, quiet)
+    try:
+        return train_loop(run, last, quiet)
+    finally:
+        run.log.close()

@@ -1,0 +1,263 @@
+"""The training loop: accumulation over micro-batches, clipping, skipping, saving, logging.
+
+One optimizer step ``s`` consumes one global batch of ``G`` sequences: data-parallel rank ``r``
+runs its ``G / dp`` rows as micro-batches of ``m``. Each micro-batch's backward is of
+``ce_i * n_i * dp / N + aux_i / k`` (``n_i`` its predicted tokens, ``N`` the global batch's,
+``k = G / (m dp)`` micro-batches): data parallel averages gradients over ``dp``, so the step's
+gradient is that of the mean cross-entropy over every predicted token of the global batch, the
+same for any ``(m, dp)``. MoE load-balancing losses are computed per micro-batch (their
+statistics summed over data-parallel ranks) and averaged over the micro-batches, as in
+Megatron-Core.
+
+Then: complete the reductions (:func:`composer.parallel.data.finish_grads`), the global gradient
+norm (logged as ``grad_norm``), and either a clipped optimizer step or, when the loss or the norm
+is not finite, a skipped step that changes nothing (after ``max_skipped_steps`` consecutive skips
+the run stops: :class:`TrainingHalted`, exit code 3). A SIGTERM or SIGINT finishes the current
+step, saves and stops; a second one exits at once.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import random
+import signal
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from composer.blocks.model import HybridModel
+from composer.parallel.data import finish_grads
+from composer.parallel.grads import clip_grads, grad_norm
+from composer.parallel.mesh import ParallelDims
+from composer.train.data import Batches
+from composer.train.metrics import MetricsLog, max_memory_bytes, peak_flops
+from composer.train.optim import Optimizers
+from composer.train.recipe import Recipe
+from composer.train.schedule import Schedule
+from composer.train.state import Saver
+
+
+class TrainingHalted(RuntimeError):
+    """The run cannot go on (non-finite losses or weights); one line, exit code 3."""
+
+    exit_code = 3
+
+
+@dataclass
+class Summary:
+    steps: int = 0
+    """Optimizer steps taken in this invocation (skipped ones included)."""
+    step: int = 0
+    """The run's step count at the end."""
+    loss: float | None = None
+    tokens: int = 0
+    tokens_per_s: float | None = None
+    wall_s: float = 0.0
+    skipped: int = 0
+    stopped_by_signal: bool = False
+    losses: list[float] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+class StopRequest:
+    """SIGTERM / SIGINT: ask the loop to stop after the current step; a second signal exits."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested:
+            os._exit(128 + signum)
+        self.requested = True
+
+    def close(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, prepared by :func:`composer.train.engine.setup`."""
+
+    recipe: Recipe
+    model: HybridModel
+    dims: ParallelDims
+    optimizers: Optimizers
+    batches: Batches
+    schedule: Schedule
+    micro_batch: int
+    seq_len: int
+    flops_per_token: int
+    precision: str
+    start_step: int = 0
+    consumed: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    saver: Saver | None = None
+    log: MetricsLog | None = None
+    batch_device: Any = None
+
+
+def _autocast(run: Run):
+    if run.precision in ("bf16", "fp8"):
+        return torch.autocast(run.dims.device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def accumulate(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over this rank's micro-batches of the next global batch; returns
+    the summed token cross-entropy and the summed aux loss (not yet reduced)."""
+    dims, model = run.dims, run.model
+    micro = run.batches.local(run.consumed, dims.dp, dims.dp_rank(), run.micro_batch)
+    n_global = run.recipe.global_batch_size * (run.seq_len - 1)
+    ce_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
+    aux_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
+    for rows in micro:
+        ids = torch.from_numpy(rows).long().to(dims.device, non_blocking=True)
+        run.batch_device = ids.device
+        n = ids.shape[0] * (ids.shape[1] - 1)
+        with _autocast(run):
+            out = model(ids, ids)
+        ce = out.loss - out.aux_loss
+        (ce * (n * dims.dp / n_global) + out.aux_loss / len(micro)).backward()
+        ce_sum += ce.detach().double() * n
+        aux_sum += out.aux_loss.detach().double()
+    return ce_sum, aux_sum / len(micro)
+
+
+def params_finite(model: HybridModel) -> bool:
+    ok = torch.ones((), device=next(model.parameters()).device)
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if not torch.isfinite(local).all():
+            ok.zero_()
+            break
+    if dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok)
+
+
+def save(run: Run, step: int) -> None:
+    if run.saver is None:
+        return
+    if not params_finite(run.model):
+        raise TrainingHalted(f"the weights are not finite after step {step} (is --lr too "
+                             "large?); not saving them")
+    state = {"step": step, "consumed_samples": run.consumed, "tokens": run.tokens,
+             "skipped_steps": run.skipped, "schedule": vars(run.schedule),
+             "recipe": run.recipe.to_dict()}
+    run.saver.save(step, run.model, run.optimizers.opts, state)
+
+
+def _reduce_stats(run: Run, ce_sum: torch.Tensor, aux: torch.Tensor,
+                  stop: bool) -> tuple[float, float, bool]:
+    dims = run.dims
+    stats = torch.stack([ce_sum / dims.tp, aux / (dims.tp * dims.dp),
+                         torch.tensor(float(stop), dtype=torch.float64, device=dims.device)])
+    if dist.is_initialized():
+        dist.all_reduce(stats)
+    loss, aux_mean, stops = stats.tolist()
+    return loss / (run.recipe.global_batch_size * (run.seq_len - 1)), aux_mean, stops > 0
+
+
+def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
+    """Steps ``start_step + 1 .. last_step``; saves every ``save_every`` and at the end."""
+    r, dims = run.recipe, run.dims
+    summary = Summary(step=run.start_step)
+    stop = StopRequest()
+    peak = peak_flops(dims.device, run.precision, r.peak_tflops)
+    consecutive = 0
+    start = t_log = time.perf_counter()
+    tokens_at_log = run.tokens
+    try:
+        for step in range(run.start_step + 1, last_step + 1):
+            if r.timeout_s:  # the watchdog: every thread's stack, then exit 1
+                faulthandler.dump_traceback_later(r.timeout_s, exit=True)
+            lr = run.schedule(step)
+            run.optimizers.set_lr(lr)
+            ce_sum, aux = accumulate(run)
+            finish_grads(run.model, dims)
+            norm_t = grad_norm(run.model, dims.device)
+            loss, aux_mean, stopping = _reduce_stats(run, ce_sum, aux, stop.requested)
+            norm = float(norm_t)
+            finite = math.isfinite(loss) and math.isfinite(norm)
+            if finite:
+                if r.grad_clip > 0:
+                    clip_grads(run.model, norm_t, r.grad_clip)
+                run.optimizers.step()
+                consecutive = 0
+            else:
+                run.skipped += 1
+                consecutive += 1
+            run.optimizers.zero_grad()
+            run.consumed += r.global_batch_size
+            run.tokens += r.global_batch_size * run.seq_len
+            summary.steps += 1
+            summary.step = step
+            summary.losses.append(loss)
+            if step % r.log_every == 0 or step == last_step or not finite:
+                now = time.perf_counter()
+                tps = (run.tokens - tokens_at_log) / max(now - t_log, 1e-9)
+                t_log, tokens_at_log = now, run.tokens
+                row = {"step": step, "loss": loss if math.isfinite(loss) else None, "lr": lr,
+                       "grad_norm": norm if math.isfinite(norm) else None,
+                       "tokens": run.tokens, "tokens_per_s": tps,
+                       "mfu": run.flops_per_token * tps / (peak * dims.world_size)
+                       if peak else None,
+                       "skipped": run.skipped, "max_memory_bytes": max_memory_bytes(dims.device),
+                       "device": str(next(run.model.parameters()).device),
+                       "batch_device": str(run.batch_device)}
+                if aux_mean:
+                    row["aux_loss"] = aux_mean
+                summary.rows.append(row)
+                run.log.log(row)
+            run.log.advance()
+            if consecutive >= r.max_skipped_steps:
+                what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {norm}"
+                raise TrainingHalted(f"non-finite {what} at step {step}: {consecutive} "
+                                     f"consecutive steps skipped (--max-skipped-steps "
+                                     f"{r.max_skipped_steps}); the last checkpoint is intact")
+            if stopping:
+                summary.stopped_by_signal = True
+                break
+            if r.save_every and step % r.save_every == 0 and step != last_step:
+                save(run, step)
+        if summary.steps or run.start_step == 0:
+            save(run, summary.step)
+        if run.saver is not None:
+            run.saver.finish()
+    except TrainingHalted:
+        if run.saver is not None:  # an earlier, finite step still being written
+            run.saver.finish()
+        raise
+    finally:
+        if r.timeout_s:
+            faulthandler.cancel_dump_traceback_later()
+        stop.close()
+    summary.wall_s = time.perf_counter() - start
+    summary.loss = summary.losses[-1] if summary.losses else None
+    summary.tokens = run.tokens
+    summary.skipped = run.skipped
+    if summary.steps:
+        summary.tokens_per_s = summary.steps * r.global_batch_size * run.seq_len / summary.wall_s
+    return summary
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
