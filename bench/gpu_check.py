@@ -141,7 +141,7 @@ class Plan:
 
 TRAIN = Plan()
 FP8 = replace(TRAIN, precision="fp8", steps=6, warm=2)
-DRY = Plan(model=TINY, precision="fp32", device="cpu", seq_len=64, steps=3, warm=1,
+DRY = Plan(model=TINY, precision="fp32", device="cpu", seq_len=64, steps=12, warm=2,
            global_batch=2, micro_batch=1)
 
 
@@ -411,13 +411,13 @@ def run_logged(cmd: list[str], folder: Path, timeout: float, name: str, steps: i
 def skip_fp8(plan: Plan) -> str | None:
     """Why the fp8 run cannot be tried here, else ``None``."""
     try:
-        import torchao  # noqa: F401
+        import torchao.float8  # noqa: F401  (what composer.train's fp8 uses)
     except Exception as e:
         return f"torchao is not importable ({type(e).__name__}: {e!s:.80})"
     if plan.device != "cuda" or not torch.cuda.is_available():
         return "fp8 needs a CUDA device"
-    if torch.cuda.get_device_capability(0) < (8, 9):
-        return f"fp8 needs compute capability 8.9+, this GPU has {torch.cuda.get_device_capability(0)}"
+    if (cap := torch.cuda.get_device_capability(0)) < (8, 9):
+        return f"fp8 needs compute capability 8.9+, this GPU has {cap[0]}.{cap[1]}"
     return None
 
 
@@ -962,9 +962,13 @@ def main() -> int:
     if args.phase == "kernels":
         return phase_kernels(out, args.dry_run)
     plan = DRY if args.dry_run else TRAIN if args.phase == "train" else FP8
-    if args.steps and args.phase == "train":
+    if args.steps and args.phase == "train" and not args.dry_run:
         plan = replace(plan, steps=args.steps, warm=min(plan.warm, args.steps // 3))
-    return phase_train(out, args.phase, plan, args.seconds)
+    try:
+        return phase_train(out, args.phase, plan, args.seconds)
+    except Interrupted:
+        print(f"gpu_check.py {args.phase}: interrupted (timeout)")
+        return 124
 
 
 if __name__ == "__main__":

@@ -1,89 +1,157 @@
 #!/usr/bin/env bash
-# GPU check of composer.kernels on one NVIDIA GPU (written for an H200), in about 10 minutes.
+# One-GPU check of composer, written for an H200 with no network, in at most 7 minutes.
 #
-#   bash bench/gpu_check.sh
+#   bash bench/gpu_check.sh                    # results in $OUT, else bench/out/
+#   python bench/gpu_check.py --dry-run        # checks this script's logic on a CPU
 #
-# 1. No CUDA device (nvidia-smi lists none): says so and exits 0.
-# 2. Python: $PYTHON (default python3) if its torch already sees CUDA; otherwise a venv at
-#    $GPU_CHECK_VENV (default ~/.cache/composer-gpu-venv, outside the repo) with `pip install
-#    torch` (PyPI's default Linux wheel is a CUDA build).
-# 3. composer: `pip install --no-deps --no-build-isolation -e .`, best effort (PYTHONPATH is set
-#    to the checkout as well, so the check runs either way).
-# 4. The `gpu` extra, one package at a time, each best effort under its own timeout:
-#    causal-conv1d, mamba-ssm, transformer-engine[pytorch]. They build against the installed
-#    torch (--no-build-isolation); source builds of mamba-ssm take longer than this budget, so
-#    put prebuilt wheels in .whl/ (used first, offline) where the machine has no network or no
-#    matching wheel. Whatever fails is reported and the check goes on without it.
-# 5. python bench/gpu_check.py with what is left of the budget: parity (kernels against the
-#    torch path, fp32/bf16), MFU of a 0.93B hybrid with and without kernels; prints the tables
-#    and appends them to bench/RESULTS.md.
+# No CUDA device (nvidia-smi lists no GPU): says so and exits 0. Nothing is installed from the
+# network unless GPU_CHECK_INSTALL=1: by default it uses whatever torch and kernels import.
 #
-# Settings (environment): GPU_CHECK_BUDGET seconds in all (600), GPU_CHECK_INSTALL=0 to skip
-# step 4, GPU_CHECK_INSTALL_S seconds per package (120), PYTHON, GPU_CHECK_VENV.
+# Phases, each under `timeout` with what is left of the budget (a phase that would get too
+# little is skipped); each writes its results into $OUT as it goes and prints a short table
+# (the tables, also in $OUT/PHASE.txt, are collected in $OUT/summary.txt at the end):
+#   setup    a python whose torch sees CUDA ($PYTHON, else .venv/bin/python, python3, python);
+#            the checkout on PYTHONPATH; `pip install --no-index --no-deps --no-build-isolation
+#            -e .`, best effort and offline ($OUT/pip_install_e.log); when composer.zoo still
+#            does not import (pyproject maps zoo/ and tools/convert/ into the package), a
+#            symlinked copy of the package in a temp dir goes first on PYTHONPATH
+#            -> $OUT/setup.json: versions, GPU, which kernels and torchao import
+#   train    `python -m composer train` of a 1.0B hybrid (M-M-M*-M-M-M*-M-, d_model 2048,
+#            vocab 131072), bf16, --ac full, 30 steps of 8 x 4096 synthetic tokens, MFU against
+#            989 TFLOP/s; asserts from metrics.jsonl that parameters and batches are on CUDA
+#            -> $OUT/train/ (recipe.yaml, model.json, command.txt, metrics.jsonl, stdout.txt,
+#            train.log, report.json)
+#   fp8      the same for 6 steps with --precision fp8 -> $OUT/fp8/ ("skipped: ..." without
+#            torchao)
+#   kernels  parity of composer.kernels against the torch path -> $OUT/kernels.jsonl (rows as
+#            they come), $OUT/kernels.json
+#   summary  one line per phase -> $OUT/summary.txt; exit status 0 when every phase passed
+# bench/gpu_check.py (its docstring) says what each phase checks and measures.
+#
+# Budget (GPU_CHECK_BUDGET, 420 s): setup takes what it needs (its steps have their own
+# timeouts); then train gets at most 240 s, fp8 60 s, kernels the rest, each less whatever the
+# phases after it need at least (fp8 50 s, kernels 100 s, summary 15 s).
+#
+# Environment:
+#   OUT                 results folder (default bench/out)
+#   GPU_CHECK_BUDGET    seconds in all (420)
+#   GPU_CHECK_PHASES    which of train,fp8,kernels to run (all three); setup always runs
+#   GPU_CHECK_STEPS     train steps (30)
+#   PYTHON              the interpreter to use (default: the first of .venv/bin/python,
+#                       python3, python whose torch sees CUDA)
+#   GPU_CHECK_INSTALL=1 opt in to installing from the network: torch into a venv at
+#                       GPU_CHECK_VENV (~/.cache/composer-gpu-venv) when no torch sees CUDA,
+#                       then mamba-ssm, causal-conv1d and torchao, each best effort (120 s)
+#   GPU_CHECK_DRY_RUN=1 every phase on the CPU with tiny shapes (what --dry-run uses)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT=$(pwd)
 START=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET:-600}
-PER_PKG=${GPU_CHECK_INSTALL_S:-120}
-left() { local s=$((BUDGET - ($(date +%s) - START))); echo $((s > 1 ? s : 1)); }
+BUDGET=${GPU_CHECK_BUDGET:-420}
+PHASES=${GPU_CHECK_PHASES:-train,fp8,kernels}
+STEPS=${GPU_CHECK_STEPS:-30}
+OUT=${OUT:-$ROOT/bench/out}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1
+export OUT
+left() { echo $((BUDGET - ($(date +%s) - START))); }
 say() { echo "[gpu_check $(($(date +%s) - START))s] $*"; }
+selected() { case ",$PHASES," in *",$1,"*) return 0 ;; esac; return 1; }
 
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q GPU; then
+DRY=()
+if [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ]; then
+  DRY=(--dry-run)
+  say "dry run: every phase on the CPU with tiny shapes, results in $OUT"
+elif ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q GPU; then
   say "no CUDA device here (nvidia-smi lists no GPU): nothing to check; run this on a machine" \
       "with one NVIDIA GPU (python bench/gpu_check.py --dry-run checks the script on a CPU)"
   exit 0
-fi
-nvidia-smi -L
-
-PY=${PYTHON:-python3}
-has_cuda_torch() { "$1" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
-  >/dev/null 2>&1; }
-if has_cuda_torch "$PY"; then
-  say "using $PY ($("$PY" -c 'import sys, torch; print(sys.prefix, "torch", torch.__version__)'))"
 else
+  nvidia-smi -L
+fi
+
+# ---- setup: the interpreter, composer importable, optional installs
+usable() {  # usable PYTHON: its torch imports (and sees CUDA unless dry)
+  local need='torch.cuda.is_available()'
+  [ ${#DRY[@]} -gt 0 ] && need=True
+  timeout 60 "$1" -c "import sys, torch; sys.exit(0 if $need else 1)" >/dev/null 2>&1
+}
+if [ -n "${PYTHON:-}" ]; then CANDIDATES=("$PYTHON"); else
+  CANDIDATES=("$ROOT/.venv/bin/python" python3 python); fi
+PY=
+for c in "${CANDIDATES[@]}"; do
+  if command -v "$c" >/dev/null 2>&1 && usable "$c"; then PY=$(command -v "$c"); break; fi
+done
+if [ -z "$PY" ] && [ "${GPU_CHECK_INSTALL:-0}" = 1 ]; then
   VENV=${GPU_CHECK_VENV:-$HOME/.cache/composer-gpu-venv}
-  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV" || { say "cannot create $VENV"; exit 1; }
-  PY=$VENV/bin/python
-  if ! has_cuda_torch "$PY"; then
-    say "installing torch (CUDA) into $VENV"
-    timeout "$(left)" "$PY" -m pip install -q --progress-bar off torch numpy \
-      || say "torch install failed"
-  fi
-  has_cuda_torch "$PY" || { say "no torch with CUDA in $PY: cannot check"; exit 1; }
+  say "no torch with CUDA among ${CANDIDATES[*]}: installing torch into $VENV (network)"
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  timeout "$(left)" "$VENV/bin/python" -m pip install -q --progress-bar off torch numpy \
+    pyyaml einops safetensors huggingface-hub >"$OUT/pip_torch.log" 2>&1 \
+    || say "torch install failed: $OUT/pip_torch.log"
+  usable "$VENV/bin/python" && PY=$VENV/bin/python
 fi
+if [ -z "$PY" ]; then
+  say "no python among ${CANDIDATES[*]} has a torch that sees CUDA: set PYTHON, or" \
+      "GPU_CHECK_INSTALL=1 to pip install torch (needs the network)"
+  exit 1
+fi
+say "python: $PY"
 
-PIP=("$PY" -m pip install -q --progress-bar off --retries 1 --timeout 15 --no-build-isolation)
-[ -d .whl ] && PIP+=(--find-links .whl)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-timeout 120 "${PIP[@]}" --no-deps -e . >/dev/null 2>&1 \
-  || say "pip install -e . failed: running from the checkout (PYTHONPATH)"
+export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+PIP_STATUS="ok"
+timeout 60 "$PY" -m pip install --no-index --no-deps --no-build-isolation -q -e . \
+  >"$OUT/pip_install_e.log" 2>&1 \
+  || PIP_STATUS="failed (pip_install_e.log): running from the checkout on PYTHONPATH"
+if ! timeout 60 "$PY" -c 'import composer.zoo' >/dev/null 2>&1; then
+  SHIM=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_src.XXXXXX") && mkdir "$SHIM/composer" \
+    && ln -s "$ROOT"/composer/* "$SHIM/composer/" && ln -s "$ROOT/zoo" "$SHIM/composer/zoo" \
+    && ln -s "$ROOT/tools/convert" "$SHIM/composer/convert" \
+    && export PYTHONPATH="$SHIM:$PYTHONPATH" && PIP_STATUS="$PIP_STATUS; package laid out in $SHIM"
+  trap 'rm -rf "$SHIM"' EXIT  # symlinks only
+fi
+say "pip install -e .: $PIP_STATUS"
 
-declare -A STATUS
-if [ "${GPU_CHECK_INSTALL:-1}" != 0 ]; then
-  for pkg in causal-conv1d mamba-ssm "transformer-engine[pytorch]"; do
-    t=$(( $(left) - 360 ))  # keep about 6 minutes for the check itself
-    [ "$t" -gt "$PER_PKG" ] && t=$PER_PKG
-    if [ "$t" -lt 20 ]; then STATUS[$pkg]="skipped (budget)"; continue; fi
-    log=/tmp/gpu_check_pip_${pkg%%\[*}.log
-    say "pip install $pkg (timeout ${t}s)"
-    if timeout "$t" "${PIP[@]}" "$pkg" >"$log" 2>&1; then
-      STATUS[$pkg]=installed
-    else
-      STATUS[$pkg]="FAILED or timed out (last lines of $log below)"
-      tail -n 3 "$log"
-    fi
+if [ "${GPU_CHECK_INSTALL:-0}" = 1 ]; then
+  for pkg in causal-conv1d mamba-ssm torchao; do
+    t=$(( $(left) - 300 )); [ "$t" -gt 120 ] && t=120
+    if [ "$t" -lt 20 ]; then say "pip install $pkg: skipped (budget)"; continue; fi
+    say "pip install $pkg (network, timeout ${t}s)"
+    timeout "$t" "$PY" -m pip install -q --progress-bar off --no-build-isolation "$pkg" \
+      >"$OUT/pip_$pkg.log" 2>&1 || say "pip install $pkg failed: $OUT/pip_$pkg.log"
   done
-  for pkg in "${!STATUS[@]}"; do say "$pkg: ${STATUS[$pkg]}"; done
 fi
 
-REMAIN=$(( $(left) - 10 ))
-if [ "$REMAIN" -lt 120 ]; then
-  say "only ${REMAIN}s left of ${BUDGET}s: too little for the check"; exit 1
-fi
-say "running bench/gpu_check.py (budget ${REMAIN}s)"
-timeout $((REMAIN + 5)) "$PY" bench/gpu_check.py --budget "$REMAIN" \
-  --command "bash bench/gpu_check.sh (GPU_CHECK_BUDGET=$BUDGET)"
+# ---- the phases
+: >"$OUT/phases.tsv"
+# phase NAME MOST RESERVE [ARGS]: bench/gpu_check.py NAME under a timeout of MOST seconds, or
+# of what is left less RESERVE (what the phases after it need) when that is less
+phase() {
+  local name=$1 most=$2 reserve=$3 t t0 rc
+  shift 3
+  t=$(( $(left) - reserve )); [ "$t" -gt "$most" ] && t=$most
+  if [ "$t" -lt 30 ]; then
+    say "$name: skipped (${t}s of the budget for it)"
+    printf '%s\tskipped\t0\n' "$name" >>"$OUT/phases.tsv"
+    return
+  fi
+  say "$name (timeout ${t}s; $(left)s of ${BUDGET}s left)"
+  t0=$(date +%s)
+  timeout -k 10 "$t" "$PY" bench/gpu_check.py "$name" --out "$OUT" --seconds "$t" \
+    ${DRY[@]+"${DRY[@]}"} "$@"
+  rc=$?
+  [ "$rc" = 124 ] && say "$name: timed out after ${t}s"
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >>"$OUT/phases.tsv"
+}
+R_FP8=0; selected fp8 && R_FP8=50
+R_KERNELS=0; selected kernels && R_KERNELS=100
+
+phase setup 60 $((R_FP8 + R_KERNELS + 15)) --pip "$PIP_STATUS"
+selected train && phase train 240 $((R_FP8 + R_KERNELS + 15)) --steps "$STEPS"
+selected fp8 && phase fp8 60 $((R_KERNELS + 15))
+selected kernels && phase kernels 300 15
+
+timeout 30 "$PY" bench/gpu_check.py summary --out "$OUT"
 rc=$?
-say "done (exit $rc)"
+say "done in $(($(date +%s) - START))s (exit $rc); results in $OUT"
 exit $rc

@@ -43,3 +43,22 @@ def assert_same_tensors(a: Path, b: Path) -> None:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def train_case(values: dict, source: str | None = None) -> dict:
+    """Run ``composer train`` with recipe ``values`` in this process (every rank calls it) and
+    return its per-step ``losses``, logged ``rows`` and final ``params`` (whole tensors, by
+    name): what tests of the engine compare between layouts."""
+    from composer.train.engine import resolve, setup
+    from composer.train.loop import train_loop
+
+    recipe, resume = resolve(source, None, values)
+    run, last = setup(recipe, resume, quiet=True)
+    try:
+        summary = train_loop(run, last, quiet=True)
+    finally:
+        run.log.close()
+    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+              for k, v in run.model.named_parameters()}
+    return {"losses": summary.losses, "rows": summary.rows, "params": params,
+            "step": summary.step}

@@ -131,9 +131,16 @@ def linear_cross_entropy(h_ND: torch.Tensor, w_VD: torch.Tensor, target_N: torch
     ``max(64, CHUNK_ELEMENTS // V)``.
     """
     rows = _chunk_rows(w_VD.shape[0], chunk_rows)
-    if torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad):
-        return _LinearCrossEntropy.apply(h_ND, w_VD, target_N, scale, rows)
-    return _chunks(h_ND, w_VD, target_N, scale, rows, False, False)[0]
+    device = h_ND.device.type
+    if torch.is_autocast_enabled(device):
+        # the head's matmuls in autocast's dtype, by hand: the backward is formed in the
+        # forward, and autocast would cast some of its operands and not others
+        low = torch.get_autocast_dtype(device)
+        h_ND, w_VD = h_ND.to(low), w_VD.to(low)
+    with torch.autocast(device, enabled=False):
+        if torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad):
+            return _LinearCrossEntropy.apply(h_ND, w_VD, target_N, scale, rows)
+        return _chunks(h_ND, w_VD, target_N, scale, rows, False, False)[0]
 
 
 def linear_cross_entropy_ref(h_ND: torch.Tensor, w_VD: torch.Tensor, target_N: torch.Tensor,

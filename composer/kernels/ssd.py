@@ -295,9 +295,12 @@ def ssd_scan(
     L = max(1, min(chunk_size, T))
     x_BTHP = x_BTHP.to(dtype)
     init = None if initial_state_BHPN is None else initial_state_BHPN.to(dtype)
-    y_BTHP, final_BHPN = _SSDScan.apply(
-        x_BTHP, dt_BTH.to(dtype), A_H.to(dtype), B_BTGN.to(dtype), C_BTGN.to(dtype), init, L
-    )
+    # The scan sets its own precision: under autocast its matmuls would drop to bf16 in the
+    # forward while the hand-written backward (run outside autocast) stays in fp32.
+    with torch.autocast(x_BTHP.device.type, enabled=False):
+        y_BTHP, final_BHPN = _SSDScan.apply(
+            x_BTHP, dt_BTH.to(dtype), A_H.to(dtype), B_BTGN.to(dtype), C_BTGN.to(dtype), init, L
+        )
     if D_H is not None:
         y_BTHP = torch.addcmul(y_BTHP, D_H.to(dtype)[:, None], x_BTHP)
     y_BTHP = y_BTHP.to(out_dtype)

@@ -54,6 +54,7 @@ def resolve(source: str | None, config: str | None,
     recipe = Recipe()
     if resume is not None:
         saved = read_train_state(latest_step(resume)).get("recipe") or {}
+        saved.pop("exit_at_step", None)  # it ended the run being resumed; not this one
         recipe = merge(recipe, saved, f"{resume} (saved recipe)")
         recipe.model = str(resume)
         if save is None:

@@ -1,0 +1,112 @@
+"""The training engine on two gloo ranks equals one process: accumulation with data parallel,
+the global gradient norm and clipping at tp=2, dp=2 and ep=2, Muon at tp=2 and dp=2, and exact
+resume at dp=2 and tp=2. All cases run in one pair of spawned ranks."""
+
+import pytest
+import torch
+
+from composer.parallel.launch import run_distributed
+from composer.testing import train_case
+
+MODEL = {"pattern": "M*-E", "set": {
+    "d_model": 32, "vocab_size": 61, "attention.n_heads": 4, "attention.n_kv_heads": 2,
+    "mamba.n_heads": 4, "mamba.d_head": 8, "mamba.n_groups": 2, "mamba.d_state": 8,
+    "mamba.chunk_size": 8, "mlp.d_ff": 64, "moe.n_experts": 4, "moe.top_k": 2, "moe.d_ff": 32,
+    "moe.aux_loss_coeff": 0.0}}
+BASE = {"model": MODEL, "tokens": "synthetic", "seq_len": 16, "steps": 3,
+        "global_batch_size": 8, "lr": 3e-3, "device": "cpu", "precision": "fp32"}
+WITH_AUX = {**MODEL, "set": {**MODEL["set"], "moe.aux_loss_coeff": 0.01}}
+
+CASES = {
+    "accumulate-dp2": ({"micro_batch_size": 1}, {"micro_batch_size": 8}),
+    "clip-tp2": ({"tp": 2, "grad_clip": 0.05, "model": WITH_AUX}, {"grad_clip": 0.05,
+                                                                  "model": WITH_AUX}),
+    "clip-dp2": ({"grad_clip": 0.05, "model": WITH_AUX}, {"grad_clip": 0.05, "model": WITH_AUX}),
+    "clip-ep2": ({"ep": 2, "grad_clip": 0.05, "model": WITH_AUX},
+                 {"grad_clip": 0.05, "model": WITH_AUX}),
+    "muon-tp2": ({"tp": 2, "optimizer": "muon", "lr": 1e-2}, {"optimizer": "muon", "lr": 1e-2}),
+    "muon-dp2": ({"optimizer": "muon", "lr": 1e-2}, {"optimizer": "muon", "lr": 1e-2}),
+}
+RESUME = {"dp2": {}, "tp2": {"tp": 2}}
+
+
+def _summary(out: dict) -> dict:
+    return {"losses": out["losses"], "norms": [r["grad_norm"] for r in out["rows"]],
+            "params": out["params"]}
+
+
+def muon_steps() -> dict:
+    """One ShardedMuon step on the same weight and gradient, whole on one rank and sharded as
+    tensor parallel (rows, columns) and FSDP (rows of a 2-D mesh) shard them: every layout's
+    step, gathered, must equal torch.optim.Muon's on the whole tensors bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from composer.train.optim import ShardedMuon
+
+    g = torch.Generator().manual_seed(0)
+    w, grad = torch.randn(12, 10, generator=g), torch.randn(12, 10, generator=g)
+    ref = torch.nn.Parameter(w.clone())
+    ref.grad = grad.clone()
+    torch.optim.Muon([ref], lr=0.1, weight_decay=0.1, adjust_lr_fn="match_rms_adamw").step()
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for name, placement in (("rows", Shard(0)), ("cols", Shard(1))):
+        p = torch.nn.Parameter(distribute_tensor(w, mesh, [placement]))
+        p.grad = distribute_tensor(grad, mesh, [placement])
+        ShardedMuon([p], lr=0.1, weight_decay=0.1, adjust_lr_fn="match_rms_adamw").step()
+        out[name] = torch.equal(p.full_tensor(), ref.detach())
+    return out
+
+
+def in_ranks(tmp: str) -> dict:
+    results = {"muon-step": muon_steps()}
+    results |= {name: _summary(train_case({**BASE, **mine})) for name, (mine, _) in CASES.items()}
+    for name, layout in RESUME.items():
+        straight = train_case({**BASE, **layout, "steps": 4, "save": f"{tmp}/{name}-a"})
+        first = train_case({**BASE, **layout, "steps": 4, "exit_at_step": 2,
+                            "save": f"{tmp}/{name}-b"})
+        rest = train_case({}, source=f"{tmp}/{name}-b")
+        results[f"resume-{name}"] = {"straight": _summary(straight), "first": first["losses"],
+                                     "rest": _summary(rest)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    return run_distributed(in_ranks, 2, str(tmp))[0]
+
+
+def close(a: dict, b: dict, tol: float) -> None:
+    """Largest absolute difference (the weights are O(0.01-1); a relative measure of a tensor
+    whose largest entry is small magnifies fp32 rounding that Adam's normalisation spreads)."""
+    for k in b:
+        err = (a[k].double() - b[k].double()).abs().max()
+        assert err <= tol, (k, float(err))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_two_ranks_equal_one_process(ranks, name):
+    got = ranks[name]
+    ref = _summary(train_case({**BASE, **CASES[name][1]}))
+    # Muon orthogonalises in bf16 (torch.optim.Muon's Newton-Schulz): gradients that differ by
+    # fp32 rounding can round to neighbouring bf16 values there, so its tolerance is wider.
+    muon = name.startswith("muon")
+    assert got["losses"] == pytest.approx(ref["losses"], rel=2e-4 if muon else 1e-5)
+    assert got["norms"] == pytest.approx(ref["norms"], rel=3e-3 if muon else 1e-5)
+    if name.startswith("clip"):
+        assert min(ref["norms"]) > 0.05  # clipping was active in every step
+    close(got["params"], ref["params"], 1e-3 if muon else 1e-5)
+
+
+def test_sharded_muon_step_is_torch_muon(ranks):
+    assert ranks["muon-step"] == {"rows": True, "cols": True}
+
+
+@pytest.mark.parametrize("name", sorted(RESUME))
+def test_exact_resume(ranks, name):
+    got = ranks[f"resume-{name}"]
+    assert got["first"] + got["rest"]["losses"] == got["straight"]["losses"]  # bit for bit
+    for k, v in got["straight"]["params"].items():
+        assert torch.equal(v, got["rest"]["params"][k]), k

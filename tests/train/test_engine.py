@@ -1,0 +1,163 @@
+"""The training engine in one process: schedules, accumulation, precision, activation
+checkpointing, Muon, exact resume, non-finite steps, checkpoints kept, the debug recipe."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from composer.cli import main
+from composer.testing import train_case
+from composer.train.schedule import Schedule
+
+MODEL = {"pattern": "M*-E", "set": {
+    "d_model": 32, "vocab_size": 61, "attention.n_heads": 4, "attention.n_kv_heads": 2,
+    "mamba.n_heads": 4, "mamba.d_head": 8, "mamba.n_groups": 2, "mamba.d_state": 8,
+    "mamba.chunk_size": 8, "mlp.d_ff": 64, "moe.n_experts": 4, "moe.top_k": 2, "moe.d_ff": 32,
+    "moe.aux_loss_coeff": 0.0}}
+BASE = {"model": MODEL, "tokens": "synthetic", "seq_len": 16, "steps": 4,
+        "global_batch_size": 8, "lr": 3e-3, "device": "cpu", "precision": "fp32"}
+
+
+def recipe(**kw) -> dict:
+    return {**BASE, **kw}
+
+
+def close(a: dict, b: dict, tol: float) -> None:
+    for k in a:
+        err = (a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp(
+            min=1e-12)
+        assert err <= tol, (k, float(err))
+
+
+def formula(kind: str, s: int, n: int, w: int, d: int, lr: float, lo: float) -> float:
+    if s <= w:
+        return lr * s / w
+    p = (s - w) / (n - w)
+    if kind == "constant":
+        return lr
+    if kind == "cosine":
+        return lo + (lr - lo) * (1 + math.cos(math.pi * p)) / 2
+    if kind == "linear":
+        return lr - (lr - lo) * p
+    return lr if s <= n - d else lo + (lr - lo) * (n - s) / d
+
+
+@pytest.mark.parametrize("kind", ["constant", "cosine", "linear", "wsd"])
+def test_schedule_formulas(kind):
+    sched = Schedule(lr=1e-3, min_lr=1e-4, steps=20, warmup_steps=4, kind=kind, decay_steps=6)
+    for s in range(1, 21):
+        assert sched(s) == pytest.approx(formula(kind, s, 20, 4, 6, 1e-3, 1e-4), rel=1e-12)
+
+
+def test_logged_learning_rates_follow_the_schedule(tmp_path):
+    for kind in ("cosine", "wsd"):
+        out = train_case(recipe(steps=6, warmup_steps=2, schedule=kind, decay_steps=2,
+                                min_lr=3e-4, log_dir=str(tmp_path / kind)))
+        rows = [json.loads(line) for line in (tmp_path / kind / "metrics.jsonl").open()]
+        assert [r["step"] for r in rows] == list(range(1, 7))
+        for r in rows:
+            assert r["lr"] == pytest.approx(formula(kind, r["step"], 6, 2, 2, 3e-3, 3e-4))
+        assert out["rows"] == rows
+        assert {"loss", "grad_norm", "tokens", "tokens_per_s", "mfu", "skipped",
+                "max_memory_bytes"} <= set(rows[0])
+        assert rows[-1]["tokens"] == 6 * 8 * 16 and rows[0]["mfu"] is None  # CPU: no peak
+
+
+def test_accumulation_equals_one_micro_batch():
+    whole = train_case(recipe(micro_batch_size=8))
+    parts = train_case(recipe(micro_batch_size=2))
+    assert parts["losses"] == pytest.approx(whole["losses"], rel=1e-5)
+    close(parts["params"], whole["params"], 1e-5)
+
+
+def test_ac_full_and_selective_equal_none():
+    none = train_case(recipe(steps=2))
+    for mode in ("full", "selective"):
+        got = train_case(recipe(steps=2, ac=mode))
+        assert got["losses"] == pytest.approx(none["losses"], rel=1e-6)
+        close(got["params"], none["params"], 1e-6)
+
+
+def test_bf16_trains_close_to_fp32_with_fp32_masters(tmp_path):
+    fp32 = train_case(recipe(steps=20))
+    bf16 = train_case(recipe(steps=20, precision="bf16", save=str(tmp_path / "run")))
+    assert fp32["losses"][-1] < fp32["losses"][0]
+    assert abs(bf16["losses"][-1] - fp32["losses"][-1]) <= 0.05 * fp32["losses"][-1]
+    assert all(p.dtype == torch.float32 for p in bf16["params"].values())
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    from composer.testing import read_all
+
+    assert {t.dtype for t in read_all(tmp_path / "out").values()} == {torch.float32}
+
+
+def test_muon_trains():
+    out = train_case(recipe(steps=10, optimizer="muon", lr=1e-2))
+    assert out["losses"][-1] < out["losses"][0] - 0.1
+
+
+def test_clipping_bounds_the_update():
+    clipped = train_case(recipe(steps=1, grad_clip=1e-3, lr=1.0, warmup_steps=0,
+                                optimizer="adamw", weight_decay=0.0, adam_beta1=0.0))
+    assert clipped["rows"][0]["grad_norm"] > 1e-3  # logged before clipping
+
+
+def test_exact_resume(tmp_path):
+    straight = train_case(recipe(steps=6, save=str(tmp_path / "a")))
+    first = train_case(recipe(steps=6, exit_at_step=3, save=str(tmp_path / "b")))
+    assert (tmp_path / "b" / "latest").read_text().strip() == "step-00000003"
+    rest = train_case({}, source=str(tmp_path / "b"))
+    assert first["losses"] + rest["losses"] == straight["losses"]  # bit for bit
+    for k, v in straight["params"].items():
+        assert torch.equal(v, rest["params"][k]), k
+    assert rest["step"] == 6
+
+
+def test_steps_extend_a_finished_run(tmp_path):
+    train_case(recipe(steps=2, save=str(tmp_path / "r")))
+    more = train_case({"steps": 4}, source=str(tmp_path / "r"))
+    assert len(more["losses"]) == 2 and more["step"] == 4
+
+
+def test_keep_last(tmp_path):
+    train_case(recipe(steps=5, save_every=1, keep_last=2, save=str(tmp_path / "r")))
+    steps = sorted(p.name for p in (tmp_path / "r").iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-00000004", "step-00000005"]
+
+
+def test_async_save_resumes_like_sync(tmp_path):
+    sync = train_case(recipe(steps=4, save_every=1, save=str(tmp_path / "s"), exit_at_step=2))
+    asyn = train_case(recipe(steps=4, save_every=1, save=str(tmp_path / "a"), exit_at_step=2,
+                             async_save=True))
+    assert sync["losses"] == asyn["losses"]
+    a = train_case({}, source=str(tmp_path / "a"))
+    s = train_case({}, source=str(tmp_path / "s"))
+    assert a["losses"] == s["losses"]
+    for k, v in s["params"].items():
+        assert torch.equal(v, a["params"][k]), k
+
+
+def test_huge_lr_stops_with_exit_3_and_leaves_finite_checkpoints(tmp_path, capsys):
+    run = tmp_path / "r"
+    code = main(["train", "--config", "debug", "--steps", "30", "--lr", "1e30", "--save",
+                 str(run), "--save-every", "1", "--json"])
+    err = capsys.readouterr().err.strip()
+    assert code == 3, err
+    assert len(err.splitlines()) == 1 and "non-finite" in err, err
+    assert (run / "latest").exists()
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0  # latest loads
+    from composer.testing import read_all
+
+    for step in sorted(run.glob("step-*")):
+        (run / "latest").write_text(step.name)
+        out = tmp_path / f"out-{step.name}"
+        assert main(["export", str(run), str(out)]) == 0
+        assert all(torch.isfinite(t).all() for t in read_all(out).values()), step.name
+
+
+def test_debug_recipe_loss_falls(capsys):
+    assert main(["train", "--config", "debug", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["steps"] == 40 and out["losses"][-1] < out["losses"][0] - 0.5
+    assert {"steps", "loss", "tokens", "tokens_per_s", "wall_s"} <= set(out)
