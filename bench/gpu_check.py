@@ -346,7 +346,8 @@ def train_report(folder: Path, rc: int, plan: Plan, info: dict | None,
                str(final)[:120])]
     if plan.steps >= 10:
         checks.append(("loss falls", bool(losses) and None not in losses[:1] + losses[-1:]
-                       and losses[-1] < losses[0], f"{r['loss_first']} -> {r['loss_last']}"))
+                       and losses[-1] < losses[0],
+                       f"{fmt(r['loss_first'], '.4f')} -> {fmt(r['loss_last'], '.4f')}"))
     r["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
     r["ok"] = all(ok for _, ok, _ in checks)
     if r["mfu_cli"] and r["mfu_check"] and abs(r["mfu_cli"] / r["mfu_check"] - 1) > 0.15:
@@ -357,11 +358,12 @@ def train_report(folder: Path, rc: int, plan: Plan, info: dict | None,
 def train_table(name: str, plan: Plan, r: dict) -> str:
     if "skipped" in r:
         return f"== {name}: skipped: {r['skipped']}"
-    n = r.get("n_params")
-    lines = [f"== {name}: {fmt(n / 1e9, '.2f') if n else '?'}B hybrid {plan.model['pattern']} "
-             f"({dims(plan.model)}); {plan.precision}, ac full, {plan.global_batch} x "
-             f"{plan.seq_len} tokens/step (micro {plan.micro_batch}), {plan.steps} steps on "
-             f"{plan.device}; medians after step {plan.warm}",
+    n = r.get("n_params") or 0
+    size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+    lines = [f"== {name}: {size} hybrid {plan.model['pattern']} ({dims(plan.model)}); "
+             f"{plan.precision}, ac full, {plan.global_batch} x {plan.seq_len} tokens/step (micro "
+             f"{plan.micro_batch}), {plan.steps} steps on {plan.device}; medians after step "
+             f"{plan.warm}; MFU against {PEAK_TFLOPS} TFLOP/s (bf16 dense)",
              f"{'steps':>7} {'loss first -> last':>20} {'tok/s':>9} {'MFU CLI':>8} "
              f"{'MFU check':>9} {'max GiB':>8} {'wall s':>7}  params / batches"]
     loss = f"{fmt(r['loss_first'], '.3f')} -> {fmt(r['loss_last'], '.3f')}"
@@ -399,9 +401,9 @@ def run_logged(cmd: list[str], folder: Path, timeout: float, name: str, steps: i
                     if time.monotonic() > t0 + timeout:
                         raise Interrupted from None
         except Interrupted:
-            proc.terminate()
+            proc.terminate()  # the CLI stops at the end of its step and prints its summary
             try:
-                proc.wait(timeout=8)
+                proc.wait(timeout=6)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -422,7 +424,7 @@ def skip_fp8(plan: Plan) -> str | None:
 
 
 def phase_train(out: Path, name: str, plan: Plan, seconds: float) -> int:
-    deadline = time.monotonic() + seconds - 8  # keep time to write the report
+    deadline = time.monotonic() + seconds - 20  # time to stop the CLI and write the report
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
     if name == "fp8" and (why := skip_fp8(plan)):
@@ -449,8 +451,8 @@ def phase_train(out: Path, name: str, plan: Plan, seconds: float) -> int:
     r = train_report(folder, rc, plan, info, expect=plan.device)
     write_json(folder / "report.json", r)
     text = train_table(name, plan, r)
-    if not r["ok"]:
-        text += f"\nlast lines of {folder / 'train.log'}:\n{tail(folder / 'train.log')}"
+    if not r["ok"] and (log := tail(folder / "train.log")):
+        text += f"\nlast lines of {folder / 'train.log'}:\n{log}"
     publish(out, name, text)
     return 0 if r["ok"] else 1
 

@@ -53,6 +53,9 @@ STEPS=${GPU_CHECK_STEPS:-30}
 OUT=${OUT:-$ROOT/bench/out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1
 export OUT
+for p in ${PHASES//,/ }; do
+  case $p in train | fp8 | kernels) ;; *) echo "GPU_CHECK_PHASES: unknown phase $p" >&2; exit 2 ;; esac
+done
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 say() { echo "[gpu_check $(($(date +%s) - START))s] $*"; }
 selected() { case ",$PHASES," in *",$1,"*) return 0 ;; esac; return 1; }
