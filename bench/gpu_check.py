@@ -782,7 +782,7 @@ def phase_summary(out: Path) -> int:
         report = out / name / "report.json"
         skipped = json.loads(report.read_text()).get("skipped") if report.exists() else None
         result = ("ok" if rc == "0" and not skipped else f"skipped: {skipped}" if rc == "0"
-                  else "skipped (time budget)" if rc == "skipped"
+                  else "NOT RUN (time budget)" if rc == "skipped"
                   else "TIMED OUT" if rc in ("124", "137") else f"FAIL (exit {rc})")
         results.append((name, result, secs))
     bad = [n for n, res, _ in results if not res.startswith(("ok", "skipped"))]

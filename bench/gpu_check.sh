@@ -11,10 +11,11 @@
 # little is skipped); each writes its results into $OUT as it goes and prints a short table
 # (the tables, also in $OUT/PHASE.txt, are collected in $OUT/summary.txt at the end):
 #   setup    a python whose torch sees CUDA ($PYTHON, else .venv/bin/python, python3, python);
-#            the checkout on PYTHONPATH; `pip install --no-index --no-deps --no-build-isolation
-#            -e .`, best effort and offline ($OUT/pip_install_e.log); when composer.zoo still
-#            does not import (pyproject maps zoo/ and tools/convert/ into the package), a
-#            symlinked copy of the package in a temp dir goes first on PYTHONPATH
+#            the checkout on PYTHONPATH; unless composer.zoo imports from the checkout already
+#            (pyproject maps zoo/ and tools/convert/ into the package, which PYTHONPATH alone
+#            does not), `pip install --no-index --no-deps --no-build-isolation -e .`, best
+#            effort and offline ($OUT/pip_install_e.log); when composer.zoo still does not
+#            import, a symlinked copy of the package in a temp dir goes first on PYTHONPATH
 #            -> $OUT/setup.json: versions, GPU, which kernels and torchao import
 #   train    `python -m composer train` of a 1.0B hybrid (M-M-M*-M-M-M*-M-, d_model 2048,
 #            vocab 131072), bf16, --ac full, 30 steps of 8 x 4096 synthetic tokens, MFU against
@@ -28,9 +29,11 @@
 #   summary  one line per phase -> $OUT/summary.txt; exit status 0 when every phase passed
 # bench/gpu_check.py (its docstring) says what each phase checks and measures.
 #
-# Budget (GPU_CHECK_BUDGET, 420 s): setup takes what it needs (its steps have their own
-# timeouts); then train gets at most 240 s, fp8 60 s, kernels the rest, each less whatever the
-# phases after it need at least (fp8 50 s, kernels 100 s, summary 15 s).
+# Budget (GPU_CHECK_BUDGET, 420 s, counted from the start): the setup steps have their own
+# timeouts (60 s each; about 10 s in all as a rule); then train gets at most 240 s, fp8 60 s and
+# kernels the rest, each less what the phases after it need at least (fp8 50 s, kernels 100 s,
+# summary 15 s, and 10 s for a last `timeout -k`); a phase left under 30 s is skipped, which the
+# summary counts as not passed.
 #
 # Environment:
 #   OUT                 results folder (default bench/out)
@@ -54,7 +57,10 @@ OUT=${OUT:-$ROOT/bench/out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1
 export OUT
 for p in ${PHASES//,/ }; do
-  case $p in train | fp8 | kernels) ;; *) echo "GPU_CHECK_PHASES: unknown phase $p" >&2; exit 2 ;; esac
+  case $p in
+    train | fp8 | kernels) ;;
+    *) echo "GPU_CHECK_PHASES: unknown phase $p (train, fp8, kernels)" >&2; exit 2 ;;
+  esac
 done
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 say() { echo "[gpu_check $(($(date +%s) - START))s] $*"; }
@@ -102,11 +108,15 @@ say "python: $PY"
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
-PIP_STATUS="ok"
-timeout 60 "$PY" -m pip install --no-index --no-deps --no-build-isolation -q -e . \
-  >"$OUT/pip_install_e.log" 2>&1 \
-  || PIP_STATUS="failed (pip_install_e.log): running from the checkout on PYTHONPATH"
-if ! timeout 60 "$PY" -c 'import composer.zoo' >/dev/null 2>&1; then
+zoo_ok() {  # composer.zoo imports, from this checkout (the CLI needs it)
+  timeout 60 "$PY" -c "import sys, composer.zoo as z
+sys.exit(not z.__file__.startswith('$ROOT/'))" >/dev/null 2>&1
+}
+if zoo_ok; then PIP_STATUS="not needed (composer and composer.zoo import from the checkout)"
+elif timeout 60 "$PY" -m pip install --no-index --no-deps --no-build-isolation -q -e . \
+       >"$OUT/pip_install_e.log" 2>&1; then PIP_STATUS=ok
+else PIP_STATUS="failed (pip_install_e.log): running from the checkout on PYTHONPATH"; fi
+if ! zoo_ok; then
   SHIM=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_src.XXXXXX") && mkdir "$SHIM/composer" \
     && ln -s "$ROOT"/composer/* "$SHIM/composer/" && ln -s "$ROOT/zoo" "$SHIM/composer/zoo" \
     && ln -s "$ROOT/tools/convert" "$SHIM/composer/convert" \
@@ -134,7 +144,7 @@ phase() {
   shift 3
   t=$(( $(left) - reserve )); [ "$t" -gt "$most" ] && t=$most
   if [ "$t" -lt 30 ]; then
-    say "$name: skipped (${t}s of the budget for it)"
+    say "$name: skipped (too little time: $(left)s of ${BUDGET}s left)"
     printf '%s\tskipped\t0\n' "$name" >>"$OUT/phases.tsv"
     return
   fi
@@ -149,12 +159,12 @@ phase() {
 R_FP8=0; selected fp8 && R_FP8=50
 R_KERNELS=0; selected kernels && R_KERNELS=100
 
-phase setup 60 $((R_FP8 + R_KERNELS + 15)) --pip "$PIP_STATUS"
-selected train && phase train 240 $((R_FP8 + R_KERNELS + 15)) --steps "$STEPS"
-selected fp8 && phase fp8 60 $((R_KERNELS + 15))
-selected kernels && phase kernels 300 15
+phase setup 60 0 --pip "$PIP_STATUS"
+selected train && phase train 240 $((R_FP8 + R_KERNELS + 25)) --steps "$STEPS"
+selected fp8 && phase fp8 60 $((R_KERNELS + 25))
+selected kernels && phase kernels 300 25
 
-timeout 30 "$PY" bench/gpu_check.py summary --out "$OUT"
+timeout 15 "$PY" bench/gpu_check.py summary --out "$OUT"
 rc=$?
 say "done in $(($(date +%s) - START))s (exit $rc); results in $OUT"
 exit $rc

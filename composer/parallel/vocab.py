@@ -1,7 +1,8 @@
 """Vocabulary-parallel embedding and readout (Megatron-LM): the embedding's rows and the LM
 head's rows are split over ``tp`` (unevenly when the vocabulary does not divide it: DTensor's
-chunking); the loss is computed from the local logits without gathering them, and the logits,
-when asked for, are gathered with padding that exists only inside the gather. Swapped in for
+chunking); the loss is computed chunk by chunk from the local logits without gathering them
+(never ``[tokens, V/tp]`` at once), and the logits, when asked for, are gathered with padding
+that exists only inside the gather. Swapped in for
 the model's ``embed`` and ``readout`` by :func:`composer.parallel.tensor.apply_tp`.
 """
 
@@ -15,13 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from composer.blocks.loss import CHUNK_ELEMENTS, IGNORE_INDEX
 from composer.blocks.model import Readout, shift_labels
 from composer.parallel.comm import all_gather
 
 if TYPE_CHECKING:
     from composer.parallel.tensor import TPContext
 
-IGNORE_INDEX = -100
 
 
 class _GatherLast(torch.autograd.Function):
@@ -66,44 +67,96 @@ class VocabParallelEmbedding(nn.Embedding):
         return tp.leave(out)
 
 
-class _VocabParallelCE(torch.autograd.Function):
-    """Cross-entropy over logits split by vocabulary, never gathering them (Megatron-LM)."""
+def _chunk_stats(z_nV: torch.Tensor, t_n: torch.Tensor, valid_n: torch.Tensor, start: int,
+                 group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Over the whole (split) vocabulary: each row's max, sum of ``exp(z - max)`` and target
+    logit (two all-reduces: the max, then the sums and the target logits together)."""
+    width = z_nV.shape[-1]
+    top_n = z_nV.max(dim=-1).values if width else z_nV.new_full(z_nV.shape[:-1], float("-inf"))
+    dist.all_reduce(top_n, op=dist.ReduceOp.MAX, group=group)
+    inside_n = valid_n & (t_n >= start) & (t_n < start + width)
+    idx_n = (t_n - start).clamp(0, max(width - 1, 0))
+    sums = torch.zeros(2, z_nV.shape[0], dtype=z_nV.dtype, device=z_nV.device)
+    if width:
+        sums[0] = (z_nV - top_n[:, None]).exp().sum(-1)
+        sums[1] = torch.where(inside_n, z_nV.gather(1, idx_n[:, None])[:, 0], 0.0)
+    dist.all_reduce(sums, group=group)
+    return top_n, sums, inside_n
+
+
+def _vocab_chunks(h_ND, w_VD, target_N, start, group, scale, rows, want_dh, want_dw):
+    """:func:`composer.blocks.loss` 's chunked loop over a vocabulary split across ranks: the
+    loss and ``n_valid * dloss/dh`` (partial: summed over tp by the caller's reduction) and
+    ``n_valid * dloss/dW`` of this rank's rows, one chunk of ``[rows, V/tp]`` logits at a time."""
+    math = torch.promote_types(h_ND.dtype, torch.float32)
+    valid_N = target_N != IGNORE_INDEX
+    n_valid = valid_N.sum()
+    dh_ND = torch.empty_like(h_ND) if want_dh else None
+    dw_VD = torch.zeros(w_VD.shape, dtype=math, device=w_VD.device) if want_dw else None
+    total = torch.zeros((), dtype=math, device=h_ND.device)
+    for lo in range(0, h_ND.shape[0], rows):
+        h_nD, t_n, valid_n = h_ND[lo:lo + rows], target_N[lo:lo + rows], valid_N[lo:lo + rows]
+        z_nV = (h_nD @ w_VD.T).to(math)
+        if scale != 1.0:
+            z_nV.mul_(scale)
+        top_n, sums, inside_n = _chunk_stats(z_nV, t_n, valid_n, start, group)
+        lse_n = top_n + sums[0].log()
+        total += torch.where(valid_n, lse_n - sums[1], 0.0).sum()
+        if dh_ND is None and dw_VD is None:
+            continue
+        dz_nV = z_nV.sub_(lse_n[:, None]).exp_()  # softmax over the whole vocabulary
+        at = inside_n.nonzero()[:, 0]
+        dz_nV[at, (t_n[at] - start)] -= 1.0
+        dz_nV[(~valid_n).nonzero()[:, 0]] = 0.0
+        dz_nV = dz_nV.to(h_ND.dtype)
+        if dh_ND is not None:
+            torch.mm(dz_nV, w_VD, out=dh_ND[lo:lo + rows])
+        if dw_VD is not None:
+            dw_VD.add_((dz_nV.T @ h_nD).to(math))
+    return total / n_valid, dh_ND, dw_VD, n_valid
+
+
+class _VocabParallelLinearCE(torch.autograd.Function):
+    """The LM head and the loss over a vocabulary split across tp (Megatron-LM's vocab-parallel
+    cross-entropy), chunked as the single-device loss is: the gradient formed in the forward,
+    no ``[tokens, V/tp]`` logits held whole."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int,
-                group: dist.ProcessGroup) -> torch.Tensor:
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        top = logits.max(dim=-1).values if logits.shape[-1] else \
-            logits.new_full(logits.shape[:-1], float("-inf"))
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        exp = (logits - top.unsqueeze(-1)).exp()
-        total = exp.sum(-1)
-        dist.all_reduce(total, group=group)
-        inside = (target >= start) & (target < start + logits.shape[-1])
-        idx = (target - start).clamp(0, max(logits.shape[-1] - 1, 0))
-        picked = torch.zeros_like(total)
-        if logits.shape[-1]:
-            picked = (logits.gather(-1, idx.unsqueeze(-1)).squeeze(-1) - top) * inside
-        dist.all_reduce(picked, group=group)
-        ctx.save_for_backward(exp / total.unsqueeze(-1), inside, idx)
-        return total.log() - picked
+    def forward(ctx, h_ND, w_VD, target_N, start, group, scale, rows):
+        loss, dh, dw, n_valid = _vocab_chunks(h_ND, w_VD, target_N, start, group, scale, rows,
+                                              ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        ctx.save_for_backward(*(t for t in (dh, dw) if t is not None))
+        ctx.has, ctx.factor, ctx.w_dtype = (dh is not None, dw is not None), (scale, n_valid), \
+            w_VD.dtype
+        return loss
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        probs, inside, idx = ctx.saved_tensors
-        grad = probs.clone()
-        if grad.shape[-1]:
-            grad.scatter_add_(-1, idx.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
-        return grad * g.unsqueeze(-1), None, None, None
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        saved = list(ctx.saved_tensors)
+        scale, n_valid = ctx.factor
+        c = g * scale / n_valid
+        dh = saved.pop(0).mul_(c) if ctx.has[0] else None
+        dw = saved.pop(0).mul_(c).to(ctx.w_dtype) if ctx.has[1] else None
+        return dh, dw, None, None, None, None, None
 
 
-def cross_entropy(logits_local: torch.Tensor, target: torch.Tensor, vocab: int, tp: TPContext,
-                  ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Mean next-token loss over the non-ignored targets, from vocab-split logits."""
+def linear_cross_entropy(h_ND: torch.Tensor, w_VD: torch.Tensor, target_N: torch.Tensor,
+                         vocab: int, tp: TPContext, scale: float = 1.0,
+                         chunk_rows: int | None = None) -> torch.Tensor:
+    """Mean next-token loss from this rank's rows ``w_VD`` of the head (vocab-split)."""
     start = sum(vocab_sizes(vocab, tp.size)[: tp.rank])
-    keep = target != ignore_index
-    losses = _VocabParallelCE.apply(logits_local, torch.where(keep, target, 0), start, tp.group)
-    return (losses * keep).sum() / keep.sum().clamp(min=1)
+    rows = chunk_rows or max(64, CHUNK_ELEMENTS // max(w_VD.shape[0], 1))
+    device = h_ND.device.type
+    if torch.is_autocast_enabled(device):  # see composer.blocks.loss.linear_cross_entropy
+        low = torch.get_autocast_dtype(device)
+        h_ND, w_VD = h_ND.to(low), w_VD.to(low)
+    with torch.autocast(device, enabled=False):
+        if torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad):
+            return _VocabParallelLinearCE.apply(h_ND, w_VD, target_N, start, tp.group, scale,
+                                                rows)
+        return _vocab_chunks(h_ND, w_VD, target_N, start, tp.group, scale, rows, False,
+                             False)[0]
 
 
 class VocabParallelReadout(Readout):
@@ -117,14 +170,14 @@ class VocabParallelReadout(Readout):
         vocab = weight_VD.shape[0]
         h = tp.enter(h_BTD)
         w = weight_VD.to_local() if isinstance(weight_VD, DTensor) else weight_VD
-        logits_local = F.linear(h, w)
-        if self.logits_scaling != 1.0:
-            logits_local = logits_local / self.logits_scaling
         logits = None
         if labels_BT is None or return_logits:
+            logits_local = F.linear(h, w)
+            if self.logits_scaling != 1.0:
+                logits_local = logits_local / self.logits_scaling
             logits = _GatherLast.apply(logits_local, tp, vocab_sizes(vocab, tp.size))
         if labels_BT is None:
             return None, logits
-        loss = cross_entropy(logits_local.flatten(0, 1), shift_labels(labels_BT).flatten(),
-                             vocab, tp)
+        loss = linear_cross_entropy(h.flatten(0, 1), w, shift_labels(labels_BT).flatten(),
+                                    vocab, tp, scale=1.0 / self.logits_scaling)
         return loss, logits

@@ -59,8 +59,43 @@ def muon_steps() -> dict:
     return out
 
 
+def vocab_parallel_loss() -> list[float]:
+    """The chunked vocab-parallel head + loss (3 chunks, a vocabulary tp=2 does not divide,
+    ignored targets, a logit scale) against the plain single-device twin, in fp64: the loss and
+    the gradients of h (summed over tp, as the readout's reduction does) and of W (gathered)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from composer.blocks.loss import IGNORE_INDEX, linear_cross_entropy_ref
+    from composer.parallel.vocab import linear_cross_entropy, vocab_sizes
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(40, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(61, 8, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 61, (40,), generator=g)
+    t[::7] = IGNORE_INDEX
+    rank = dist.get_rank()
+    sizes = vocab_sizes(61, 2)
+    lo = sum(sizes[:rank])
+    tp = SimpleNamespace(size=2, rank=rank, group=dist.group.WORLD)
+    hl, wl = h.clone().requires_grad_(), w[lo:lo + sizes[rank]].clone().requires_grad_()
+    loss = linear_cross_entropy(hl, wl, t, 61, tp, scale=0.5, chunk_rows=16)
+    loss.backward()
+    dh = hl.grad.clone()
+    dist.all_reduce(dh)
+    parts = [torch.zeros(max(sizes), 8, dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(parts, torch.nn.functional.pad(wl.grad, (0, 0, 0, max(sizes) - sizes[rank])))
+    dw = torch.cat([p[:n] for p, n in zip(parts, sizes)])
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = linear_cross_entropy_ref(hr, wr, t, scale=0.5)
+    ref.backward()
+    return [float((loss - ref).abs()), float((dh - hr.grad).abs().max()),
+            float((dw - wr.grad).abs().max())]
+
+
 def in_ranks(tmp: str) -> dict:
-    results = {"muon-step": muon_steps()}
+    results = {"muon-step": muon_steps(), "vocab-loss": vocab_parallel_loss()}
     results |= {name: _summary(train_case({**BASE, **mine})) for name, (mine, _) in CASES.items()}
     for name, layout in RESUME.items():
         straight = train_case({**BASE, **layout, "steps": 4, "save": f"{tmp}/{name}-a"})
@@ -98,6 +133,10 @@ def test_two_ranks_equal_one_process(ranks, name):
     if name.startswith("clip"):
         assert min(ref["norms"]) > 0.05  # clipping was active in every step
     close(got["params"], ref["params"], 1e-3 if muon else 1e-5)
+
+
+def test_chunked_vocab_parallel_loss_equals_the_plain_loss(ranks):
+    assert max(ranks["vocab-loss"]) <= 1e-12, ranks["vocab-loss"]
 
 
 def test_sharded_muon_step_is_torch_muon(ranks):
