@@ -1,4 +1,4 @@
-"""Evaluation and training loops, the same code for one process and for any parallel layout.
+"""Building a model for a layout, and evaluation, the same code for one process and any layout.
 
 Data: a ``.npy`` array of token ids (read with ``allow_pickle=False``). A 2-D array is one sequence
 per row; a 1-D array is cut into ``seq_len`` pieces (the last may be shorter). The global batch
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,6 @@ from composer.blocks.model import HybridModel
 from composer.checkpoint import CONFIG_FILE, TensorSource
 from composer.config import ConfigError, ModelConfig
 from composer.parallel.checkpoint import is_training_checkpoint, load_checkpoint
-from composer.parallel.data import finish_grads
 from composer.parallel.mesh import ParallelConfig, ParallelDims, build_parallel_dims
 from composer.parallel.parallelize import parallelize
 from composer.specs.builder import (
@@ -161,42 +159,3 @@ def evaluate(model: HybridModel, dims: ParallelDims, rows: list[np.ndarray],
         add([row], 1.0 if dims.dp_rank() == 0 else 0.0)
     totals = _dp_sum(totals, dims)
     return float(totals[0] / totals[1]), int(totals[1])
-
-
-@dataclass
-class TrainResult:
-    losses: list[float]
-    step: int
-
-
-def train(model: HybridModel, dims: ParallelDims, opt: torch.optim.Optimizer,
-          rows: list[np.ndarray], steps: int, batch_size: int, seed: int,
-          start_step: int = 0, on_step=None) -> TrainResult:
-    """AdamW at a constant learning rate on a layout-independent sequence of global batches."""
-    lengths = {len(r) for r in rows}
-    if len(lengths) != 1:
-        raise ConfigError("training needs sequences of one length (a 2-D array, or a 1-D array "
-                          "whose length is a multiple of --seq-len)")
-    if batch_size % dims.dp:
-        raise ConfigError(f"--batch-size ({batch_size}) must be divisible by dp ({dims.dp})")
-    data = np.stack(rows)
-    rng = np.random.default_rng(seed)
-    order = np.concatenate([rng.permutation(len(data)) for _ in
-                            range(math.ceil((start_step + steps) * batch_size / len(data)) + 1)])
-    share = batch_size // dims.dp
-    model.train()
-    losses = []
-    for step in range(start_step, start_step + steps):
-        batch = order[step * batch_size:(step + 1) * batch_size]
-        local = batch[dims.dp_rank() * share:(dims.dp_rank() + 1) * share]
-        ids = torch.from_numpy(data[local]).long().to(dims.device, non_blocking=True)
-        out = model(ids, ids)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        finish_grads(model, dims)
-        opt.step()
-        loss = _dp_sum(out.loss.detach().double().reshape(1), dims) / dims.dp
-        losses.append(float(loss))
-        if on_step is not None:
-            on_step(step + 1, losses[-1])
-    return TrainResult(losses=losses, step=start_step + steps)

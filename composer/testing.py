@@ -3,8 +3,11 @@ conversions): random weights that expose a wrong mapping, and exact tensor compa
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -62,3 +65,42 @@ def train_case(values: dict, source: str | None = None) -> dict:
               for k, v in run.model.named_parameters()}
     return {"losses": summary.losses, "rows": summary.rows, "params": params,
             "step": summary.step}
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]
+    step: int
+
+
+def adamw_steps(model: torch.nn.Module, dims, opt: torch.optim.Optimizer,
+                rows: list[np.ndarray], steps: int, batch_size: int, seed: int,
+                start_step: int = 0, on_step=None) -> TrainResult:
+    """Plain AdamW steps at a constant learning rate on a layout-independent sequence of global
+    batches (no accumulation, clipping or schedule): the minimal loop that layout-parity tests
+    of the parallel code run in any dtype. ``composer.train`` is the training engine."""
+    from composer.parallel.data import finish_grads
+    from composer.run import _dp_sum
+
+    assert len({len(r) for r in rows}) == 1 and batch_size % dims.dp == 0
+    data = np.stack(rows)
+    rng = np.random.default_rng(seed)
+    order = np.concatenate([rng.permutation(len(data)) for _ in
+                            range(math.ceil((start_step + steps) * batch_size / len(data)) + 1)])
+    share = batch_size // dims.dp
+    model.train()
+    losses = []
+    for step in range(start_step, start_step + steps):
+        batch = order[step * batch_size:(step + 1) * batch_size]
+        local = batch[dims.dp_rank() * share:(dims.dp_rank() + 1) * share]
+        ids = torch.from_numpy(data[local]).long().to(dims.device, non_blocking=True)
+        out = model(ids, ids)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        finish_grads(model, dims)
+        opt.step()
+        loss = _dp_sum(out.loss.detach().double().reshape(1), dims) / dims.dp
+        losses.append(float(loss))
+        if on_step is not None:
+            on_step(step + 1, losses[-1])
+    return TrainResult(losses=losses, step=start_step + steps)

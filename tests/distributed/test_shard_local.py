@@ -73,7 +73,8 @@ def test_cli_train_steps_0_under_torchrun_exports_the_build(tmp_path, built):
 def train_dp2(src: str, run: str, data: np.ndarray) -> None:
     from composer.parallel.checkpoint import save_checkpoint
     from composer.parallel.mesh import ParallelConfig
-    from composer.run import prepare, train
+    from composer.run import prepare
+    from composer.testing import adamw_steps as train
 
     model, dims, opt, _ = prepare(src, ParallelConfig(dp=2), optimizer_lr=1e-2)
     result = train(model, dims, opt, list(data), 2, batch_size=4, seed=1)

@@ -86,7 +86,7 @@ def vocab_parallel_loss() -> list[float]:
     dist.all_reduce(dh)
     parts = [torch.zeros(max(sizes), 8, dtype=torch.float64) for _ in range(2)]
     dist.all_gather(parts, torch.nn.functional.pad(wl.grad, (0, 0, 0, max(sizes) - sizes[rank])))
-    dw = torch.cat([p[:n] for p, n in zip(parts, sizes)])
+    dw = torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
     ref = linear_cross_entropy_ref(hr, wr, t, scale=0.5)
     ref.backward()
