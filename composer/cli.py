@@ -276,7 +276,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from composer.train.plot import plot
 
-    out = plot(args.run, args.out)
+    try:
+        out = plot(args.run, args.out)
+    except ImportError as exc:  # matplotlib is an optional extra
+        raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps({"out": str(out)}))
     else:

@@ -36,9 +36,8 @@ class Schedule:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr <= --lr and --lr > 0; got lr={self.lr}, "
                              f"min_lr={self.min_lr}")
-        if self.warmup_steps < 0 or (self.steps and self.warmup_steps > self.steps):
-            raise ValueError(f"--warmup-steps ({self.warmup_steps}) must be in [0, --steps "
-                             f"({self.steps})]")
+        if self.warmup_steps < 0:  # more warmup than steps: every step warms up
+            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.kind == "wsd" and not 0 < self.decay_steps <= self.steps - self.warmup_steps:
             raise ValueError(f"--schedule wsd needs 0 < --decay-steps ({self.decay_steps}) <= "
                              f"--steps - --warmup-steps ({self.steps - self.warmup_steps})")

@@ -52,7 +52,7 @@ def test_schedule_formulas(kind):
 
 
 def test_logged_learning_rates_follow_the_schedule(tmp_path):
-    for kind in ("cosine", "wsd"):
+    for kind in ("constant", "cosine", "linear", "wsd"):
         out = train_case(recipe(steps=6, warmup_steps=2, schedule=kind, decay_steps=2,
                                 min_lr=3e-4, log_dir=str(tmp_path / kind)))
         rows = [json.loads(line) for line in (tmp_path / kind / "metrics.jsonl").open()]
@@ -161,3 +161,66 @@ def test_debug_recipe_loss_falls(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["steps"] == 40 and out["losses"][-1] < out["losses"][0] - 0.5
     assert {"steps", "loss", "tokens", "tokens_per_s", "wall_s"} <= set(out)
+
+
+def test_weight_decay_skips_1d_parameters():
+    from composer.train.optim import build_optimizers
+
+    out = train_case(recipe(steps=0))
+    from composer.specs.builder import build_model
+    from composer.train.engine import _model_config
+    from composer.train.recipe import Recipe
+
+    model = build_model(_model_config(Recipe(model=MODEL))[0], device="meta")
+    opt = build_optimizers(model, "adamw", 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] for p in g["params"]}
+    assert decayed and all(out["params"][n].ndim >= 2 for n in decayed)
+    flat = {n for n, p in model.named_parameters() if p.ndim < 2}
+    assert {"layers.0.mixer.A_log", "layers.0.mixer.D", "layers.0.mixer.dt_bias"} <= flat
+    assert not flat & decayed
+
+
+def test_a_bf16_source_trains_with_fp32_masters(tmp_path):
+    assert main(["build", "--preset", "llama-debug", "--out", str(tmp_path / "src")]) == 0
+    assert main(["convert", "to-hf", str(tmp_path / "src"), str(tmp_path / "hf"),
+                 "--dtype", "bfloat16"]) == 0
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "bf16")]) == 0
+    out = train_case({**BASE, "model": str(tmp_path / "bf16"), "steps": 1,
+                      "save": str(tmp_path / "run")})
+    assert {p.dtype for p in out["params"].values()} == {torch.float32}
+
+
+def test_an_interrupted_save_is_cleaned_up_on_the_next_start(tmp_path):
+    run = tmp_path / "run"
+    train_case(recipe(steps=2, save=str(run)))
+    (run / "step-00000007").mkdir()  # what a kill during a later save leaves
+    (run / "step-00000007" / "__0_0.distcp").write_bytes(b"partial")
+    more = train_case({"steps": 3}, source=str(run))
+    assert more["step"] == 3 and not (run / "step-00000007").exists()
+    assert (run / "latest").read_text().strip() == "step-00000003"
+
+
+def test_bad_recipes_are_one_line_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 2\nlearning_rate: 1e-3\n")
+    assert main(["train", "llama-debug", "--config", str(bad)]) == 2
+    assert "unknown recipe key 'learning_rate'" in capsys.readouterr().err
+    assert main(["train", "llama-debug", "--config", "no-such-recipe", "--steps", "1"]) == 2
+    assert "shipped: debug" in capsys.readouterr().err
+    assert main(["train", "llama-debug", "--tokens", "synthetic", "--steps", "1",
+                 "--precision", "fp8", "--device", "cpu"]) == 2
+    assert "fp8 needs a CUDA device" in capsys.readouterr().err
+    assert main(["train", "llama-debug", "--tokens", "synthetic", "--steps", "2",
+                 "--global-batch-size", "6", "--micro-batch-size", "4"]) == 2
+    assert "multiple of --micro-batch-size" in capsys.readouterr().err
+
+
+def test_config_then_flags_and_the_saved_recipe(tmp_path, capsys):
+    assert main(["train", "--config", "debug", "--steps", "3", "--lr", "1e-3", "--save",
+                 str(tmp_path / "r"), "--json"]) == 0
+    import yaml
+
+    saved = yaml.safe_load((tmp_path / "r" / "recipe.yaml").read_text())
+    assert saved["steps"] == 3 and saved["lr"] == 1e-3 and saved["seq_len"] == 64
+    assert saved["model"] == "nemotron-3-nano-debug"
