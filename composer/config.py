@@ -360,9 +360,17 @@ def set_field(config: Any, dotted: str, value: Any) -> None:
     hints = _hints(type(target))
     if leaf not in hints:
         raise _unknown(leaf, list(hints), where)
-    if isinstance(value, str) and hints[leaf] is not str and value.lower() in ("none", "null"):
+    if isinstance(value, str) and hints[leaf] is not str and value.lower() in ("none", "null") \
+            and value not in _literals(hints[leaf]):  # position=none is a choice, not null
         value = None
     _set(target, leaf, _coerce(value, hints[leaf], where + leaf))
+
+
+def _literals(tp: Any) -> set:
+    if typing.get_origin(tp) is Literal:
+        return set(typing.get_args(tp))
+    return set().union(*(_literals(a) for a in typing.get_args(tp))) if typing.get_args(tp) \
+        else set()
 
 
 def _set(target: Any, name: str, value: Any) -> None:

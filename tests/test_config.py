@@ -114,3 +114,8 @@ def test_load_rejects_unknown_yaml_key(tmp_path):
     (tmp_path / "d.yaml").write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
         ModelConfig.load(tmp_path / "d.yaml")
+
+
+def test_a_literal_none_choice_is_not_null():
+    cfg = apply_overrides(ModelConfig(pattern="M*"), ["attention.position=none"])
+    assert cfg.attention.position == "none"
