@@ -287,28 +287,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_train_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per recipe field; only the flags given reach the recipe (no defaults here)."""
-    from composer.train.recipe import CHOICES, FIELDS, HELP
-
-    for name, help_text in HELP.items():
-        flag = "--" + name.replace("_", "-")
-        kind = str(FIELDS[name].type)
-        if kind.startswith("bool"):
-            p.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=help_text)
-            continue
-        names = [flag, "--batch-size"] if name == "global_batch_size" else [flag]
-        typ = int if kind.startswith("int") else float if kind.startswith("float") else str
-        p.add_argument(*names, dest=name, type=typ, choices=CHOICES.get(name),
-                       default=argparse.SUPPRESS, help=help_text)
-    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
-                   default=argparse.SUPPRESS, help="keep activations replicated across tp ranks")
-    p.add_argument("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS,
-                   help="the same as --ac full")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
-                   help="override a model config field of a preset or pattern (repeatable)")
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     from composer.checkpoint import parse_size
     from composer.export import export
@@ -398,7 +376,9 @@ def make_parser() -> Parser:
     tr.add_argument("--list-recipes", action="store_true", help="list the shipped recipes")
     tr.add_argument("--json", action="store_true",
                     help="no per-step lines; one line of JSON on stdout at the end")
-    _add_train_flags(tr)
+    from composer.train.recipe import add_arguments
+
+    add_arguments(tr)
     tr.set_defaults(func=cmd_train)
 
     pl = sub.add_parser("plot", help="draw loss, learning rate and grad norm of a run")

@@ -172,12 +172,63 @@ def _reduce_stats(run: Run, ce_sum: torch.Tensor, aux: torch.Tensor,
     return loss / (run.recipe.global_batch_size * (run.seq_len - 1)), aux_mean, stops > 0
 
 
+@dataclass
+class StepStats:
+    lr: float
+    loss: float
+    aux_loss: float
+    grad_norm: float
+    stop: bool
+    """Some rank was asked to stop (every rank learns it in the same all-reduce)."""
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+
+def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
+    """One optimizer step (or a skipped one) on the next global batch."""
+    r = run.recipe
+    lr = run.schedule(step)
+    run.optimizers.set_lr(lr)
+    ce_sum, aux = accumulate(run)
+    finish_grads(run.model, run.dims)
+    norm_t = grad_norm(run.model, run.dims.device)
+    loss, aux_mean, stop = _reduce_stats(run, ce_sum, aux, stop_requested)
+    stats = StepStats(lr, loss, aux_mean, float(norm_t), stop)
+    if stats.finite:
+        if r.grad_clip > 0:
+            clip_grads(run.model, norm_t, r.grad_clip)
+        run.optimizers.step()
+    else:
+        run.skipped += 1
+    run.optimizers.zero_grad()
+    run.consumed += r.global_batch_size
+    run.tokens += r.global_batch_size * run.seq_len
+    return stats
+
+
+def _row(run: Run, step: int, s: StepStats, tokens_per_s: float,
+         peak: float | None) -> dict[str, Any]:
+    row = {"step": step, "loss": s.loss if math.isfinite(s.loss) else None, "lr": s.lr,
+           "grad_norm": s.grad_norm if math.isfinite(s.grad_norm) else None,
+           "tokens": run.tokens, "tokens_per_s": tokens_per_s,
+           "mfu": run.flops_per_token * tokens_per_s / (peak * run.dims.world_size)
+           if peak else None,
+           "skipped": run.skipped, "max_memory_bytes": max_memory_bytes(run.dims.device),
+           "device": str(next(run.model.parameters()).device),
+           "batch_device": str(run.batch_device)}
+    if s.aux_loss:
+        row["aux_loss"] = s.aux_loss
+    return row
+
+
 def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
     """Steps ``start_step + 1 .. last_step``; saves every ``save_every`` and at the end."""
-    r, dims = run.recipe, run.dims
+    r = run.recipe
     summary = Summary(step=run.start_step)
     stop = StopRequest()
-    peak = peak_flops(dims.device, run.precision, r.peak_tflops)
+    peak = peak_flops(run.dims.device, run.precision, r.peak_tflops)
     consecutive = 0
     start = t_log = time.perf_counter()
     tokens_at_log = run.tokens
@@ -185,51 +236,25 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
         for step in range(run.start_step + 1, last_step + 1):
             if r.timeout_s:  # the watchdog: every thread's stack, then exit 1
                 faulthandler.dump_traceback_later(r.timeout_s, exit=True)
-            lr = run.schedule(step)
-            run.optimizers.set_lr(lr)
-            ce_sum, aux = accumulate(run)
-            finish_grads(run.model, dims)
-            norm_t = grad_norm(run.model, dims.device)
-            loss, aux_mean, stopping = _reduce_stats(run, ce_sum, aux, stop.requested)
-            norm = float(norm_t)
-            finite = math.isfinite(loss) and math.isfinite(norm)
-            if finite:
-                if r.grad_clip > 0:
-                    clip_grads(run.model, norm_t, r.grad_clip)
-                run.optimizers.step()
-                consecutive = 0
-            else:
-                run.skipped += 1
-                consecutive += 1
-            run.optimizers.zero_grad()
-            run.consumed += r.global_batch_size
-            run.tokens += r.global_batch_size * run.seq_len
-            summary.steps += 1
-            summary.step = step
-            summary.losses.append(loss)
-            if step % r.log_every == 0 or step == last_step or not finite:
+            s = take_step(run, step, stop.requested)
+            consecutive = 0 if s.finite else consecutive + 1
+            summary.steps, summary.step = summary.steps + 1, step
+            summary.losses.append(s.loss)
+            if step % r.log_every == 0 or step == last_step or not s.finite:
                 now = time.perf_counter()
-                tps = (run.tokens - tokens_at_log) / max(now - t_log, 1e-9)
+                row = _row(run, step, s, (run.tokens - tokens_at_log) / max(now - t_log, 1e-9),
+                           peak)
                 t_log, tokens_at_log = now, run.tokens
-                row = {"step": step, "loss": loss if math.isfinite(loss) else None, "lr": lr,
-                       "grad_norm": norm if math.isfinite(norm) else None,
-                       "tokens": run.tokens, "tokens_per_s": tps,
-                       "mfu": run.flops_per_token * tps / (peak * dims.world_size)
-                       if peak else None,
-                       "skipped": run.skipped, "max_memory_bytes": max_memory_bytes(dims.device),
-                       "device": str(next(run.model.parameters()).device),
-                       "batch_device": str(run.batch_device)}
-                if aux_mean:
-                    row["aux_loss"] = aux_mean
                 summary.rows.append(row)
                 run.log.log(row)
             run.log.advance()
             if consecutive >= r.max_skipped_steps:
-                what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {norm}"
+                what = f"loss {s.loss}" if not math.isfinite(s.loss) else \
+                    f"gradient norm {s.grad_norm}"
                 raise TrainingHalted(f"non-finite {what} at step {step}: {consecutive} "
                                      f"consecutive steps skipped (--max-skipped-steps "
                                      f"{r.max_skipped_steps}); the last checkpoint is intact")
-            if stopping:
+            if s.stop:
                 summary.stopped_by_signal = True
                 break
             if r.save_every and step % r.save_every == 0 and step != last_step:

@@ -12,6 +12,7 @@ Shipped recipes live in ``composer/train/recipes/`` (``composer train --list-rec
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
@@ -213,3 +214,23 @@ HELP = {
     "seed": "initialisation (presets) and data order (default 0)",
     "device": "auto (default): CUDA when available; under torchrun cuda:LOCAL_RANK",
 }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per recipe field; only the flags given reach the recipe (no defaults here)."""
+    for name, help_text in HELP.items():
+        flag = "--" + name.replace("_", "-")
+        kind = str(FIELDS[name].type)
+        if kind.startswith("bool"):
+            p.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=help_text)
+            continue
+        names = [flag, "--batch-size"] if name == "global_batch_size" else [flag]
+        typ = int if kind.startswith("int") else float if kind.startswith("float") else str
+        p.add_argument(*names, dest=name, type=typ, choices=CHOICES.get(name),
+                       default=argparse.SUPPRESS, help=help_text)
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   default=argparse.SUPPRESS, help="keep activations replicated across tp ranks")
+    p.add_argument("--activation-checkpointing", action="store_true", default=argparse.SUPPRESS,
+                   help="the same as --ac full")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
+                   help="override a model config field of a preset or pattern (repeatable)")

@@ -27,7 +27,7 @@ CASES = {
     "muon-tp2": ({"tp": 2, "optimizer": "muon", "lr": 1e-2}, {"optimizer": "muon", "lr": 1e-2}),
     "muon-dp2": ({"optimizer": "muon", "lr": 1e-2}, {"optimizer": "muon", "lr": 1e-2}),
 }
-RESUME = {"dp2": {}, "tp2": {"tp": 2}}
+RESUME = {"dp2": {}, "tp2": {"tp": 2}, "dp2-async": {"async_save": True, "save_every": 1}}
 
 
 def _summary(out: dict) -> dict:

@@ -53,6 +53,19 @@ def test_sigterm_saves_the_step_and_resume_is_exact(tmp_path, capsys):
     assert resumed == straight[last:]  # bit for bit, schedule and data position included
 
 
+def test_a_second_signal_exits_at_once(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run)
+    wait_for_steps(run, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.02)  # two signals before the handler runs would count as one
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    # our handler's exit (mid-step or mid-save), or the default action once the run's handler
+    # is gone; never the clean exit 0 of a single signal
+    assert proc.returncode in (128 + signal.SIGTERM, -signal.SIGTERM), proc.returncode
+
+
 def test_kill_9_never_leaves_latest_unloadable(tmp_path):
     run = tmp_path / "run"
     rng = random.Random(0)
