@@ -27,6 +27,8 @@ CASES = {
     "muon-tp2": ({"tp": 2, "optimizer": "muon", "lr": 1e-2}, {"optimizer": "muon", "lr": 1e-2}),
     "muon-dp2": ({"optimizer": "muon", "lr": 1e-2}, {"optimizer": "muon", "lr": 1e-2}),
 }
+BF16 = {"shard": {"precision": "bf16", "steps": 8},
+        "replicate": {"precision": "bf16", "steps": 8, "dp_mode": "replicate"}}
 RESUME = {"dp2": {}, "tp2": {"tp": 2}, "dp2-async": {"async_save": True, "save_every": 1}}
 
 
@@ -96,6 +98,8 @@ def vocab_parallel_loss() -> list[float]:
 
 def in_ranks(tmp: str) -> dict:
     results = {"muon-step": muon_steps(), "vocab-loss": vocab_parallel_loss()}
+    results |= {f"bf16-{name}": _summary(train_case({**BASE, **mine}))
+                for name, mine in BF16.items()}
     results |= {name: _summary(train_case({**BASE, **mine})) for name, (mine, _) in CASES.items()}
     for name, layout in RESUME.items():
         straight = train_case({**BASE, **layout, "steps": 4, "save": f"{tmp}/{name}-a"})
@@ -133,6 +137,17 @@ def test_two_ranks_equal_one_process(ranks, name):
     if name.startswith("clip"):
         assert min(ref["norms"]) > 0.05  # clipping was active in every step
     close(got["params"], ref["params"], 1e-3 if muon else 1e-5)
+
+
+@pytest.mark.parametrize("mode", sorted(BF16))
+def test_bf16_data_parallel_keeps_fp32_masters(ranks, mode):
+    """FSDP2's MixedPrecisionPolicy (bf16 compute copies, fp32 reduction) at dp=2 against
+    autocast in one process: not the same rounding, so close, not equal."""
+    got = ranks[f"bf16-{mode}"]
+    ref = _summary(train_case({**BASE, "precision": "bf16", "steps": 8}))
+    assert got["losses"] == pytest.approx(ref["losses"], rel=0.02)
+    assert got["losses"][-1] < got["losses"][0]
+    assert {p.dtype for p in got["params"].values()} == {torch.float32}
 
 
 def test_chunked_vocab_parallel_loss_equals_the_plain_loss(ranks):
