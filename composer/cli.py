@@ -223,11 +223,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from composer.parallel.launch import init_distributed, is_main_process
     from composer.run import check_vocab, evaluate, load_tokens, prepare
 
+    if (args.tokens is None) == (args.data is None):
+        raise UsageError("give --tokens FILE.npy or --data PREFIX (one of them)")
     init_distributed(args.device)
-    rows = load_tokens(args.tokens, args.seq_len)
+    doc_ids = None
+    if args.data is not None:
+        from composer.data.gpt import sequential_samples
+        from composer.data.indexed import IndexedDataset
+
+        if not args.seq_len:
+            raise UsageError("--data needs --seq-len (tokens per sample)")
+        samples = sequential_samples(IndexedDataset(args.data), args.seq_len, args.max_samples)
+        rows = [s[0] for s in samples]
+        doc_ids = [s[1] for s in samples] if args.document_isolation else None
+    else:
+        rows = load_tokens(args.tokens, args.seq_len)
     model, dims, _, _ = prepare(args.ckpt, _layout(args), device=args.device)
-    check_vocab(rows, model.config, args.tokens)
-    loss, n = evaluate(model, dims, rows, args.batch_size)
+    check_vocab(rows, model.config, args.tokens or args.data)
+    loss, n = evaluate(model, dims, rows, args.batch_size, doc_ids)
     if is_main_process():
         if args.json:
             print(json.dumps({"loss": loss, "n_tokens": n}))
@@ -270,6 +283,38 @@ def cmd_train(args: argparse.Namespace) -> int:
                               "stopped_by_signal": summary.stopped_by_signal}))
         elif recipe.save:
             print(f"saved step {summary.step} to {recipe.save}")
+    return 0
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from composer.data.prepare import prepare
+
+    bar = _progress_bar(0, "prepare")
+    try:
+        stats = prepare(args.inputs, args.out, args.tokenizer, json_key=args.json_key,
+                        append_eod=args.append_eod, workers=args.workers, progress=bar.update,
+                        force=args.force)
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        print(f"wrote {args.out}.bin/.idx: {stats['n_documents']:,} documents, "
+              f"{stats['n_tokens']:,} tokens ({stats['dtype']}) in {stats['seconds']:.2f}s, "
+              f"{stats['tokens_per_s']:,.0f} tokens/s, {stats['mb_per_s']:.1f} MB/s of text")
+    return 0
+
+
+def cmd_data_inspect(args: argparse.Namespace) -> int:
+    from composer.data.prepare import inspect
+
+    info = inspect(args.prefix)
+    if args.json:
+        print(json.dumps(info))
+    else:
+        width = max(map(len, info))
+        for key, value in info.items():
+            print(f"{key:<{width}}  {f'{value:,}' if isinstance(value, int) else value}")
     return 0
 
 
@@ -362,9 +407,13 @@ def make_parser() -> Parser:
                                           "inferred from the config)")
         c.set_defaults(func=cmd_convert, arch=None)
 
-    ev = sub.add_parser("eval", help="mean next-token loss of a checkpoint on a token file")
+    ev = sub.add_parser("eval", help="mean next-token loss of a checkpoint on tokens or a dataset")
     ev.add_argument("ckpt", help="a portable checkpoint or a `train --save` folder")
-    ev.add_argument("--tokens", required=True, help="a .npy array of token ids (1-D or 2-D)")
+    ev.add_argument("--tokens", help="a .npy array of token ids (1-D or 2-D)")
+    ev.add_argument("--data", help="an indexed dataset PREFIX (samples of --seq-len + 1 tokens)")
+    ev.add_argument("--max-samples", type=int, default=None, help="score at most N samples")
+    ev.add_argument("--document-isolation", action="store_true",
+                    help="with --data: nothing is seen or predicted across documents")
     ev.add_argument("--batch-size", type=int, default=8, help="sequences per forward per rank")
     _add_layout(ev)
     ev.set_defaults(func=cmd_eval)
@@ -380,6 +429,24 @@ def make_parser() -> Parser:
 
     add_arguments(tr)
     tr.set_defaults(func=cmd_train)
+
+    data = sub.add_parser("data", help="prepare and inspect Megatron-format indexed datasets")
+    data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=Parser)
+    dp = data_sub.add_parser("prepare", help="tokenise .jsonl/.jsonl.gz/.txt/.parquet files")
+    dp.add_argument("inputs", nargs="+", help="input files (one document per line or file)")
+    dp.add_argument("--out", required=True, help="output PREFIX (PREFIX.bin, PREFIX.idx)")
+    dp.add_argument("--tokenizer", required=True,
+                    help="byte, a local Hugging Face tokenizer folder, or a hub id")
+    dp.add_argument("--json-key", default="text", help="the text field (default text)")
+    dp.add_argument("--append-eod", action="store_true", help="end each document with EOD")
+    dp.add_argument("--workers", type=int, default=1, help="tokenising processes")
+    dp.add_argument("--force", action="store_true", help="replace an existing PREFIX")
+    dp.add_argument("--json", action="store_true", help="one line of JSON on stdout")
+    dp.set_defaults(func=cmd_data_prepare)
+    di = data_sub.add_parser("inspect", help="documents, sequences, tokens of a dataset")
+    di.add_argument("prefix")
+    di.add_argument("--json", action="store_true", help="one line of JSON on stdout")
+    di.set_defaults(func=cmd_data_inspect)
 
     pl = sub.add_parser("plot", help="draw loss, learning rate and grad norm of a run")
     pl.add_argument("run", help="a folder with metrics.jsonl (--save or --log-dir)")

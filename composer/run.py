@@ -133,20 +133,29 @@ def _dp_sum(values: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: HybridModel, dims: ParallelDims, rows: list[np.ndarray],
-             batch_size: int = 8) -> tuple[float, int]:
-    """Mean next-token cross-entropy over every predicted token, and their number."""
+             batch_size: int = 8, doc_ids: list[np.ndarray] | None = None) -> tuple[float, int]:
+    """Mean next-token cross-entropy over every predicted token, and their number. With
+    ``doc_ids`` (one array per row), documents are isolated: nothing is predicted across a
+    boundary and nothing is seen across one."""
     model.eval()
     width = len(rows[0])
-    full = [r for r in rows if len(r) == width]
-    tail = [r for r in rows if len(r) != width]  # the short last piece of a 1-D array
+    order = list(range(len(rows)))
+    full = [i for i in order if len(rows[i]) == width]
+    tail = [i for i in order if len(rows[i]) != width]  # the short last piece of a 1-D array
     mine = full[dims.dp_rank()::dims.dp]
     n_batches = math.ceil(math.ceil(len(full) / dims.dp) / batch_size)
     totals = torch.zeros(2, dtype=torch.float64, device=dims.device)
 
-    def add(batch: list[np.ndarray], weight: float) -> None:
-        ids = torch.from_numpy(np.stack(batch)).long().to(dims.device, non_blocking=True)
-        out = model(ids, ids)
-        n = ids.shape[0] * (ids.shape[1] - 1)
+    def add(batch: list[int], weight: float) -> None:
+        ids = torch.from_numpy(np.stack([rows[i] for i in batch])).long().to(dims.device)
+        kwargs, n = {}, ids.shape[0] * (ids.shape[1] - 1)
+        if doc_ids is not None:
+            docs = np.stack([doc_ids[i] for i in batch])
+            kwargs["doc_ids"] = torch.from_numpy(docs).to(dims.device)
+            n = int((docs[:, 1:] == docs[:, :-1]).sum())
+        if n == 0:
+            return
+        out = model(ids, ids, **kwargs)
         ce = (out.loss - out.aux_loss).double()
         totals[0] += ce * (n * weight)
         totals[1] += n * weight
@@ -155,7 +164,7 @@ def evaluate(model: HybridModel, dims: ParallelDims, rows: list[np.ndarray],
         batch = mine[b * batch_size:(b + 1) * batch_size]
         # every rank runs the same forwards (they hold collectives); a padding batch counts 0
         add(batch or full[:1], 1.0 if batch else 0.0)
-    for row in tail:  # run everywhere, counted once
-        add([row], 1.0 if dims.dp_rank() == 0 else 0.0)
+    for i in tail:  # run everywhere, counted once
+        add([i], 1.0 if dims.dp_rank() == 0 else 0.0)
     totals = _dp_sum(totals, dims)
     return float(totals[0] / totals[1]), int(totals[1])

@@ -7,6 +7,10 @@ in the rotate-half layout that transformers and Megatron use: channel ``i`` pair
 scaling divides low frequencies by ``factor`` and blends the middle band. qk-norm (Qwen3) is an
 RMSNorm over each head's channels, applied before RoPE.
 
+Packed documents (``doc_ids``, :mod:`composer.kernels.docs`; Megatron's reset-attention-mask and
+reset-position-ids): the mask is block-diagonal causal (a query sees the earlier keys of its own
+document) and RoPE positions restart at 0 at each document.
+
 Legend: B batch, T time, D model width, H query heads, K kv heads, E head width.
 """
 
@@ -30,6 +34,8 @@ from composer.blocks.plan import (
 )
 from composer.config import AttentionConfig, ModelConfig, RopeScaling, d_head_of
 from composer.kernels import sdpa_context
+from composer.kernels.docs import doc_positions
+from composer.kernels.sdpa import doc_sdpa
 
 
 def rope_frequencies(d_rot: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -59,6 +65,16 @@ def rope_cos_sin(t: int, inv_freq: torch.Tensor, device: torch.device,
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def rope_cos_sin_at(pos_BT: torch.Tensor, inv_freq: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_cos_sin` at per-row positions: ``[B, 1, T, d_rot]`` tables (one per row,
+    shared by the heads) for integer positions ``pos_BT``; the same products as there."""
+    math_dtype = torch.promote_types(dtype, torch.float32)
+    angles = pos_BT.to(math_dtype)[..., None] * inv_freq.to(pos_BT.device, math_dtype)
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def apply_rope(x_BHTE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     d_rot = cos.shape[-1]
     half = d_rot // 2
@@ -71,6 +87,9 @@ def apply_rope(x_BHTE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 class Attention(nn.Module):
     """``layers.i.mixer.{q_proj,k_proj,v_proj,o_proj}`` (+ ``q_norm``, ``k_norm``)."""
+
+    uses_doc_ids = True
+    """``forward`` takes ``doc_ids`` (the residual layer passes them only to mixers that do)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -100,7 +119,7 @@ class Attention(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x_BTD.shape
         # -1: the head counts follow the weights (a tensor-parallel rank holds some of the heads)
         q = self.q_proj(x_BTD).view(b, t, -1, self.d_head)
@@ -110,12 +129,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHTE, k_BKTE, v_BKTE = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rope:
-            cos, sin = self._cos_sin(t, x_BTD.device, q.dtype)
+            if doc_ids is None:
+                cos, sin = self._cos_sin(t, x_BTD.device, q.dtype)
+            else:  # positions restart at each document
+                cos, sin = rope_cos_sin_at(doc_positions(doc_ids), self.inv_freq, q.dtype)
             q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
-        with sdpa_context(q_BHTE):  # flash first on CUDA; CPU untouched (composer.kernels.sdpa)
-            o_BHTE = F.scaled_dot_product_attention(
-                q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=self.scale,
-                enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
+        if doc_ids is None:
+            with sdpa_context(q_BHTE):  # flash first on CUDA; CPU untouched (kernels.sdpa)
+                o_BHTE = F.scaled_dot_product_attention(
+                    q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=self.scale,
+                    enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
+        else:  # block-diagonal causal: each document attends to itself only
+            o_BHTE = doc_sdpa(q_BHTE, k_BKTE, v_BKTE, doc_ids, self.scale)
         return self.o_proj(o_BHTE.transpose(1, 2).reshape(b, t, -1))
 
     def _cos_sin(self, t: int, device: torch.device,
@@ -156,10 +181,11 @@ class Attention(nn.Module):
 
 
 def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfig, d_head: int,
-                  eps: float = 1e-5) -> torch.Tensor:
+                  eps: float = 1e-5, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-math twin of :class:`Attention`: explicit pair rotations, explicit mask, loops over
     heads. ``w`` holds ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` matrices (and optional
-    ``*_bias``, ``q_norm``, ``k_norm``)."""
+    ``*_bias``, ``q_norm``, ``k_norm``). With ``doc_ids`` (non-decreasing) positions count from
+    each document's first token and keys of other documents are masked."""
     b, t, _ = x.shape
     kv = a.n_kv_heads or a.n_heads
     q = (x @ w["q_proj"].T + w.get("q_bias", 0)).view(b, t, a.n_heads, d_head)
@@ -168,12 +194,17 @@ def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfi
     if "q_norm" in w:
         q = w["q_norm"] * q / torch.sqrt((q * q).mean(-1, keepdim=True) + eps)
         k = w["k_norm"] * k / torch.sqrt((k * k).mean(-1, keepdim=True) + eps)
+    pos = torch.arange(t).expand(b, t)
+    mask = torch.full((t, t), float("-inf"), dtype=x.dtype).triu(1)
+    if doc_ids is not None:
+        first = torch.stack([torch.searchsorted(row, row, right=False) for row in doc_ids])
+        pos = pos - first  # searchsorted: the index of the first token with the same id
+        mask = mask.masked_fill(doc_ids[:, :, None] != doc_ids[:, None, :], float("-inf"))
     if a.position == "rope":
         d_rot = int(d_head * a.rotary_fraction)
         inv_freq = rope_frequencies(d_rot, a.rope_theta, a.rope_scaling).to(x.dtype)
-        q, k = _rotate_pairs(q, inv_freq), _rotate_pairs(k, inv_freq)
+        q, k = _rotate_pairs(q, inv_freq, pos), _rotate_pairs(k, inv_freq, pos)
     scale = a.softmax_scale if a.softmax_scale is not None else d_head**-0.5
-    mask = torch.full((t, t), float("-inf"), dtype=x.dtype).triu(1)
     heads = []
     for h in range(a.n_heads):
         g = h // (a.n_heads // kv)
@@ -182,11 +213,12 @@ def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfi
     return torch.cat(heads, -1) @ w["o_proj"].T + w.get("o_bias", 0)
 
 
-def _rotate_pairs(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs ``(i, i + d_rot/2)`` by angle ``pos * inv_freq[i]``, one at a time."""
+def _rotate_pairs(x: torch.Tensor, inv_freq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs ``(i, i + d_rot/2)`` by angle ``pos * inv_freq[i]``, one at a time
+    (``pos`` ``[B, T]``)."""
     out = x.clone()
     half = inv_freq.shape[0]
-    pos = torch.arange(x.shape[1], dtype=x.dtype).view(1, -1, 1)
+    pos = pos.to(x.dtype)[..., None]
     for i in range(half):
         ang = pos * inv_freq[i]
         a, b = x[..., i], x[..., i + half]

@@ -4,6 +4,12 @@ One symbol is one such block (Megatron-Core's hybrid models): the mixer is a Mam
 attention, a dense MLP, an MoE or a user-registered kind. ``m`` is the residual multiplier (1
 except for Granite). Under tensor parallelism the parallel layer wraps the *mixer* call (gather
 the sequence on the way in, reduce the partial sums on the way out); this code does not change.
+
+Packed documents: ``doc_ids`` (``(B, T)``, :mod:`composer.kernels.docs`) go, as a keyword, only
+to mixers whose class sets ``uses_doc_ids = True`` (attention, Mamba-2): token-wise mixers (MLP,
+MoE) need nothing, and a user-registered mixer without the keyword keeps working. A keyword
+passes untouched through the tensor-parallel pre-hooks (they rewrite ``args[0]`` only) and
+activation checkpointing.
 """
 
 from __future__ import annotations
@@ -26,8 +32,11 @@ class Layer(nn.Module):
         self.mixer = mixer
         self.residual_multiplier = cfg.residual_multiplier
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        out = self.mixer(self.norm(x_BTD))
+    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if doc_ids is not None and getattr(self.mixer, "uses_doc_ids", False):
+            out = self.mixer(self.norm(x_BTD), doc_ids=doc_ids)
+        else:
+            out = self.mixer(self.norm(x_BTD))
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
         return x_BTD + out

@@ -10,6 +10,10 @@ projections"); a short causal depthwise convolution plus SiLU mixes ``xBC`` over
 then the gated grouped RMSNorm (§7.2) ``norm(y * silu(z))`` and the output projection. This is
 the math of transformers' ``Mamba2Mixer`` / ``NemotronHMamba2Mixer`` torch path.
 
+Packed documents (``doc_ids``, :mod:`composer.kernels.docs`): the convolution reads no input of
+an earlier document and the scan's state restarts from zero at each document, so every document
+gives what it gives alone.
+
 Shape legend:
     B batch, T time, D d_model, E d_inner (= H * P), H heads, P head dim, G groups of B/C,
     N state size, X conv channels (E + 2 * G * N), K conv taps.
@@ -87,6 +91,8 @@ class Mamba2Mixer(nn.Module):
     """``layers.i.mixer.{in_proj,conv1d,dt_bias,A_log,D,norm,out_proj}`` (transformers' names)."""
 
     keep_fp32 = ("A_log",)
+    uses_doc_ids = True
+    """``forward`` takes ``doc_ids`` (the residual layer passes them only to mixers that do)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -119,7 +125,7 @@ class Mamba2Mixer(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         m = self.mamba_cfg
         b, T, _ = x_BTD.shape
         # Sizes follow the weights (a tensor-parallel rank holds a slice of heads and groups).
@@ -132,7 +138,7 @@ class Mamba2Mixer(nn.Module):
         # The conv runs on the transposed [B, X, T] layout; one copy back to [B, T, X] is
         # cheaper than the scan reading x, B and C with a stride-T inner dimension (measured:
         # 2.7% of a layer's train step).
-        xBC_BTX = conv_silu(xBC_BTX, self.conv1d).contiguous()
+        xBC_BTX = conv_silu(xBC_BTX, self.conv1d, doc_ids).contiguous()
         x_BTE, B_BTF, C_BTF = xBC_BTX.split([E, F_, F_], dim=-1)
         # dt = clamp(softplus(dt + dt_bias), dt_limit), then the scan, all in >= fp32 as the
         # mamba_ssm kernel does (it fuses them on CUDA; transformers' torch path does the
@@ -145,7 +151,7 @@ class Mamba2Mixer(nn.Module):
             B_BTF.view(b, T, G, m.d_state),
             C_BTF.view(b, T, G, m.d_state),
             m.chunk_size,
-            D_H=D, dt_bias_H=dt_bias, dt_softplus=True, dt_limit=m.dt_limit,
+            D_H=D, dt_bias_H=dt_bias, dt_softplus=True, dt_limit=m.dt_limit, doc_ids=doc_ids,
         )
         # The D skip is inside the scan, so it is gated and normalised too (as in transformers);
         # the scan output stays fp32 through the norm and is cast only for out_proj.
@@ -200,11 +206,13 @@ class Mamba2Mixer(nn.Module):
         return 2 * (in_params + out_params) + 2 * conv_dim * m.d_conv + ssd // max(seq_len, 1)
 
 
-def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig,
+               doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-math twin of :class:`Mamba2Mixer`; ``weights`` uses its state-dict names.
 
     Uses the sequential :func:`ssd_scan_ref`, the causal convolution as a sum over taps, and
-    softplus as ``log1p(exp(.))``. Meant for fp64 inputs and weights.
+    softplus as ``log1p(exp(.))``. Meant for fp64 inputs and weights. With ``doc_ids`` a tap
+    reading an earlier document's input reads 0, and the scan restarts at each document.
     """
     m = cfg.mamba
     assert m is not None
@@ -224,7 +232,10 @@ def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConf
         lag = K - 1 - k
         if lag >= T:
             continue
-        conv[:, lag:] = conv[:, lag:] + w[:, k] * xbc[:, : T - lag]
+        src = xbc[:, : T - lag]
+        if doc_ids is not None:  # the input lag steps back, only from the same document
+            src = src * (doc_ids[:, : T - lag] == doc_ids[:, lag:])[..., None]
+        conv[:, lag:] = conv[:, lag:] + w[:, k] * src
     if "conv1d.bias" in weights:
         conv = conv + weights["conv1d.bias"]
     xbc = conv / (1 + torch.exp(-conv))
@@ -240,6 +251,7 @@ def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConf
         B.reshape(b, T, m.n_groups, m.d_state),
         C.reshape(b, T, m.n_groups, m.d_state),
         D_H=weights["D"],
+        doc_ids=doc_ids,
     )
     y = gated_rms_norm_ref(
         y.reshape(b, T, d_inner), z, weights["norm.weight"], _norm_group_size(m), cfg.norm_eps

@@ -9,6 +9,12 @@ ignored) plus the MoE load-balancing losses; the head and the loss then run chun
 (:func:`composer.blocks.loss.linear_cross_entropy`) and the logits are not kept unless
 ``return_logits=True``. The readout (head + loss) is its own parameterless module so that the
 vocabulary-parallel version can stand in for it (``composer/parallel/tensor.py``).
+
+Packed documents (``doc_ids``, ``(B, T)``, :mod:`composer.kernels.docs`): every token sees only
+the earlier tokens of its own document (attention masks, RoPE positions, the Mamba-2 convolution
+and state restart: each document gives what it gives alone), and nothing is predicted across a
+boundary: the label of each document's first token, the target of the previous document's last
+position, is ignored here, so any readout (the vocabulary-parallel one too) gets masked labels.
 """
 
 from __future__ import annotations
@@ -24,11 +30,18 @@ from composer.blocks.loss import IGNORE_INDEX, linear_cross_entropy
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Init, Normal
 from composer.config import ModelConfig
+from composer.kernels.docs import doc_starts
 
 
 def shift_labels(labels_BT: torch.Tensor) -> torch.Tensor:
     """Position t predicts token t + 1; the last position predicts nothing (ignored)."""
     return F.pad(labels_BT[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def mask_doc_boundaries(labels_BT: torch.Tensor, doc_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Unshifted labels with each document's first label ignored: after the shift it would be
+    the target of the previous document's last token."""
+    return labels_BT.masked_fill(doc_starts(doc_ids_BT), IGNORE_INDEX)
 
 
 @dataclass
@@ -92,19 +105,29 @@ class HybridModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, *,
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         x_BTD = self.embed(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x_BTD = x_BTD * self.config.embedding_multiplier
         for layer in self.layers.values():
-            x_BTD = layer(x_BTD)
+            x_BTD = layer(x_BTD) if doc_ids is None else layer(x_BTD, doc_ids=doc_ids)
         return self.final_norm(x_BTD)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                doc_ids: torch.Tensor | None = None,
                 return_logits: bool = False) -> torch.Tensor | ModelOutput:
         """Logits ``(B, T, vocab)`` for ``input_ids`` ``(B, T)``; with ``labels`` (``(B, T)``,
-        aligned with the inputs) a :class:`ModelOutput`."""
-        h_BTD = self.hidden_states(input_ids)
+        aligned with the inputs) a :class:`ModelOutput`. ``doc_ids`` (``(B, T)`` integers, equal
+        within a document, non-decreasing along a row) isolates packed documents."""
+        if doc_ids is not None:
+            if doc_ids.shape != input_ids.shape or doc_ids.is_floating_point():
+                raise ValueError(f"doc_ids must be integers shaped like input_ids "
+                                 f"{tuple(input_ids.shape)}, got {doc_ids.dtype} "
+                                 f"{tuple(doc_ids.shape)}")
+            if labels is not None:
+                labels = mask_doc_boundaries(labels, doc_ids)
+        h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids)
         loss, logits = self.readout(h_BTD, self.output_weight(), labels, return_logits)
         if labels is None:
             return logits

@@ -5,6 +5,7 @@
 | ``mamba_scan`` (Mamba-2 scan) | ``mamba_chunk_scan_combined`` (mamba_ssm)   | ``kernels.ssd``   |
 | ``conv_silu`` (Mamba-2 conv)  | ``causal_conv1d_fn`` (causal_conv1d)        | the conv module   |
 | ``sdpa_context`` (attention)  | SDPA flash / cuDNN / efficient (torch)      | SDPA's own choice |
+| ``doc_sdpa`` (packed docs)    | a varlen flash kernel: hook, not wired yet  | SDPA + bool mask  |
 | ``te_linear`` (nn.Linear)     | ``te.pytorch.Linear`` (transformer_engine)  | ``F.linear``      |
 
 Rules: nothing optional is imported when ``composer`` is; a CPU tensor always takes the torch path
@@ -13,6 +14,10 @@ means "absent") and ``COMPOSER_DISABLE_KERNELS`` (names or ``all``) does not nam
 keeps the block's parameters and keys; each wrapper translates the kernel's argument conventions
 and is tested against the torch path with stand-in modules (``tests/kernels``) and on a GPU by
 ``bench/gpu_check.py``. The device rule lives in one function, ``probe.on_gpu``.
+
+Packed documents (``doc_ids``, :mod:`composer.kernels.docs`): ``mamba_scan`` and ``conv_silu``
+take ``doc_ids`` and hand the kernels ``seq_idx``; their torch paths isolate the documents
+themselves.
 
 ``compile_layers`` (``torch.compile`` of every layer, any device) is the one opt-in here.
 """
@@ -27,7 +32,7 @@ from composer.kernels.probe import (
     why_unavailable,
 )
 from composer.kernels.scan import mamba_scan, select_scan, ssd_scan_kernel, ssd_scan_torch
-from composer.kernels.sdpa import sdpa_backends, sdpa_context
+from composer.kernels.sdpa import doc_sdpa, sdpa_backends, sdpa_context
 from composer.kernels.te import te_linear, te_linear_available
 
 __all__ = [
@@ -38,6 +43,7 @@ __all__ = [
     "conv1d_silu_kernel",
     "conv1d_silu_torch",
     "conv_silu",
+    "doc_sdpa",
     "mamba_scan",
     "reset",
     "sdpa_backends",

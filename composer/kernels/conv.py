@@ -8,6 +8,11 @@ weight as ``(C, K)`` and ``activation="silu"``. A ``(B, T, C)`` tensor transpose
 "channel-last" layout, which the kernel accepts without a copy when ``C`` and the strides are
 multiples of 8 (its own checks); otherwise we hand it a contiguous ``(B, C, T)`` copy. The kernel
 wants weight and bias in one dtype and supports widths 2 to 4; other widths take the torch path.
+
+Packed documents (``doc_ids``, :mod:`composer.kernels.docs`): a tap that would read an input of
+an earlier document reads 0 instead, as if each document were convolved alone (the kernel's
+``seq_idx``; it takes ``seq_idx`` only in the channel-last layout, so we hand it one, and a
+channel count that is not a multiple of 8 takes the torch path).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.kernels import probe
+from composer.kernels.docs import doc_positions, seq_idx
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL_WIDTHS = (2, 3, 4)
@@ -35,6 +41,21 @@ def conv1d_silu_torch(x_BTC: torch.Tensor, weight_C1K: torch.Tensor,
     return F.silu(y[..., :t].transpose(1, 2))
 
 
+def causal_conv1d_docs(x_BTC: torch.Tensor, weight_C1K: torch.Tensor, bias_C: torch.Tensor | None,
+                      doc_ids_BT: torch.Tensor) -> torch.Tensor:
+    """The depthwise causal convolution (no activation) inside each document: one
+    multiply-add per tap, the tap ``lag`` steps back kept only where the token is at least
+    ``lag`` steps into its document."""
+    t, k = x_BTC.shape[1], weight_C1K.shape[-1]
+    pos_BT1 = doc_positions(doc_ids_BT)[..., None]
+    w_KC = weight_C1K[:, 0, :].T.to(x_BTC.dtype)
+    y_BTC = x_BTC * w_KC[k - 1]
+    for lag in range(1, min(k, t)):
+        shifted_BTC = F.pad(x_BTC[:, : t - lag], (0, 0, lag, 0))
+        y_BTC = y_BTC + shifted_BTC.masked_fill(pos_BT1 < lag, 0.0) * w_KC[k - 1 - lag]
+    return y_BTC if bias_C is None else y_BTC + bias_C.to(x_BTC.dtype)
+
+
 def _channel_last_ok(x_BCT: torch.Tensor) -> bool:
     """causal_conv1d's conditions for reading a transposed ``(B, T, C)`` tensor in place."""
     return (x_BCT.stride(1) == 1 and x_BCT.shape[1] % 8 == 0
@@ -42,23 +63,29 @@ def _channel_last_ok(x_BCT: torch.Tensor) -> bool:
 
 
 def conv1d_silu_kernel(x_BTC: torch.Tensor, weight_C1K: torch.Tensor,
-                       bias_C: torch.Tensor | None) -> torch.Tensor:
-    """causal_conv1d's ``causal_conv1d_fn(x (B, C, T), weight (C, K), bias, activation="silu")``;
-    returns ``(B, T, C)`` (a transposed view, as the torch path does)."""
+                       bias_C: torch.Tensor | None,
+                       doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """causal_conv1d's ``causal_conv1d_fn(x (B, C, T), weight (C, K), bias, seq_idx,
+    activation="silu")``; returns ``(B, T, C)`` (a transposed view, as the torch path does)."""
     fn = probe.module("causal_conv1d").causal_conv1d_fn
     x_BCT = x_BTC.transpose(1, 2)
     if not _channel_last_ok(x_BCT):
-        x_BCT = x_BCT.contiguous()
+        # seq_idx needs channel-last: a contiguous (B, T, C) copy, transposed, is one
+        x_BCT = x_BCT.contiguous() if doc_ids_BT is None else x_BTC.contiguous().transpose(1, 2)
     weight_CK = weight_C1K[:, 0, :].to(x_BTC.dtype)
     bias_C = bias_C.to(x_BTC.dtype) if bias_C is not None else None
-    return fn(x_BCT, weight_CK, bias_C, activation="silu").transpose(1, 2)
+    if doc_ids_BT is None:
+        return fn(x_BCT, weight_CK, bias_C, activation="silu").transpose(1, 2)
+    return fn(x_BCT, weight_CK, bias_C, seq_idx=seq_idx(doc_ids_BT),
+              activation="silu").transpose(1, 2)
 
 
-def select_conv(x_BTC: torch.Tensor, width: int) -> ConvFn:
+def select_conv(x_BTC: torch.Tensor, width: int, docs: bool = False) -> ConvFn:
     """:func:`conv1d_silu_kernel` for a CUDA ``x`` of a kernel dtype and a supported ``width``
-    when causal_conv1d imports, else :func:`conv1d_silu_torch`. CPU tensors never probe."""
+    (and, with packed documents, ``C`` a multiple of 8) when causal_conv1d imports, else
+    :func:`conv1d_silu_torch`. CPU tensors never probe."""
     if (probe.on_gpu(x_BTC) and x_BTC.dtype in KERNEL_DTYPES and width in KERNEL_WIDTHS
-            and probe.available("causal_conv1d")):
+            and (not docs or x_BTC.shape[-1] % 8 == 0) and probe.available("causal_conv1d")):
         return conv1d_silu_kernel
     return conv1d_silu_torch
 
@@ -75,10 +102,16 @@ def _conv_params(conv: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return conv.weight, conv.bias
 
 
-def conv_silu(x_BTC: torch.Tensor, conv: nn.Module) -> torch.Tensor:
+def conv_silu(x_BTC: torch.Tensor, conv: nn.Module,
+              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The mixer's hook: ``silu(conv(x))``. The torch path calls the module itself (so whatever
-    its ``forward`` does on CPU stays); the kernel path reads the module's weight and bias."""
-    fn = select_conv(x_BTC, _width(conv))
+    its ``forward`` does on CPU stays; with ``doc_ids`` it must take them, as
+    ``SplitCausalConv1d`` does); the kernel path reads the module's weight and bias."""
+    fn = select_conv(x_BTC, _width(conv), docs=doc_ids is not None)
     if fn is conv1d_silu_torch:
-        return F.silu(conv(x_BTC))
-    return fn(x_BTC, *_conv_params(conv))
+        if doc_ids is None:
+            return F.silu(conv(x_BTC))
+        return F.silu(conv(x_BTC, doc_ids=doc_ids))
+    if doc_ids is None:
+        return fn(x_BTC, *_conv_params(conv))
+    return fn(x_BTC, *_conv_params(conv), doc_ids)

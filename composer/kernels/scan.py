@@ -15,6 +15,10 @@ in the same dtype. The torch path computes in that dtype from the start; the ker
 ``B``, ``C`` in their own dtype (bf16 operands, fp32 accumulation and fp32 dt / decay) and its
 output, in ``x``'s dtype, is upcast.
 
+Packed documents: ``doc_ids`` (``(B, T)``, :mod:`composer.kernels.docs`) restarts the state at
+each document; the torch path masks its decays, the kernel gets ``seq_idx`` (int32, 0 for each
+row's first document), which its chunk-state, state-passing and chunk-scan kernels compare.
+
 Shape legend: B batch, T time, H heads, P head dim, G groups, N state size.
 """
 
@@ -26,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from composer.kernels import probe
+from composer.kernels.docs import seq_idx
 from composer.kernels.ssd import ssd_scan
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,6 +61,7 @@ def ssd_scan_torch(
     dt_limit: tuple[float, float] = NO_LIMIT,
     initial_state_BHPN: torch.Tensor | None = None,
     return_final_state: bool = False,
+    doc_ids: torch.Tensor | None = None,
 ) -> ScanOut:
     """Torch path: the mixer's dt arithmetic, then :func:`composer.kernels.ssd.ssd_scan` in chunks
     of at most :data:`TORCH_CHUNK` steps (``chunk_size`` is the kernel's tile, not part of the
@@ -69,7 +75,8 @@ def ssd_scan_torch(
     dt_BTH = dt_BTH.clamp(min=dt_limit[0], max=dt_limit[1])
     return ssd_scan(x_BTHP.to(dtype), dt_BTH, A_H, B_BTGN, C_BTGN, min(chunk_size, TORCH_CHUNK),
                     D_H=D_H,
-                    initial_state_BHPN=initial_state_BHPN, return_final_state=return_final_state)
+                    initial_state_BHPN=initial_state_BHPN, return_final_state=return_final_state,
+                    doc_ids=doc_ids)
 
 
 def ssd_scan_kernel(
@@ -86,17 +93,19 @@ def ssd_scan_kernel(
     dt_limit: tuple[float, float] = NO_LIMIT,
     initial_state_BHPN: torch.Tensor | None = None,
     return_final_state: bool = False,
+    doc_ids: torch.Tensor | None = None,
 ) -> ScanOut:
     """mamba_ssm's ``mamba_chunk_scan_combined``; same arguments and results as the torch path.
 
     Our layouts are already the kernel's (``x`` (B, T, H, P), ``dt`` (B, T, H), ``A`` (H,),
     ``B``/``C`` (B, T, G, N), ``D`` (H,), initial state (B, H, P, N)); the gate ``z`` is not
     fused here because the mixer's gated RMSNorm applies it. The kernel itself makes ``B``/``C``
-    contiguous in their last dim when needed.
+    contiguous in their last dim when needed. ``doc_ids`` becomes ``seq_idx``.
     """
     fn = probe.module("mamba_ssm").mamba_chunk_scan_combined
     out = fn(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, chunk_size, D=D_H, z=None, dt_bias=dt_bias_H,
-             initial_states=initial_state_BHPN, seq_idx=None, dt_softplus=dt_softplus,
+             initial_states=initial_state_BHPN,
+             seq_idx=None if doc_ids is None else seq_idx(doc_ids), dt_softplus=dt_softplus,
              dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
              return_final_states=return_final_state)
     dtype = _compute_dtype(x_BTHP)

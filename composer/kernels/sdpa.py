@@ -9,6 +9,8 @@ Attention always goes through SDPA; only the set of its backends changes:
   falls through the list. Listing the order makes it independent of torch's default, which has
   changed between releases (cuDNN first in 2.5.0 on Hopper, reverted in 2.5.1).
 - ``COMPOSER_DISABLE_KERNELS=flash`` (or ``all``): math only, the reference for parity checks.
+
+Packed documents (:func:`doc_sdpa`): the same call with a block-diagonal causal boolean mask.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import contextlib
 from contextlib import AbstractContextManager
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from composer.kernels import probe
+from composer.kernels.docs import doc_causal_mask
 
 GPU_ORDER = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
@@ -43,3 +47,22 @@ def sdpa_context(q: torch.Tensor) -> AbstractContextManager:
         return sdpa_kernel(list(backends), set_priority=True)
     except TypeError:  # torch < 2.6 has no set_priority; the list then only filters
         return sdpa_kernel(list(backends))
+
+
+def doc_sdpa(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
+             doc_ids_BT: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention inside each packed document (:mod:`composer.kernels.docs`): SDPA with
+    the ``(B, 1, T, T)`` block-diagonal causal boolean mask, ``o_BHTE`` like the causal call.
+
+    This is the torch path, right on every device. A boolean mask rules FlashAttention out, so
+    on CUDA SDPA takes cuDNN / memory-efficient / math from :data:`GPU_ORDER`. The GPU hook for
+    a varlen kernel (flash-attn's ``flash_attn_varlen_func``, or torch's varlen attention) is
+    here: behind ``probe.on_gpu(q)`` and an availability probe, flatten the rows' documents to
+    ``(total, heads, E)`` with ``cu_seqlens`` from :func:`composer.kernels.docs.doc_segments`
+    (``is_causal=True`` per document), and return the same ``(B, H, T, E)``; not wired yet.
+    """
+    mask_B1TS = doc_causal_mask(doc_ids_BT)
+    with sdpa_context(q_BHTE):
+        return F.scaled_dot_product_attention(
+            q_BHTE, k_BKTE, v_BKTE, attn_mask=mask_B1TS, scale=scale,
+            enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])

@@ -27,6 +27,22 @@ two large fp32 sums would lose digits to cancellation).
 Padded steps get ``dt = 0``: they neither decay the state (``exp(0) = 1``) nor feed it, so the
 final state is exact for any ``T``.
 
+Packed documents (``doc_ids``, :mod:`composer.kernels.docs`): the state restarts from zero at
+the first token of every document, i.e. the decay across a boundary is exactly 0. Every path by
+which state moves forward in time goes through one of three exponentials of cumulative-sum
+differences, and each gets a 0/1 mask of "no boundary in between" (``exp(-inf)`` for the pairs
+that straddle one):
+
+- ``decay[l, s] = exp(cs_l - cs_s)``: 0 unless ``s`` and ``l`` are in the same document;
+- ``to_end[s] = exp(cs_end - cs_s)``: 0 unless ``s`` is in the chunk's last document;
+- ``from_start[l] = exp(cs_l)``: 0 unless ``l`` continues the document of the token before
+  the chunk (so is the chunk-boundary weight ``w = from_start[end]``).
+
+The surviving entries are the same fp64 differences as without documents (no large number
+enters a sum, so nothing cancels), and the backward needs no change: it only ever uses these
+tensors, so a masked entry passes no gradient, exactly as a constant-0 factor. An initial state
+belongs to the row's first document and the final state is that of its last.
+
 Shape legend:
     B batch, T time, H heads, P head dim, G groups (of B/C), R heads per group (H = G * R),
     N state size, K chunks, L position in a chunk (target), S position in a chunk (source),
@@ -39,6 +55,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from composer.kernels.docs import doc_segments
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -70,7 +88,8 @@ class _Chunked:
     per-head ``[B, K, G, R, L, P]``, made contiguous once, for the per-head ``L x L`` matmuls.
     """
 
-    def __init__(self, x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, L: int) -> None:
+    def __init__(self, x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, L: int,
+                 seg_BT: torch.Tensor | None = None) -> None:
         b, T, H, P = x_BTHP.shape
         G, N = B_BTGN.shape[2], B_BTGN.shape[3]
         R = H // G
@@ -90,11 +109,29 @@ class _Chunked:
         # Decay from each step to the chunk's end, from its start to each step, over the chunk.
         self.to_end_BKLGR = torch.exp(self.cs64_BKLGR[:, :, -1:] - self.cs64_BKLGR).to(self.dtype)
         self.from_start_BKLGR = torch.exp(self.cs64_BKLGR).to(self.dtype)
+        self.same_BKLS = None
+        if seg_BT is not None:
+            self._isolate_documents(seg_BT)
         self.w_BKH = self.from_start_BKLGR[:, :, -1].reshape(b, K, H)
         # X = x * dt, per head and contiguous (the operand of the L x L matmuls).
         self.X_BKGRLP = x_BTHP.new_empty(b, K, G, R, L, P)
         torch.mul(self.per_head(self.x_BKLGRP), self.per_head(self.dt_BKLGR[..., None]),
                   out=self.X_BKGRLP)
+
+    def _isolate_documents(self, seg_BT: torch.Tensor) -> None:
+        """Zero the decays that cross a document boundary (module docstring). ``seg`` is the
+        non-decreasing document index of each step; padding joins the last document."""
+        b, K, L = self.b, self.K, self.L
+        if self.pad:
+            seg_BT = torch.cat([seg_BT, seg_BT[:, -1:].expand(b, self.pad)], 1)
+        seg_BKL = seg_BT.reshape(b, K, L)
+        # The document of the step before each chunk (the first step's own for chunk 0).
+        before_BK = torch.cat([seg_BKL[:, :1, 0], seg_BKL[:, :-1, -1]], 1)
+        cut_end_BKL = seg_BKL != seg_BKL[:, :, -1:]
+        cut_start_BKL = seg_BKL != before_BK[:, :, None]
+        self.to_end_BKLGR.masked_fill_(cut_end_BKL[..., None, None], 0.0)
+        self.from_start_BKLGR.masked_fill_(cut_start_BKL[..., None, None], 0.0)
+        self.same_BKLS = seg_BKL[:, :, :, None] == seg_BKL[:, :, None, :]
 
     def group_rows(self, t_BKLGRP: torch.Tensor) -> torch.Tensor:
         """``[B, K, L, G, R, P] -> [B, K, G, L, Q]`` (a view)."""
@@ -127,6 +164,8 @@ class _Chunked:
         cs_BKGRL = self.cs64_BKLGR.permute(0, 1, 3, 4, 2).contiguous()
         # fp64 difference, then one rounding (a mixed-dtype ``out=`` would not vectorise)
         diff_BKGRLS = (cs_BKGRL[..., :, None] - cs_BKGRL[..., None, :]).to(self.dtype)
+        if self.same_BKLS is not None:  # exp(-inf) = 0 across a document boundary
+            diff_BKGRLS.masked_fill_(~self.same_BKLS[:, :, None, None], float("-inf"))
         return diff_BKGRLS.exp_().tril_()
 
     def cb(self) -> torch.Tensor:
@@ -252,23 +291,24 @@ class _SSDScan(torch.autograd.Function):
     """The chunked scan (without ``D``) with its hand-written backward; inputs all in one dtype."""
 
     @staticmethod
-    def forward(ctx: Any, x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, init_BHPN, L: int):
-        c = _Chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, L)
+    def forward(ctx: Any, x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, init_BHPN, L: int, seg_BT):
+        c = _Chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, L, seg_BT)
         y_BTHP, final_BHPN, start_BKHPN, yoff_BKGLQ = _forward(c, init_BHPN)
-        ctx.save_for_backward(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, start_BKHPN, yoff_BKGLQ)
+        ctx.save_for_backward(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, start_BKHPN, yoff_BKGLQ,
+                              seg_BT)
         ctx.L, ctx.has_init = L, init_BHPN is not None
         return y_BTHP, final_BHPN
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dy_BTHP, dfinal_BHPN):
-        x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, start_BKHPN, yoff_BKGLQ = ctx.saved_tensors
-        c = _Chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, ctx.L)
+        x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, start_BKHPN, yoff_BKGLQ, seg_BT = ctx.saved_tensors
+        c = _Chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, ctx.L, seg_BT)
         if dy_BTHP is None:
             dy_BTHP = torch.zeros_like(x_BTHP)
         dx, ddt, dA, dB, dC, dinit = _backward(c, start_BKHPN, yoff_BKGLQ, dy_BTHP,
                                              dfinal_BHPN)
-        return dx, ddt, dA, dB, dC, (dinit if ctx.has_init else None), None
+        return dx, ddt, dA, dB, dC, (dinit if ctx.has_init else None), None, None
 
 
 def ssd_scan(
@@ -281,13 +321,16 @@ def ssd_scan(
     D_H: torch.Tensor | None = None,
     initial_state_BHPN: torch.Tensor | None = None,
     return_final_state: bool = False,
+    *,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Chunked SSD scan; ``dt`` is positive (already softplus'd), ``A`` negative.
 
     Returns ``y_BTHP`` in the dtype of ``x``, and with ``return_final_state`` also the state after
     the last step, ``[B, H, P, N]`` in the compute dtype (fp32, or fp64 for fp64 inputs). The
     result does not depend on ``chunk_size`` (up to rounding); a sequence shorter than one chunk
-    is one chunk of its own length.
+    is one chunk of its own length. With ``doc_ids`` (``(B, T)``, :mod:`composer.kernels.docs`)
+    the state restarts from zero at each document's first token.
     """
     out_dtype = x_BTHP.dtype
     dtype = _compute_dtype(out_dtype)
@@ -295,11 +338,13 @@ def ssd_scan(
     L = max(1, min(chunk_size, T))
     x_BTHP = x_BTHP.to(dtype)
     init = None if initial_state_BHPN is None else initial_state_BHPN.to(dtype)
+    seg_BT = None if doc_ids is None else doc_segments(doc_ids)
     # The scan sets its own precision: under autocast its matmuls would drop to bf16 in the
     # forward while the hand-written backward (run outside autocast) stays in fp32.
     with torch.autocast(x_BTHP.device.type, enabled=False):
         y_BTHP, final_BHPN = _SSDScan.apply(
-            x_BTHP, dt_BTH.to(dtype), A_H.to(dtype), B_BTGN.to(dtype), C_BTGN.to(dtype), init, L
+            x_BTHP, dt_BTH.to(dtype), A_H.to(dtype), B_BTGN.to(dtype), C_BTGN.to(dtype), init, L,
+            seg_BT,
         )
     if D_H is not None:
         y_BTHP = torch.addcmul(y_BTHP, D_H.to(dtype)[:, None], x_BTHP)
@@ -318,8 +363,11 @@ def ssd_scan_ref(
     D_H: torch.Tensor | None = None,
     initial_state_BHPN: torch.Tensor | None = None,
     return_final_state: bool = False,
+    *,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Plain-math twin of :func:`ssd_scan`: the recurrence, one time step at a time."""
+    """Plain-math twin of :func:`ssd_scan`: the recurrence, one time step at a time; with
+    ``doc_ids`` the state is set to zero before the first step of every new document."""
     out_dtype = x_BTHP.dtype
     dtype = _compute_dtype(out_dtype)
     b, T, H, P = x_BTHP.shape
@@ -334,6 +382,9 @@ def ssd_scan_ref(
         state_BHPN = initial_state_BHPN.to(dtype)
     ys = []
     for t in range(T):
+        if doc_ids is not None and t > 0:
+            same_B = (doc_ids[:, t] == doc_ids[:, t - 1]).to(dtype)
+            state_BHPN = state_BHPN * same_B[:, None, None, None]
         decay_BH = torch.exp(dt_BTH[:, t] * A_H)
         inp_BHPN = (dt_BTH[:, t, :, None] * x_BTHP[:, t])[..., None] * B_BTHN[:, t, :, None, :]
         state_BHPN = decay_BH[..., None, None] * state_BHPN + inp_BHPN

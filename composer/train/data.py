@@ -1,19 +1,24 @@
-"""Training batches: a layout-independent order over fixed-length token rows.
+"""Training batches: a layout-independent order over samples, read rank by rank.
 
-The rows come from a ``.npy`` array (:func:`composer.run.load_tokens`) or from ``synthetic``, a
-built-in corpus that needs no file: row ``i`` is the arithmetic progression
-``(a_i + b_i * t) mod V`` with ``a_i``, ``b_i`` drawn from ``seed``, so a model can learn it (the
-stride is readable from the context) and its loss falls within a few dozen steps.
+Three sources, one interface (``local``): an indexed dataset or a weighted blend of them
+(``--data``: :mod:`composer.data.gpt`, :mod:`composer.data.blend`; samples of ``seq_len + 1``
+tokens with their document ids), the built-in corpus when no data is named
+(:mod:`composer.data.corpus`), or fixed rows from ``--tokens`` (a ``.npy`` array, or
+``synthetic``: row ``i`` is the progression ``(a_i + b_i t) mod V``, learnable and file-free).
 
-Order: epoch ``e`` visits the rows in ``default_rng([seed, e]).permutation(n)``; global batch
-``k`` is samples ``k*G .. (k+1)*G - 1`` of the concatenated epochs. The data position is one
-number, the consumed samples, so resuming needs nothing else. Data-parallel rank ``r`` takes the
-contiguous ``r``-th share of each global batch and cuts it into micro-batches.
+Global batch ``k`` is samples ``k*G .. (k+1)*G - 1`` of the source's order; data-parallel rank
+``r`` reads only the contiguous ``r``-th share of it, cut into micro-batches. The data position
+is one number, the samples consumed, so a resumed run continues with the next unseen sample
+whatever its global batch size.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from composer.config import ConfigError
 
 SYNTHETIC = "synthetic"
 SYNTHETIC_ROWS = 4096
@@ -28,26 +33,49 @@ def synthetic_rows(vocab: int, seq_len: int, seed: int = 0,
     return (a + b * np.arange(seq_len)[None, :]) % vocab
 
 
-class Batches:
-    """Global batches of ``global_batch`` rows of ``data`` in a seeded, resumable order."""
+@dataclass
+class Micro:
+    ids: np.ndarray
+    """``(m, T)`` token ids."""
+    doc_ids: np.ndarray | None = None
+    """``(m, T)`` document of each token within its row (samples of an indexed dataset)."""
 
-    def __init__(self, data: np.ndarray, global_batch: int, seed: int) -> None:
-        self.data, self.global_batch, self.seed = data, global_batch, seed
+
+class Rows:
+    """Fixed rows in ``default_rng([seed, e]).permutation(n)`` order per epoch ``e``."""
+
+    def __init__(self, data: np.ndarray, seed: int) -> None:
+        self.data, self.seed = data, seed
         self._epochs: dict[int, np.ndarray] = {}
 
-    def _epoch(self, e: int) -> np.ndarray:
+    def __getitem__(self, k: int) -> tuple[np.ndarray, None]:
+        e, i = divmod(int(k), len(self.data))
         if e not in self._epochs:
             self._epochs = {e: np.random.default_rng([self.seed, e]).permutation(len(self.data))}
-        return self._epochs[e]
+        return self.data[self._epochs[e][i]], None
 
-    def indices(self, consumed: int) -> np.ndarray:
-        """Row indices of the global batch that starts after ``consumed`` samples."""
-        n = len(self.data)
-        pos = np.arange(consumed, consumed + self.global_batch)
-        return np.array([self._epoch(int(p // n))[p % n] for p in pos])
 
-    def local(self, consumed: int, dp: int, dp_rank: int, micro: int) -> list[np.ndarray]:
-        """This data-parallel rank's micro-batches (arrays of rows) of that global batch."""
+class Batches:
+    """Global batches of ``global_batch`` samples of ``samples`` (anything indexable by the
+    global sample number and returning ``(tokens, doc_ids or None)``)."""
+
+    def __init__(self, samples, global_batch: int, vocab_size: int | None = None,
+                 name: str = "") -> None:
+        self.samples, self.global_batch = samples, global_batch
+        self.vocab_size, self.name = vocab_size, name
+
+    def local(self, consumed: int, dp: int, dp_rank: int, micro: int) -> list[Micro]:
+        """This data-parallel rank's micro-batches of the global batch after ``consumed``."""
         share = self.global_batch // dp
-        mine = self.indices(consumed)[dp_rank * share:(dp_rank + 1) * share]
-        return [self.data[mine[i:i + micro]] for i in range(0, share, micro)]
+        first = consumed + dp_rank * share
+        out = []
+        for lo in range(0, share, micro):
+            rows = [self.samples[first + lo + i] for i in range(micro)]
+            ids = np.stack([r[0] for r in rows])
+            docs = None if rows[0][1] is None else np.stack([r[1] for r in rows])
+            if self.vocab_size is not None and ids.size and int(ids.max()) >= self.vocab_size:
+                raise ConfigError(f"{self.name}: token id {int(ids.max())} (sample "
+                                  f"{first + lo}..) is beyond the model's vocabulary "
+                                  f"({self.vocab_size})")
+            out.append(Micro(ids, docs))
+        return out

@@ -26,7 +26,7 @@ from composer.parallel.checkpoint import (
     remove_incomplete,
 )
 from composer.parallel.mesh import LayoutError, ParallelConfig, build_parallel_dims
-from composer.train.data import SYNTHETIC, Batches, synthetic_rows
+from composer.train.data import SYNTHETIC, Batches, Rows, synthetic_rows
 from composer.train.loop import Run, Summary, seed_everything, train_loop
 from composer.train.metrics import MetricsLog
 from composer.train.optim import build_optimizers
@@ -109,6 +109,8 @@ def _check(recipe: Recipe, dp: int) -> int:
         if getattr(recipe, name) < (0 if name == "save_every" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be "
                               f"{'>= 0' if name == 'save_every' else '>= 1'}")
+    if recipe.eval_every < 0 or recipe.eval_iters < 1:
+        raise ConfigError("--eval-every must be >= 0 and --eval-iters >= 1")
     if recipe.exit_at_step is not None and recipe.exit_at_step < 1:
         raise ConfigError("--exit-at-step must be >= 1")
     return m
@@ -138,21 +140,58 @@ def _fp8(model: torch.nn.Module) -> None:
     convert_to_float8_training(model, module_filter_fn=keep)
 
 
-def _rows(recipe: Recipe, cfg: ModelConfig) -> tuple[np.ndarray, int]:
+def _indexed(recipe: Recipe, cfg: ModelConfig, blend: list[tuple[float, str]],
+             split: str | None) -> tuple[Batches, Batches | None, int]:
+    """Train (and validation) batches of a blend of indexed datasets."""
+    from composer.data.blend import Blend
+    from composer.data.gpt import GPTSamples, split_documents
+    from composer.data.indexed import IndexedDataset
+
+    if not recipe.seq_len:
+        raise ConfigError("--seq-len is required with --data (tokens per sample)")
+    parts: list[list[GPTSamples]] = [[], []]
+    for _, prefix in blend:
+        ds = IndexedDataset(prefix)
+        ranges = split_documents(ds.n_documents, split)
+        for which in (0, 1):
+            if len(ranges[which]) or which == 0:
+                parts[which].append(GPTSamples(ds, recipe.seq_len, recipe.seed, ranges[which],
+                                               name=prefix))
+    weights = [w for w, _ in blend]
+    name = " + ".join(p for _, p in blend)
+    samples = [s[0] if len(s) == 1 else Blend(s, weights) for s in parts if s]
+    train = Batches(samples[0], recipe.global_batch_size, cfg.vocab_size, name)
+    valid = None
+    if len(parts[1]) == len(blend):
+        valid = Batches(samples[1], recipe.global_batch_size, cfg.vocab_size, name)
+    return train, valid, recipe.seq_len + 1
+
+
+def open_data(recipe: Recipe, cfg: ModelConfig) -> tuple[Batches, Batches | None, int]:
+    """Training batches, validation batches (or None) and tokens per row."""
+    from composer.data.blend import parse_blend
     from composer.run import check_vocab, load_tokens
 
-    if recipe.tokens is None:
-        if recipe.steps:
-            raise ConfigError("--tokens is required to train (a .npy file, or `synthetic`)")
-        return np.zeros((1, 2), dtype=np.int64), 2
+    if recipe.tokens is not None and recipe.data is not None:
+        raise ConfigError("give --tokens or --data, not both")
+    g = recipe.global_batch_size
     if recipe.tokens == SYNTHETIC:
         seq_len = recipe.seq_len or DEFAULT_SYNTHETIC_SEQ_LEN
-        return synthetic_rows(cfg.vocab_size, seq_len, recipe.seed), seq_len
-    rows = load_tokens(recipe.tokens, recipe.seq_len)
-    if len({len(r) for r in rows}) != 1:
-        rows = [r for r in rows if len(r) == len(rows[0])]  # drop a 1-D array's short tail
-    check_vocab(rows, cfg, recipe.tokens)
-    return np.stack(rows), len(rows[0])
+        rows = synthetic_rows(cfg.vocab_size, seq_len, recipe.seed)
+        return Batches(Rows(rows, recipe.seed), g), None, seq_len
+    if recipe.tokens is not None:
+        rows = load_tokens(recipe.tokens, recipe.seq_len)
+        if len({len(r) for r in rows}) != 1:
+            rows = [r for r in rows if len(r) == len(rows[0])]  # a 1-D array's short tail
+        check_vocab(rows, cfg, recipe.tokens)
+        return Batches(Rows(np.stack(rows), recipe.seed), g), None, len(rows[0])
+    if recipe.data is not None:
+        return _indexed(recipe, cfg, parse_blend(recipe.data), recipe.split)
+    from composer.data.corpus import BUILTIN, BUILTIN_SPLIT
+
+    if not recipe.steps:  # --steps 0 writes the initial weights: no data needed
+        return Batches(Rows(np.zeros((1, 2), dtype=np.int64), 0), g), None, 2
+    return _indexed(recipe, cfg, [(1.0, str(BUILTIN))], recipe.split or BUILTIN_SPLIT)
 
 
 def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run, int]:
@@ -178,7 +217,10 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     precision = _precision(recipe, dims.device)
     dims.precision = "bf16" if precision in ("bf16", "fp8") else "fp32"
     micro = _check(recipe, dims.dp)
-    data, seq_len = _rows(recipe, cfg)
+    batches, valid, seq_len = open_data(recipe, cfg)
+    if recipe.eval_every and valid is None:
+        raise ConfigError("--eval-every needs validation data: an indexed dataset (--data) "
+                          "with a valid share in --split, e.g. --split 98,2,0")
     seed_everything(recipe.seed)
     try:  # fp32 masters whatever the source's dtype
         model = build_sharded(cfg, dims, seed=None if resume else recipe.seed, tensors=tensors,
@@ -190,7 +232,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     opt = build_optimizers(model, recipe.optimizer, recipe.lr, recipe.weight_decay,
                            (recipe.adam_beta1, recipe.adam_beta2), recipe.adam_eps)
     run = Run(recipe=recipe, model=model, dims=dims, optimizers=opt,
-              batches=Batches(data, recipe.global_batch_size, recipe.seed),
+              batches=batches, valid=valid,
               schedule=Schedule(recipe.lr, recipe.lr / 10 if recipe.min_lr is None
                                 else recipe.min_lr, recipe.steps, recipe.warmup_steps,
                                 recipe.schedule, recipe.decay_steps),

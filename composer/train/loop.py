@@ -37,7 +37,7 @@ from composer.blocks.model import HybridModel
 from composer.parallel.data import finish_grads
 from composer.parallel.grads import clip_grads, grad_norm
 from composer.parallel.mesh import ParallelDims
-from composer.train.data import Batches
+from composer.train.data import Batches, Micro
 from composer.train.metrics import MetricsLog, max_memory_bytes, peak_flops
 from composer.train.optim import Optimizers
 from composer.train.recipe import Recipe
@@ -108,6 +108,8 @@ class Run:
     saver: Saver | None = None
     log: MetricsLog | None = None
     batch_device: Any = None
+    valid: Batches | None = None
+    """Validation batches (``--eval-every``)."""
 
 
 def _autocast(run: Run):
@@ -116,25 +118,75 @@ def _autocast(run: Run):
     return nullcontext()
 
 
-def accumulate(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
+def n_targets(micro: Micro, isolated: bool) -> int:
+    """Predicted tokens of a micro-batch: ``T - 1`` per row, less the document boundaries
+    (nothing is predicted across one) under document isolation."""
+    m, t = micro.ids.shape
+    if not isolated or micro.doc_ids is None:
+        return m * (t - 1)
+    return int((micro.doc_ids[:, 1:] == micro.doc_ids[:, :-1]).sum())
+
+
+def _forward(run: Run, micro: Micro):
+    dims = run.dims
+    ids = torch.from_numpy(micro.ids).long().to(dims.device, non_blocking=True)
+    run.batch_device = ids.device
+    kwargs = {}
+    if run.recipe.document_isolation and micro.doc_ids is not None:
+        kwargs["doc_ids"] = torch.from_numpy(micro.doc_ids).to(dims.device, non_blocking=True)
+    with _autocast(run):
+        return run.model(ids, ids, **kwargs)
+
+
+def _dp_total(run: Run, n_local: int) -> torch.Tensor:
+    total = torch.tensor(float(n_local), dtype=torch.float64, device=run.dims.device)
+    if run.dims.dp > 1:
+        dist.all_reduce(total, group=run.dims.dp_mesh.get_group())
+    return total
+
+
+def accumulate(run: Run) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Forward and backward over this rank's micro-batches of the next global batch; returns
-    the summed token cross-entropy and the summed aux loss (not yet reduced)."""
-    dims, model = run.dims, run.model
+    the summed token cross-entropy, the mean aux loss and the predicted tokens (this rank's)."""
+    dims = run.dims
+    isolated = run.recipe.document_isolation
     micro = run.batches.local(run.consumed, dims.dp, dims.dp_rank(), run.micro_batch)
-    n_global = run.recipe.global_batch_size * (run.seq_len - 1)
+    counts = [n_targets(mb, isolated) for mb in micro]
+    if isolated:  # the global count differs from batch to batch: one small all-reduce
+        n_global = _dp_total(run, sum(counts))
+    else:
+        n_global = float(run.recipe.global_batch_size * (run.seq_len - 1))
     ce_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
     aux_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
-    for rows in micro:
-        ids = torch.from_numpy(rows).long().to(dims.device, non_blocking=True)
-        run.batch_device = ids.device
-        n = ids.shape[0] * (ids.shape[1] - 1)
-        with _autocast(run):
-            out = model(ids, ids)
-        ce = out.loss - out.aux_loss
+    for mb, n in zip(micro, counts, strict=True):
+        out = _forward(run, mb)
+        ce = out.loss - out.aux_loss if n else out.aux_loss * 0.0  # no target: NaN mean
         (ce * (n * dims.dp / n_global) + out.aux_loss / len(micro)).backward()
         ce_sum += ce.detach().double() * n
         aux_sum += out.aux_loss.detach().double()
-    return ce_sum, aux_sum / len(micro)
+    return ce_sum, aux_sum / len(micro), sum(counts)
+
+
+@torch.no_grad()
+def validate(run: Run) -> float:
+    """Mean loss over ``eval_iters`` global batches of the validation data (the same ones at
+    every evaluation)."""
+    dims, r = run.dims, run.recipe
+    run.model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=dims.device)
+    for it in range(r.eval_iters):
+        for mb in run.valid.local(it * r.global_batch_size, dims.dp, dims.dp_rank(),
+                                  run.micro_batch):
+            n = n_targets(mb, r.document_isolation)
+            if n:
+                out = _forward(run, mb)
+                totals[0] += (out.loss - out.aux_loss).double() * n
+                totals[1] += n
+    run.model.train()
+    totals /= dims.tp  # tensor-parallel ranks hold the same numbers
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    return float(totals[0] / totals[1])
 
 
 def params_finite(model: HybridModel) -> bool:
@@ -161,15 +213,17 @@ def save(run: Run, step: int) -> None:
     run.saver.save(step, run.model, run.optimizers.opts, state)
 
 
-def _reduce_stats(run: Run, ce_sum: torch.Tensor, aux: torch.Tensor,
+def _reduce_stats(run: Run, ce_sum: torch.Tensor, aux: torch.Tensor, n: int,
                   stop: bool) -> tuple[float, float, bool]:
+    """One all-reduce: the global mean loss, the mean aux loss, and whether any rank stops."""
     dims = run.dims
-    stats = torch.stack([ce_sum / dims.tp, aux / (dims.tp * dims.dp),
-                         torch.tensor(float(stop), dtype=torch.float64, device=dims.device)])
+    extra = torch.tensor([float(stop), float(n) / dims.tp], dtype=torch.float64,
+                         device=dims.device)
+    stats = torch.cat([torch.stack([ce_sum / dims.tp, aux / (dims.tp * dims.dp)]), extra])
     if dist.is_initialized():
         dist.all_reduce(stats)
-    loss, aux_mean, stops = stats.tolist()
-    return loss / (run.recipe.global_batch_size * (run.seq_len - 1)), aux_mean, stops > 0
+    loss, aux_mean, stops, tokens = stats.tolist()
+    return loss / max(tokens, 1.0), aux_mean, stops > 0
 
 
 @dataclass
@@ -191,10 +245,10 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
     r = run.recipe
     lr = run.schedule(step)
     run.optimizers.set_lr(lr)
-    ce_sum, aux = accumulate(run)
+    ce_sum, aux, n = accumulate(run)
     finish_grads(run.model, run.dims)
     norm_t = grad_norm(run.model, run.dims.device)
-    loss, aux_mean, stop = _reduce_stats(run, ce_sum, aux, stop_requested)
+    loss, aux_mean, stop = _reduce_stats(run, ce_sum, aux, n, stop_requested)
     stats = StepStats(lr, loss, aux_mean, float(norm_t), stop)
     if stats.finite:
         if r.grad_clip > 0:
@@ -240,11 +294,15 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
             consecutive = 0 if s.finite else consecutive + 1
             summary.steps, summary.step = summary.steps + 1, step
             summary.losses.append(s.loss)
-            if step % r.log_every == 0 or step == last_step or not s.finite:
+            evaluating = bool(run.valid is not None and r.eval_every and
+                              (step % r.eval_every == 0 or step == last_step))
+            if step % r.log_every == 0 or step == last_step or not s.finite or evaluating:
                 now = time.perf_counter()
                 row = _row(run, step, s, (run.tokens - tokens_at_log) / max(now - t_log, 1e-9),
                            peak)
-                t_log, tokens_at_log = now, run.tokens
+                if evaluating:
+                    row["val_loss"] = validate(run)
+                t_log, tokens_at_log = time.perf_counter(), run.tokens
                 summary.rows.append(row)
                 run.log.log(row)
             run.log.advance()

@@ -114,6 +114,8 @@ def format_row(row: dict[str, Any]) -> str:
             f"grad_norm {num('grad_norm', '.3f')}  tok/s {num('tokens_per_s', ',.0f')}")
     if row.get("mfu") is not None:
         text += f"  mfu {row['mfu']:.1%}"
+    if row.get("val_loss") is not None:
+        text += f"  val_loss {row['val_loss']:.4f}"
     if row.get("skipped"):
         text += f"  skipped {row['skipped']}"
     return text

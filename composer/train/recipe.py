@@ -34,6 +34,15 @@ class Recipe:
     description: str = ""
     tokens: str | None = None
     """A ``.npy`` array of token ids, or ``synthetic`` (a built-in learnable corpus)."""
+    data: Any = None
+    """An indexed dataset PREFIX, or a blend ``[0.7, A, 0.3, B]``; with neither ``tokens`` nor
+    ``data``, the built-in corpus."""
+    split: str | None = None
+    """Train/valid/test weights by documents, e.g. ``969,30,1`` (default: all train; the
+    built-in corpus: ``98,2,0``)."""
+    document_isolation: bool = False
+    eval_every: int = 0
+    eval_iters: int = 10
     seq_len: int | None = None
     steps: int | None = None
     global_batch_size: int = 8
@@ -89,7 +98,7 @@ CHOICES = {"schedule": ("constant", "cosine", "linear", "wsd"), "optimizer": ("a
 def _coerce(name: str, value: Any, where: str) -> Any:
     """YAML's value for field ``name`` in the field's type (``3e-4`` is a string in YAML 1.1)."""
     kind = str(FIELDS[name].type)
-    if value is None or name in ("model", "set"):
+    if value is None or name in ("model", "set", "data"):
         return value
     try:
         if kind.startswith("bool"):
@@ -181,7 +190,12 @@ def model_source(model: Any) -> tuple[str | None, str | None, list[str]]:
 
 HELP = {
     "tokens": "a .npy array of token ids (1-D or 2-D), or `synthetic` (built in)",
-    "seq_len": "cut a 1-D token array (or the synthetic corpus) into sequences this long",
+    "data": "an indexed dataset PREFIX, or a blend: WEIGHT PREFIX WEIGHT PREFIX ...",
+    "split": "train/valid/test weights by documents, e.g. 969,30,1",
+    "document_isolation": "tokens attend to, and states carry over, their own document only",
+    "eval_every": "evaluate on the validation split every N steps (val_loss)",
+    "eval_iters": "global batches per evaluation (default 10)",
+    "seq_len": "tokens per sample (+1); cuts a 1-D --tokens array into sequences this long",
     "steps": "the run's total optimizer steps (the schedule's N); 0 writes the initial weights",
     "global_batch_size": "sequences per optimizer step (default 8)",
     "micro_batch_size": "sequences per forward per rank (default: global / dp)",
@@ -227,6 +241,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         names = [flag, "--batch-size"] if name == "global_batch_size" else [flag]
         typ = int if kind.startswith("int") else float if kind.startswith("float") else str
         p.add_argument(*names, dest=name, type=typ, choices=CHOICES.get(name),
+                       nargs="+" if name == "data" else None,
                        default=argparse.SUPPRESS, help=help_text)
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    default=argparse.SUPPRESS, help="keep activations replicated across tp ranks")

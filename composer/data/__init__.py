@@ -1,0 +1,1 @@
+"""Data: Megatron-LM indexed datasets (.bin/.idx), tokenizers, preparation, samples and blends."""
