@@ -1,0 +1,60 @@
+"""The data commands end to end: prepare, inspect, train and evaluate on the result, bad input
+as one-line errors that leave nothing behind."""
+
+import json
+
+from composer.cli import main
+
+
+def test_prepare_inspect_train_eval(tmp_path, capsys):
+    docs = ["To be, or not to be: that is the question.", "Whether 'tis nobler in the mind",
+            "to suffer the slings and arrows of outrageous fortune"] * 20
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    prefix = str(tmp_path / "ds" / "hamlet")
+    assert main(["data", "prepare", str(src), "--out", prefix, "--tokenizer", "byte",
+                 "--json-key", "body", "--append-eod", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    n_tokens = sum(len(d.encode()) + 1 for d in docs)
+    assert stats["n_documents"] == 60 and stats["n_tokens"] == n_tokens
+    assert main(["data", "inspect", prefix, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["n_documents"], info["n_sequences"], info["n_tokens"], info["dtype"],
+            info["tokenizer"]) == (60, 60, n_tokens, "uint16", "byte")
+    run = tmp_path / "run"
+    assert main(["train", "llama-debug", "--set", "vocab_size=257", "--data", prefix,
+                 "--seq-len", "16", "--steps", "3", "--global-batch-size", "4",
+                 "--document-isolation", "--save", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 3
+    assert main(["eval", str(run), "--data", prefix, "--seq-len", "16", "--max-samples", "6",
+                 "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["n_tokens"] == 6 * 16
+    assert main(["eval", str(run), "--data", prefix, "--seq-len", "16", "--max-samples", "6",
+                 "--document-isolation", "--json"]) == 0
+    isolated = json.loads(capsys.readouterr().out)
+    assert isolated["n_tokens"] < plain["n_tokens"]  # nothing predicted across a boundary
+
+
+def test_bad_inputs_are_one_line_errors_and_leave_nothing(tmp_path, capsys):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "hello"}\n')
+    nokey = tmp_path / "nokey.jsonl"
+    nokey.write_text('{"text": "a"}\n{"body": "b"}\n')
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "out"
+    cases = [([str(tmp_path / "missing.jsonl")], "byte", "no such file"),
+             ([str(empty)], "byte", "empty file"),
+             ([str(good), str(nokey)], "byte", "no key 'text'"),
+             ([str(good)], str(tmp_path / "no-tokenizer-here"), "tokenizer")]
+    for inputs, tok, msg in cases:
+        code = main(["data", "prepare", *inputs, "--out", str(out / "p"), "--tokenizer", tok])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and msg in err and len(err.splitlines()) == 1, err
+        assert not out.exists() or not list(out.iterdir())
+    bad = tmp_path / "bad"
+    (tmp_path / "bad.idx").write_bytes(b"NOTMAGIC!" + bytes(40))
+    (tmp_path / "bad.bin").write_bytes(bytes(8))
+    assert main(["data", "inspect", str(bad)]) == 2
+    assert "not a Megatron indexed dataset" in capsys.readouterr().err
