@@ -58,3 +58,12 @@ def test_bad_inputs_are_one_line_errors_and_leave_nothing(tmp_path, capsys):
     (tmp_path / "bad.bin").write_bytes(bytes(8))
     assert main(["data", "inspect", str(bad)]) == 2
     assert "not a Megatron indexed dataset" in capsys.readouterr().err
+
+
+def test_the_shakespeare_recipe_beats_a_bigram_model(tmp_path, capsys):
+    """The README's real-text run on the built-in corpus: validation loss below 2.2 nats per
+    byte (a bigram model of the same bytes: 2.50). About 2 minutes on 2 cores."""
+    assert main(["train", "--config", "shakespeare", "--log-dir", str(tmp_path), "--json"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 6 and val[-1] < 2.2 and val[-1] < val[0], val
