@@ -1,11 +1,12 @@
 """Data path speed: `composer data prepare` throughput and the loader's share of a training step.
 
-    python bench/data.py [--repeat 3] [--steps 20]
+    python bench/data.py [--repeat 3] [--steps 20] [--scale 10]
 
-1. prepare: the built-in corpus's text (Tiny Shakespeare, 1.1 MB, as 7,222 jsonl documents)
-   with the byte tokenizer and with a byte-level BPE tokenizer trained here for the benchmark
-   (``tokenizers``, 4,096 tokens), 1 and 2 workers: MB/s of text and tokens/s (best of
-   ``--repeat``).
+1. prepare: the built-in corpus's text (Tiny Shakespeare, 1.1 MB, as 7,222 jsonl documents),
+   repeated ``--scale`` times (default 10: 11 MB, so that the workers' start-up, ~1 s each for
+   importing torch, is not the whole measurement), with the byte tokenizer and with a
+   byte-level BPE tokenizer trained here for the benchmark (``tokenizers``, 4,096 tokens), 1
+   and 2 workers: MB/s of text and tokens/s (best of ``--repeat``).
 2. loader: training steps of the `shakespeare` recipe's model and of a ~50M hybrid
    (``M*-M*-``, d_model 512) on the built-in corpus, timing the loader's work (reading this
    rank's samples of the global batch: ``Batches.local``) against the whole step. Goal: under
@@ -48,8 +49,8 @@ def bpe_tokenizer(docs: list[str], folder: Path) -> Path:
     return folder
 
 
-def bench_prepare(repeat: int) -> list[dict]:
-    docs = speeches(SOURCE.read_text()) if SOURCE.exists() else corpus_text()
+def bench_prepare(repeat: int, scale: int) -> list[dict]:
+    docs = (speeches(SOURCE.read_text()) if SOURCE.exists() else corpus_text()) * scale
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp) / "docs.jsonl"
@@ -114,10 +115,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--scale", type=int, default=10, help="copies of the corpus to prepare")
     args = ap.parse_args()
     print("| tokenizer | workers | MB/s of text | tokens/s | tokens |")
     print("|---|---|---|---|---|")
-    for r in bench_prepare(args.repeat):
+    for r in bench_prepare(args.repeat, args.scale):
         print(f"| {r['tokenizer']} | {r['workers']} | {r['mb_per_s']:.1f} | "
               f"{r['tokens_per_s']:,.0f} | {r['n_tokens']:,} |")
     print()
