@@ -67,3 +67,19 @@ def test_the_shakespeare_recipe_beats_a_bigram_model(tmp_path, capsys):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(val) == 6 and val[-1] < 2.2 and val[-1] < val[0], val
+
+
+def test_parquet_input(tmp_path, capsys):
+    import pytest
+
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["one", "two two", "three"], "n": [1, 2, 3]}),
+                   tmp_path / "x.parquet")
+    assert main(["data", "prepare", str(tmp_path / "x.parquet"), "--out", str(tmp_path / "p"),
+                 "--tokenizer", "byte", "--json-key", "body", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_tokens"] == 3 + 7 + 5
+    assert main(["data", "prepare", str(tmp_path / "x.parquet"), "--out", str(tmp_path / "q"),
+                 "--tokenizer", "byte"]) == 2
+    assert "no column 'text' (columns: body, n)" in capsys.readouterr().err
