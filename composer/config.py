@@ -55,10 +55,56 @@ class AttentionConfig:
     rotary_fraction: float = 1.0
     """Fraction of each head's channels that RoPE rotates (Bamba uses 0.5)."""
     qk_norm: bool = False
+    qk_norm_scope: Literal["head", "all"] = "head"
+    """What the qk-norm RMS runs over: each head's channels (Qwen3, GLM-4.5) or the whole q / k
+    projection, all heads at once (MiniMax-M2; its weight is ``n_heads * d_head`` wide)."""
     qkv_bias: bool = False
     out_bias: bool = False
     softmax_scale: float | None = None
     """Score scale; ``None`` means ``1/sqrt(d_head)``."""
+    output_gate: bool = False
+    """A sigmoid gate on the attention output before ``o_proj`` (Qwen3-Next, Qwen3.5): ``q_proj``
+    is twice as wide, per head ``[q_h; g_h]``, and ``o = o * sigmoid(g)`` channel by channel."""
+
+
+@dataclass
+class YarnScaling:
+    """YaRN frequency interpolation (Peng et al. 2023; ``rope_type: yarn`` in transformers, as
+    DeepSeek-V3 and Kimi-K2 use it). ``mscale`` / ``mscale_all_dim`` follow DeepSeek: the cos/sin
+    tables are multiplied by ``attention_factor`` (default ``g(mscale) / g(mscale_all_dim)``, or
+    ``g(1)`` unless both are set, with ``g(m) = 0.1 m ln(factor) + 1``), and MLA's softmax scale by
+    ``g(mscale_all_dim)^2`` when ``mscale_all_dim`` is set."""
+
+    factor: float = 40.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    """Round the correction range outwards to whole dimensions (transformers' default)."""
+
+
+@dataclass
+class MLAConfig:
+    """Multi-latent attention (DeepSeek-V2 §2.1): low-rank q, a compressed kv latent, and one
+    shared RoPE key head; per head ``d_head_nope + d_head_rope`` query/key and ``d_head_v``
+    value channels."""
+
+    n_heads: int = 4
+    q_lora_rank: int | None = None
+    """Rank of the query down-projection; ``None`` means a full ``q_proj``."""
+    kv_lora_rank: int = 64
+    d_head_nope: int = 32
+    d_head_rope: int = 16
+    d_head_v: int = 32
+    rope_theta: float = 10000.0
+    rope_scaling: YarnScaling | None = None
+    norm_eps: float = 1e-6
+    """Epsilon of the two latent RMSNorms (transformers keeps them at 1e-6)."""
+    softmax_scale: float | None = None
+    """Score scale; ``None`` means ``(d_head_nope + d_head_rope)^-1/2`` times YaRN's mscale^2."""
 
 
 @dataclass
@@ -78,6 +124,30 @@ class MambaConfig:
     dt_max: float = 0.1
     dt_init_floor: float = 1e-4
     dt_limit: tuple[float, float] = (0.0, float("inf"))
+    a_init_range: tuple[float, float] = (1.0, 16.0)
+
+
+@dataclass
+class GDNConfig:
+    """Gated delta net (Yang et al. 2025; Qwen3-Next, Qwen3.5, OLMo-Hybrid linear attention)."""
+
+    n_heads: int = 8
+    """Value heads (each with its own decay ``A_log`` / ``dt_bias``, beta and state)."""
+    n_kv_heads: int | None = None
+    """Query/key heads, shared by ``n_heads / n_kv_heads`` value heads; ``None`` means
+    ``n_heads``."""
+    d_head_k: int = 64
+    d_head_v: int = 64
+    d_conv: int = 4
+    chunk_size: int = 64
+    conv_bias: bool = False
+    norm_eps: float = 1e-6
+    """Epsilon of the gated per-head output RMSNorm (Qwen3-Next: rms_norm_eps; OLMo-Hybrid 1e-5)."""
+    allow_neg_eigval: bool = False
+    """beta = 2 * sigmoid(b), in (0, 2) (OLMo-Hybrid's ``linear_allow_neg_eigval``)."""
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
     a_init_range: tuple[float, float] = (1.0, 16.0)
 
 
@@ -107,6 +177,9 @@ class MoEConfig:
     topk_groups: int = 1
     aux_loss_coeff: float = 0.0
     """Weight of the switch-style load-balancing loss added to the training loss."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output by ``sigmoid(shared_expert_gate(x))``, one scalar per
+    token (``shared_expert_gate.weight [1, D]``; Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)."""
 
 
 @dataclass
@@ -121,10 +194,20 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     """Logits are divided by this (Granite)."""
+    norm_zero_centered: bool = False
+    """Every :class:`~composer.blocks.norm.RMSNorm` of the model (layer norms, final norm,
+    qk-norms) computes ``rms(x) * (1 + w)`` and stores ``w`` (initialised to 0), as Qwen3-Next /
+    Qwen3.5 checkpoints do. Gated mixer norms (Mamba-2, GDN) are not affected."""
+    post_norm_layers: tuple[int, ...] = ()
+    """0-based indices of the layers that normalise their mixer's *output* before the residual
+    add, ``x + norm(mixer(x))`` (OLMo 2/3, OLMo-Hybrid's attention layers); every other layer is
+    pre-norm, ``x + mixer(norm(x))``. Empty (the default) means all pre-norm."""
     attention: AttentionConfig | None = field(default_factory=AttentionConfig)
     mamba: MambaConfig | None = field(default_factory=MambaConfig)
     mlp: MLPConfig | None = field(default_factory=MLPConfig)
     moe: MoEConfig | None = field(default_factory=MoEConfig)
+    mla: MLAConfig | None = None
+    gdn: GDNConfig | None = None
     extra_sections: dict[str, Any] = field(default_factory=dict, repr=False)
     """Sections of user-registered kinds, by name (also reachable as attributes)."""
 
@@ -188,10 +271,10 @@ class ModelConfig:
         return cls.from_dict(data)
 
 
-BUILTIN_SECTIONS = ("attention", "mamba", "mlp", "moe")
+BUILTIN_SECTIONS = ("attention", "mamba", "mlp", "moe", "mla", "gdn")
 SUBCONFIGS: dict[str, type] = {"rope_scaling": RopeScaling}
 """Nested configs that are not sections (sections are in :data:`SECTIONS`)."""
-SYMBOL_NEEDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+SYMBOL_NEEDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "+": "mla", "G": "gdn"}
 """Pattern symbol -> the config section it reads (``composer.register`` adds to it)."""
 
 
@@ -287,6 +370,10 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if value not in args:
             raise ConfigError(f"{name} must be one of {', '.join(map(str, args))}; got {value!r}")
         return value
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} expects a list, got {value!r}")
+        return tuple(_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{name} expects a list of {len(args)} numbers, got {value!r}")
@@ -349,7 +436,8 @@ def set_field(config: Any, dotted: str, value: Any) -> None:
             raise _unknown(part, list(hints), where)
         child = getattr(target, part)
         if not dataclasses.is_dataclass(child):
-            sub = SECTIONS[part].cls if part in SECTIONS else SUBCONFIGS.get(part)
+            sub = SECTIONS[part].cls if part in SECTIONS else \
+                (_subconfig(hints[part]) or SUBCONFIGS.get(part))
             if sub is None:
                 raise ConfigError(f"{where}{part} is not a section; set it as {where}{part}=VALUE")
             child = sub()
@@ -364,6 +452,11 @@ def set_field(config: Any, dotted: str, value: Any) -> None:
             and value not in _literals(hints[leaf]):  # position=none is a choice, not null
         value = None
     _set(target, leaf, _coerce(value, hints[leaf], where + leaf))
+
+
+def _subconfig(tp: Any) -> type | None:
+    """The dataclass a field annotated ``tp`` (e.g. ``YarnScaling | None``) holds, if any."""
+    return next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), None)
 
 
 def _literals(tp: Any) -> set:
@@ -403,6 +496,11 @@ def validate(cfg: ModelConfig) -> None:
     except PatternError as exc:
         raise ConfigError(str(exc)) from None
     _positive(cfg, "", ("d_model", "vocab_size", "norm_eps", "init_std"))
+    n_layers = len(pattern.layers)
+    post = list(cfg.post_norm_layers)
+    if post != sorted(set(post)) or any(not 0 <= i < n_layers for i in post):
+        raise ConfigError(f"post_norm_layers {post} must be increasing layer indices in "
+                          f"[0, {n_layers})")
     for sym in sorted(set(pattern.layers + "".join(pattern.mtp))):
         section = SYMBOL_NEEDS.get(sym)
         if section and getattr(cfg, section) is None:
@@ -468,12 +566,39 @@ def _validate_moe(e: MoEConfig, cfg: ModelConfig) -> None:
         raise ConfigError(f"moe.top_k ({e.top_k}) exceeds the experts in moe.topk_groups groups")
     if e.aux_loss_coeff < 0:
         raise ConfigError(f"moe.aux_loss_coeff must be >= 0, got {e.aux_loss_coeff}")
+    if e.shared_expert_gate and not e.n_shared_experts:
+        raise ConfigError("moe.shared_expert_gate needs shared experts (moe.n_shared_experts >= 1)")
+
+
+def _validate_mla(m: MLAConfig, cfg: ModelConfig) -> None:
+    _positive(m, "mla.", ("n_heads", "q_lora_rank", "kv_lora_rank", "d_head_nope", "d_head_rope",
+                          "d_head_v", "rope_theta", "norm_eps", "softmax_scale"))
+    if m.d_head_rope % 2:
+        raise ConfigError(f"mla.d_head_rope ({m.d_head_rope}) must be even (RoPE rotates pairs)")
+    y = m.rope_scaling
+    if y is not None:
+        _positive(y, "mla.rope_scaling.", ("factor", "original_max_position", "beta_fast",
+                                           "beta_slow", "attention_factor"))
+
+
+def _validate_gdn(d: GDNConfig, cfg: ModelConfig) -> None:
+    _positive(d, "gdn.", ("n_heads", "n_kv_heads", "d_head_k", "d_head_v", "d_conv", "chunk_size",
+                          "norm_eps"))
+    kv = d.n_kv_heads or d.n_heads
+    if d.n_heads % kv:
+        raise ConfigError(f"gdn.n_heads ({d.n_heads}) must be divisible by gdn.n_kv_heads ({kv})")
+    if not 0 < d.dt_min <= d.dt_max:
+        raise ConfigError(f"gdn.dt_min ({d.dt_min}) must be positive and <= dt_max ({d.dt_max})")
+    if not 0 < d.a_init_range[0] <= d.a_init_range[1]:
+        raise ConfigError(f"gdn.a_init_range {list(d.a_init_range)} must be positive, increasing")
 
 
 register_section("attention", AttentionConfig, _validate_attention)
 register_section("mamba", MambaConfig, _validate_mamba)
 register_section("mlp", MLPConfig, _validate_mlp)
 register_section("moe", MoEConfig, _validate_moe)
+register_section("mla", MLAConfig, _validate_mla)
+register_section("gdn", GDNConfig, _validate_gdn)
 
 
 def config_diff(a: ModelConfig, b: ModelConfig) -> str | None:

@@ -27,10 +27,22 @@ class Preset:
 
 
 def _collect() -> dict[str, Preset]:
-    from composer.zoo import llama, mamba2, mixtral, nemotron_h, qwen3
+    from composer.zoo import (
+        deepseek_v3,
+        glm4_moe,
+        llama,
+        mamba2,
+        minimax_m2,
+        mixtral,
+        nemotron_h,
+        olmo_hybrid,
+        qwen3,
+        qwen3_next,
+    )
 
     presets: dict[str, Preset] = {}
-    for module in (nemotron_h, llama, qwen3, mixtral, mamba2):
+    for module in (nemotron_h, llama, qwen3, mixtral, mamba2, deepseek_v3, glm4_moe, minimax_m2,
+                   olmo_hybrid, qwen3_next):
         for preset in module.PRESETS:
             assert preset.name not in presets, preset.name
             presets[preset.name] = preset

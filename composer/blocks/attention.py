@@ -4,8 +4,15 @@ Vaswani et al. 2017 §3.2: ``softmax(q k^T * scale + causal_mask) v`` per head, 
 shared by ``n_heads / n_kv_heads`` query heads (GQA, Ainslie et al. 2023). RoPE (Su et al. 2021)
 in the rotate-half layout that transformers and Megatron use: channel ``i`` pairs with
 ``i + d_rot/2``; only the first ``rotary_fraction * d_head`` channels rotate. Llama-3 frequency
-scaling divides low frequencies by ``factor`` and blends the middle band. qk-norm (Qwen3) is an
-RMSNorm over each head's channels, applied before RoPE.
+scaling divides low frequencies by ``factor`` and blends the middle band. qk-norm is an RMSNorm
+applied before RoPE, over each head's channels (``qk_norm_scope: head``, Qwen3, GLM-4.5) or over
+the whole q / k projection at once (``all``, MiniMax-M2: one RMS across every head, a weight per
+channel of every head).
+
+Output gate (``output_gate``, Qwen3-Next / Qwen3.5 "gated attention", Qiu et al. 2025): ``q_proj``
+emits ``2 * d_head`` rows per head, ``[q_h; g_h]`` (transformers' layout, so conversion copies the
+rows as they are), and the attention output is multiplied by ``sigmoid(g)`` channel by channel
+before ``o_proj``. With ``ModelConfig.norm_zero_centered`` the qk-norms scale by ``1 + w``.
 
 Packed documents (``doc_ids``, :mod:`composer.kernels.docs`; Megatron's reset-attention-mask and
 reset-position-ids): the mask is block-diagonal causal (a query sees the earlier keys of its own
@@ -17,6 +24,7 @@ Legend: B batch, T time, D model width, H query heads, K kv heads, E head width.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -100,14 +108,19 @@ class Attention(nn.Module):
         self.d_head = d_head_of(cfg)
         self.scale = a.softmax_scale if a.softmax_scale is not None else self.d_head**-0.5
         self.init_std = cfg.init_std
-        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.d_head, bias=a.qkv_bias)
+        self.output_gate = a.output_gate
+        q_rows = self.n_heads * self.d_head * (2 if a.output_gate else 1)
+        self.q_proj = nn.Linear(cfg.d_model, q_rows, bias=a.qkv_bias)
         self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.d_head, cfg.d_model, bias=a.out_bias)
         self.qk_norm = a.qk_norm
+        self.qk_norm_all = a.qk_norm and a.qk_norm_scope == "all"
         if a.qk_norm:
-            self.q_norm = RMSNorm(self.d_head, cfg.norm_eps)
-            self.k_norm = RMSNorm(self.d_head, cfg.norm_eps)
+            q_width, k_width = ((self.n_heads * self.d_head, self.n_kv_heads * self.d_head)
+                                if self.qk_norm_all else (self.d_head, self.d_head))
+            self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_zero_centered)
+            self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_zero_centered)
         self.rope = a.position == "rope"
         if self.rope:
             d_rot = int(self.d_head * a.rotary_fraction)
@@ -122,10 +135,17 @@ class Attention(nn.Module):
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x_BTD.shape
         # -1: the head counts follow the weights (a tensor-parallel rank holds some of the heads)
-        q = self.q_proj(x_BTD).view(b, t, -1, self.d_head)
-        k = self.k_proj(x_BTD).view(b, t, -1, self.d_head)
+        q, k = self.q_proj(x_BTD), self.k_proj(x_BTD)
+        gate_BTX = None
+        if self.output_gate:  # per head [q_h; g_h]
+            qg = q.view(b, t, -1, 2 * self.d_head)
+            q, gate_BTX = qg[..., :self.d_head].reshape(b, t, -1), qg[..., self.d_head:]
+            gate_BTX = gate_BTX.reshape(b, t, -1)
+        if self.qk_norm_all:  # one RMS over every head's channels
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, t, -1, self.d_head), k.view(b, t, -1, self.d_head)
         v = self.v_proj(x_BTD).view(b, t, -1, self.d_head)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHTE, k_BKTE, v_BKTE = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rope:
@@ -141,7 +161,10 @@ class Attention(nn.Module):
                     enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
         else:  # block-diagonal causal: each document attends to itself only
             o_BHTE = doc_sdpa(q_BHTE, k_BKTE, v_BKTE, doc_ids, self.scale)
-        return self.o_proj(o_BHTE.transpose(1, 2).reshape(b, t, -1))
+        o_BTX = o_BHTE.transpose(1, 2).reshape(b, t, -1)
+        if gate_BTX is not None:
+            o_BTX = o_BTX * torch.sigmoid(gate_BTX)
+        return self.o_proj(o_BTX)
 
     def _cos_sin(self, t: int, device: torch.device,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,17 +180,24 @@ class Attention(nn.Module):
         """Heads split over ``tp``: q/k/v column parallel (k/v replicated, each rank keeping its
         head, when there are fewer kv heads than ranks), o row parallel; the qk-norms replicated
         with partial gradients."""
+        # with the output gate a head is 2 * d_head contiguous q rows: an even split keeps heads
         return ParallelPlan(colwise=("q_proj",), heads={"k_proj": self.n_kv_heads,
                                                         "v_proj": self.n_kv_heads},
                             rowwise=("o_proj",), partial=("q_norm.weight", "k_norm.weight"))
 
     @staticmethod
-    def layout_rules(cfg: ModelConfig) -> list[Divisible | DivideEachOther]:
+    def layout_rules(cfg: ModelConfig) -> list[Divisible | DivideEachOther | Unsplit]:
         a = cfg.attention
         assert a is not None
-        return [Divisible("attention.n_heads", a.n_heads),
-                DivideEachOther("attention.n_kv_heads", a.n_kv_heads or a.n_heads,
-                                "kv heads are split, or replicated when fewer than tp")]
+        rules: list[Divisible | DivideEachOther | Unsplit] = [
+            Divisible("attention.n_heads", a.n_heads),
+            DivideEachOther("attention.n_kv_heads", a.n_kv_heads or a.n_heads,
+                            "kv heads are split, or replicated when fewer than tp")]
+        if a.qk_norm and a.qk_norm_scope == "all":
+            # Split heads would each normalise over their own shard: the RMS needs a sum over
+            # the tp ranks, which this block (single-device) does not declare yet.
+            rules.append(Unsplit("attention.qk_norm_scope='all' (one RMS over all heads)"))
+        return rules
 
     @staticmethod
     def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
@@ -176,22 +206,51 @@ class Attention(nn.Module):
         a = cfg.attention
         assert a is not None
         e, kv = d_head_of(cfg), a.n_kv_heads or a.n_heads
-        proj = cfg.d_model * e * (2 * a.n_heads + 2 * kv)
+        proj = cfg.d_model * e * ((3 if a.output_gate else 2) * a.n_heads + 2 * kv)
         return 2 * proj + 4 * a.n_heads * e * seq_len
 
 
+@dataclass(frozen=True)
+class Unsplit:
+    """A layout rule: the block cannot be split over mesh dimension ``dim`` at all."""
+
+    what: str
+    dim: str = "tp"
+
+    def problem(self, sizes: dict[str, int]) -> str | None:
+        size = sizes[self.dim]
+        return f"{self.what} cannot be split over {self.dim} ({size}); use {self.dim}=1" \
+            if size > 1 else None
+
+
 def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfig, d_head: int,
-                  eps: float = 1e-5, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                  eps: float = 1e-5, doc_ids: torch.Tensor | None = None,
+                  zero_centered: bool = False) -> torch.Tensor:
     """Plain-math twin of :class:`Attention`: explicit pair rotations, explicit mask, loops over
     heads. ``w`` holds ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` matrices (and optional
     ``*_bias``, ``q_norm``, ``k_norm``). With ``doc_ids`` (non-decreasing) positions count from
-    each document's first token and keys of other documents are masked."""
+    each document's first token and keys of other documents are masked. With ``output_gate``
+    ``q_proj`` holds rows ``[q_h; g_h]`` per head; ``zero_centered`` qk-norms scale by ``1 + w``."""
     b, t, _ = x.shape
     kv = a.n_kv_heads or a.n_heads
-    q = (x @ w["q_proj"].T + w.get("q_bias", 0)).view(b, t, a.n_heads, d_head)
-    k = (x @ w["k_proj"].T + w.get("k_bias", 0)).view(b, t, kv, d_head)
+    q = x @ w["q_proj"].T + w.get("q_bias", 0)
+    gates = []
+    if a.output_gate:
+        rows = [q[..., h * 2 * d_head:(2 * h + 1) * d_head] for h in range(a.n_heads)]
+        gates = [q[..., (2 * h + 1) * d_head:(2 * h + 2) * d_head] for h in range(a.n_heads)]
+        q = torch.cat(rows, -1)
+    w = dict(w)
+    for n in ("q_norm", "k_norm"):
+        if n in w and zero_centered:
+            w[n] = 1 + w[n]
+    k = x @ w["k_proj"].T + w.get("k_bias", 0)
     v = (x @ w["v_proj"].T + w.get("v_bias", 0)).view(b, t, kv, d_head)
-    if "q_norm" in w:
+    whole = a.qk_norm_scope == "all"
+    if "q_norm" in w and whole:  # the RMS of the whole projection (all heads)
+        q = w["q_norm"] * q / torch.sqrt((q * q).sum(-1, keepdim=True) / q.shape[-1] + eps)
+        k = w["k_norm"] * k / torch.sqrt((k * k).sum(-1, keepdim=True) / k.shape[-1] + eps)
+    q, k = q.view(b, t, a.n_heads, d_head), k.view(b, t, kv, d_head)
+    if "q_norm" in w and not whole:
         q = w["q_norm"] * q / torch.sqrt((q * q).mean(-1, keepdim=True) + eps)
         k = w["k_norm"] * k / torch.sqrt((k * k).mean(-1, keepdim=True) + eps)
     pos = torch.arange(t).expand(b, t)
@@ -209,7 +268,8 @@ def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfi
     for h in range(a.n_heads):
         g = h // (a.n_heads // kv)
         scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) * scale + mask
-        heads.append(torch.softmax(scores, -1) @ v[:, :, g])
+        o = torch.softmax(scores, -1) @ v[:, :, g]
+        heads.append(o / (1 + torch.exp(-gates[h])) if gates else o)
     return torch.cat(heads, -1) @ w["o_proj"].T + w.get("o_bias", 0)
 
 

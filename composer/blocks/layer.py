@@ -1,8 +1,12 @@
-"""The residual block that every pattern symbol builds: ``x + m * mixer(norm(x))``.
+"""The residual block that every pattern symbol builds: ``x + m * mixer(norm(x))`` (pre-norm),
+or ``x + m * norm(mixer(x))`` for the layers listed in ``ModelConfig.post_norm_layers``.
 
 One symbol is one such block (Megatron-Core's hybrid models): the mixer is a Mamba-2 mixer,
 attention, a dense MLP, an MoE or a user-registered kind. ``m`` is the residual multiplier (1
-except for Granite). Under tensor parallelism the parallel layer wraps the *mixer* call (gather
+except for Granite). Post-norm (OLMo 2 / OLMo 3 and OLMo-Hybrid's attention layers, transformers'
+``post_attention_layernorm`` / ``post_feedforward_layernorm``) normalises the mixer's output
+before the residual add, with the same ``layers.i.norm.weight``; the residual stream itself is
+never normalised there. Under tensor parallelism the parallel layer wraps the *mixer* call (gather
 the sequence on the way in, reduce the partial sums on the way out); this code does not change.
 
 Packed documents: ``doc_ids`` (``(B, T)``, :mod:`composer.kernels.docs`) go, as a keyword, only
@@ -31,12 +35,16 @@ class Layer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = mixer
         self.residual_multiplier = cfg.residual_multiplier
+        self.post_norm = layer_idx in cfg.post_norm_layers
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h_BTD = x_BTD if self.post_norm else self.norm(x_BTD)
         if doc_ids is not None and getattr(self.mixer, "uses_doc_ids", False):
-            out = self.mixer(self.norm(x_BTD), doc_ids=doc_ids)
+            out = self.mixer(h_BTD, doc_ids=doc_ids)
         else:
-            out = self.mixer(self.norm(x_BTD))
+            out = self.mixer(h_BTD)
+        if self.post_norm:
+            out = self.norm(out)
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
         return x_BTD + out

@@ -81,6 +81,15 @@ class Readout(nn.Module):
         return loss, logits_BTV
 
 
+def _set_zero_centered(model: nn.Module, flag: bool) -> None:
+    """Apply ``ModelConfig.norm_zero_centered`` to every RMSNorm (layer, final and qk-norms)."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and module.zero_centered != flag:
+            module.zero_centered = flag
+            with torch.no_grad():
+                module.reset_parameters()
+
+
 class HybridModel(nn.Module):
     """Keys: ``embed.weight``, ``layers.{i}.*``, ``final_norm.weight``, ``lm_head.weight``
     (absent when ``tie_embeddings``)."""
@@ -94,6 +103,7 @@ class HybridModel(nn.Module):
                                   _weight=torch.empty(cfg.vocab_size, cfg.d_model))
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        _set_zero_centered(self, cfg.norm_zero_centered)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.readout = Readout(cfg.logits_scaling)

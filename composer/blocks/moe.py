@@ -8,7 +8,8 @@ Routing (Shazeer et al. 2017; Mixtral; DeepSeek-V3 §2.1.2 for sigmoid + bias + 
               ``topk_groups`` groups, the others are masked to -inf before the top-k
     idx = topk(choose, k),   w = s[idx]   (the scores *without* the bias)
     if renormalize: w = w / (sum(w) + 1e-20);   w = w * routed_scaling_factor
-    y = sum_k w_k * expert_{idx_k}(x) + shared(x)
+    y = sum_k w_k * expert_{idx_k}(x) + shared(x)     (shared(x) * sigmoid(x W_s^T) with
+                                                       shared_expert_gate, W_s [1, D]: Qwen3-Next)
 
 An expert is the MLP of ``mlp.py``: gated ``down(act(gate x) * up x)`` or plain ``down(act(up x))``.
 Router math runs in fp32 (fp64 when the input is fp64, so the fp64 reference can check the exact
@@ -163,13 +164,16 @@ class MoE(nn.Module):
                                       bias=False)
         else:
             self.shared_experts = None
+        if moe.shared_expert_gate:
+            self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False)
         # the load-balancing statistics pass through it: the global batch's under parallelism
         self.token_sum = TokenSum()
         self.aux_loss = torch.zeros(())
 
     def init_rules(self) -> dict[str, Init]:
         return {"router.weight": Normal(self.init_std), "router.score_bias": ZEROS,
-                "experts.*": Normal(self.init_std)}
+                "experts.*": Normal(self.init_std),
+                "shared_expert_gate.weight": Normal(self.init_std)}
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)
@@ -191,7 +195,10 @@ class MoE(nn.Module):
 
         y_BTD = y_ND.to(x_BTD.dtype).view(B, T, D)
         if self.shared_experts is not None:
-            y_BTD = y_BTD + self.shared_experts(x_BTD)
+            shared_BTD = self.shared_experts(x_BTD)
+            if self.moe.shared_expert_gate:
+                shared_BTD = shared_BTD * torch.sigmoid(self.shared_expert_gate(x_BTD))
+            y_BTD = y_BTD + shared_BTD
         return y_BTD
 
     def _aux_loss(self, s_NE: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
@@ -210,7 +217,8 @@ class MoE(nn.Module):
         """The routed experts are the expert group (split over ep on dim 0); expert-tensor
         parallel splits each expert's hidden units over ``tp``; the router is replicated with
         partial gradients; the shared experts follow the MLP's own plan."""
-        return ParallelPlan(partial=("router.weight",), experts="experts",
+        return ParallelPlan(partial=("router.weight", "shared_expert_gate.weight"),
+                            experts="experts",
                             expert_hidden={"gate_proj": 1, "up_proj": 1, "down_proj": 2},
                             token_sums=("token_sum",))
 
@@ -233,6 +241,8 @@ class MoE(nn.Module):
         flops += 2 * moe.top_k * n_mats * cfg.d_model * moe.d_ff
         if moe.n_shared_experts > 0:
             flops += 2 * n_mats * cfg.d_model * d_ff_shared_of(moe)
+        if moe.shared_expert_gate:
+            flops += 2 * cfg.d_model
         return flops
 
 
@@ -277,7 +287,10 @@ def moe_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig)
         y_ND = y_ND + w_NE[:, e:e + 1].to(x.dtype) * mlp_ref(x_ND, up, down, moe.activation, gate)
     if moe.n_shared_experts > 0:
         gate = weights.get("shared_experts.gate_proj.weight")
-        y_ND = y_ND + mlp_ref(x_ND, weights["shared_experts.up_proj.weight"],
-                              weights["shared_experts.down_proj.weight"], moe.activation, gate)
+        shared = mlp_ref(x_ND, weights["shared_experts.up_proj.weight"],
+                         weights["shared_experts.down_proj.weight"], moe.activation, gate)
+        if moe.shared_expert_gate:
+            shared = shared / (1 + torch.exp(-(x_ND @ weights["shared_expert_gate.weight"].T)))
+        y_ND = y_ND + shared
     return y_ND.view(x.shape)
 

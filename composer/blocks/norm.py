@@ -3,6 +3,11 @@
 RMSNorm (Zhang & Sennrich 2019): ``y = w * x / sqrt(mean(x^2) + eps)``, computed in fp32 and cast
 back before the weight multiply, as transformers and Megatron do.
 
+Zero-centred RMSNorm (Qwen3-Next, Qwen3.5; Megatron's ``layernorm_zero_centered_gamma``):
+``y = (1 + w) * x / sqrt(mean(x^2) + eps)`` with ``w`` stored (initialised to 0), so that weight
+decay pulls the scale towards 1 and a bf16 checkpoint's ``w`` is kept exactly. The product runs
+in fp32 and is cast once at the end, as transformers' ``Qwen3NextRMSNorm`` does.
+
 Gated RMSNorm (Mamba-2 paper §7, "normalization"): ``y = w * rms_g(x * silu(z))`` where ``rms_g``
 normalises each group of ``group_size`` channels on its own. transformers 5.x and Megatron use
 ``group_size = d_inner / n_groups``; older code normalised over the whole width (one group).
@@ -14,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer.blocks.plan import ONES, Init
+from composer.blocks.plan import ONES, ZEROS, Init
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
@@ -23,20 +28,27 @@ def _math_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float = 1e-5) -> None:
+    """``weight [d]``; with ``zero_centered`` the scale is ``1 + weight`` (module docstring).
+    :class:`~composer.blocks.model.HybridModel` sets ``zero_centered`` on every RMSNorm of the
+    model from ``ModelConfig.norm_zero_centered``."""
+
+    def __init__(self, d: int, eps: float = 1e-5, zero_centered: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d))
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(d) if zero_centered else torch.ones(d))
 
     def init_rules(self) -> dict[str, Init]:
-        return {"weight": ONES}
+        return {"weight": ZEROS if self.zero_centered else ONES}
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        nn.init.ones_(self.weight)
+        (nn.init.zeros_ if self.zero_centered else nn.init.ones_)(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(_math_dtype(x))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (h * (1.0 + self.weight.to(h.dtype))).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -65,9 +77,11 @@ class GatedRMSNorm(nn.Module):
         return self.weight * h.view(shape).to(x.dtype)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool = False) -> torch.Tensor:
     """Plain-math twin of :class:`RMSNorm` (use fp64 inputs)."""
-    return weight * x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps)
+    scale = 1 + weight if zero_centered else weight
+    return scale * x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps)
 
 
 def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor,

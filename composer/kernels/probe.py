@@ -27,6 +27,7 @@ KERNELS: dict[str, str | None] = {
     "causal_conv1d": "causal_conv1d",  # the depthwise causal conv + SiLU (CUDA)
     "transformer_engine": "transformer_engine.pytorch",  # te.Linear (cuBLASLt, FP8)
     "flash": None,  # torch's own fused SDPA kernels: nothing to import, only a switch
+    "fla": "fla.ops.gated_delta_rule",  # the chunked gated delta rule (Triton)
 }
 """Kernel name -> the module whose successful import makes it available."""
 

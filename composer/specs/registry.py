@@ -9,8 +9,8 @@ initialisation (``init_rules()``), all declared next to the mixer's code.
 
 Users register new kinds with :func:`register`; the pattern parser then accepts the symbol, the
 config validates and canonicalises its section, the layout checks and the builder know it, and
-``composer build`` counts it, without editing any composer file. ``G``, ``+`` and ``D`` are
-recognised by the parser but have no entry here, so building them fails with a clear message.
+``composer build`` counts it, without editing any composer file. ``D`` is
+recognised by the parser but has no entry here, so building it fails with a clear message.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import torch
 from torch import nn
 
 from composer.blocks.attention import Attention
+from composer.blocks.gdn import GatedDeltaNet
 from composer.blocks.layer import Layer
 from composer.blocks.mamba2 import Mamba2Mixer
+from composer.blocks.mla import MLA
 from composer.blocks.mlp import MLP
 from composer.blocks.moe import MoE
 from composer.blocks.plan import LayoutRule, ParallelPlan
@@ -163,3 +165,5 @@ register("M", "Mamba-2", Mamba2Mixer, "mamba")
 register("*", "attention", Attention, "attention")
 register("-", "dense MLP", MLP, "mlp")
 register("E", "MoE", MoE, "moe")
+register("G", "gated delta net", GatedDeltaNet, "gdn")
+register("+", "multi-latent attention", MLA, "mla")

@@ -111,9 +111,9 @@ def test_cast_keeps_fp32_tensors():
 
 
 def test_unbuilt_symbols_and_mtp_are_refused():
-    with pytest.raises(ConfigError, match=r"pattern symbol 'G' \(gated delta net\) is recognised "
-                                          "but not built yet; built symbols: M \\* - E"):
-        build_model(tiny("MG"), device="meta")
+    with pytest.raises(ConfigError, match=r"pattern symbol 'D' \(sparse attention\) is "
+                                          "recognised but not built yet; built symbols: M \\* - E"):
+        build_model(tiny("MD"), device="meta")
     with pytest.raises(ConfigError, match="multi-token-prediction parts"):
         build_model(tiny("M*/*E"), device="meta")
 

@@ -199,6 +199,44 @@ def test_parity_nemotron_h(n_group: int, topk_group: int) -> None:
     torch.testing.assert_close(moe(x), hf_out(block, x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
+def test_parity_glm4_moe(n_group: int, topk_group: int) -> None:
+    """GLM-4.5: sigmoid + score bias + groups, scaled, two shared experts (2 * d_ff wide)."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+
+    hf_cfg = Glm4MoeConfig(hidden_size=D, n_routed_experts=E, moe_intermediate_size=F_,
+                           n_shared_experts=2, num_experts_per_tok=2, routed_scaling_factor=2.5,
+                           n_group=n_group, topk_group=topk_group, norm_topk_prob=True)
+    block = Glm4MoeMoE(hf_cfg)
+    randomize(block, seed=1)
+    moe = MoE(make_cfg(score_func="sigmoid", score_correction_bias=True, n_shared_experts=2,
+                       routed_scaling_factor=2.5, n_expert_groups=n_group,
+                       topk_groups=topk_group))
+    hf = block.state_dict()
+    ours = from_gate_up(hf) | {"router.score_bias": hf["gate.e_score_correction_bias"]}
+    ours |= {k: v for k, v in hf.items() if k.startswith("shared_experts.")}
+    moe.load_state_dict(ours)
+    x = make_x(torch.float32)
+    torch.testing.assert_close(moe(x), hf_out(block, x), rtol=1e-5, atol=1e-5)
+
+
+def test_parity_minimax_m2() -> None:
+    """MiniMax-M2: sigmoid + score bias (held by the block, not the gate), renormalised."""
+    from transformers import MiniMaxM2Config
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2SparseMoeBlock
+
+    hf_cfg = MiniMaxM2Config(hidden_size=D, intermediate_size=F_, num_local_experts=E,
+                             num_experts_per_tok=2)
+    block = MiniMaxM2SparseMoeBlock(hf_cfg).eval()
+    randomize(block, seed=2)
+    moe = MoE(make_cfg(score_func="sigmoid", score_correction_bias=True))
+    hf = block.state_dict()
+    moe.load_state_dict(from_gate_up(hf) | {"router.score_bias": hf["e_score_correction_bias"]})
+    x = make_x(torch.float32)
+    torch.testing.assert_close(moe(x), hf_out(block, x), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- aux loss
 
 

@@ -82,7 +82,7 @@ def test_zoo_list_and_show(capsys):
         (["build", "--set", "nonsense"], "must look like key=value"),
         (["build", "--preset", "llama-3.1-9b"], "unknown preset 'llama-3.1-9b'; did you mean"),
         (["build", "--pattern", "M*Q"], "character 'Q' at column 3"),
-        (["build", "--pattern", "MG"], "'G' (gated delta net) is recognised but not built yet"),
+        (["build", "--pattern", "MD"], "'D' (sparse attention) is recognised but not built yet"),
         (["build", "--pattern", "M", "--preset", "llama-debug"], "not both"),
         (["build", "--set", "moe.top_k=99"], "moe.top_k (99) must be <= moe.n_experts (8)"),
         (["build", "--set", "moe=null"], "needs the 'moe' section"),

@@ -13,7 +13,14 @@ from composer.zoo import presets
 DEBUG = sorted(name for name in presets() if name.endswith("-debug"))
 ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
         "qwen3-moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-        "mamba2": "Mamba2ForCausalLM", "nemotron-h": "NemotronHForCausalLM"}
+        "mamba2": "Mamba2ForCausalLM", "nemotron-h": "NemotronHForCausalLM",
+        "glm4-moe": "Glm4MoeForCausalLM", "minimax-m2": "MiniMaxM2ForCausalLM",
+        "deepseek-v3": "DeepseekV3ForCausalLM", "olmo-hybrid": "OlmoHybridForCausalLM",
+        "qwen3-next": "Qwen3NextForCausalLM", "qwen3.5": "Qwen3_5ForCausalLM",
+        "qwen3.5-moe": "Qwen3_5MoeForCausalLM"}
+BY_ARCH = {"qwen3.5", "qwen3.5-moe"}
+"""Families whose configs are also Qwen3-Next configs (the first family inferred): exported
+with ``--arch``."""
 
 
 @pytest.mark.parametrize("name", DEBUG)
@@ -21,7 +28,10 @@ def test_debug_preset_exports_and_loads(tmp_path, capsys, name):
     from transformers import AutoModelForCausalLM
 
     assert main(["build", "--preset", name, "--seed", "5", "--out", str(tmp_path / "ck")]) == 0
-    assert main(["convert", "to-hf", str(tmp_path / "ck"), str(tmp_path / "hf"), "--json"]) == 0
+    family = presets()[name].family
+    arch = ["--arch", ARCH[family]] if family in BY_ARCH else []
+    assert main(["convert", "to-hf", str(tmp_path / "ck"), str(tmp_path / "hf"), "--json",
+                 *arch]) == 0
     info = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert info["architecture"] == ARCH[presets()[name].family]
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()

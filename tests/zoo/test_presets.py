@@ -15,13 +15,20 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    Glm4MoeConfig,
     LlamaConfig,
     Mamba2Config,
+    MiniMaxM2Config,
     MixtralConfig,
     NemotronHConfig,
+    OlmoHybridConfig,
     PreTrainedConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 import composer
@@ -132,6 +139,71 @@ PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
         vocab_size=50288, hidden_size=2560, num_hidden_layers=64, state_size=128, expand=2,
         head_dim=64, num_heads=80, n_groups=1, conv_kernel=4, use_bias=False,
         use_conv_bias=True, tie_word_embeddings=True)),
+    # deepseek-ai/DeepSeek-V3 config.json (the MTP layer 61 is not built by transformers).
+    "deepseek-v3-671b": (DeepseekV3Config, dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # moonshotai/Kimi-K2-Instruct-0905 config.json (DeepseekV3ForCausalLM).
+    "kimi-k2": (DeepseekV3Config, dict(
+        vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, first_k_dense_replace=1, num_attention_heads=64,
+        num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.827,
+        norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # zai-org/GLM-4.5 and zai-org/GLM-4.5-Air config.json (also Megatron-Bridge
+    # GLM45ModelProvider355B / GLM45AirModelProvider106B). transformers builds no MTP layer.
+    "glm-4.5": (Glm4MoeConfig, dict(
+        vocab_size=151552, hidden_size=5120, intermediate_size=12288, num_hidden_layers=92,
+        num_attention_heads=96, num_key_value_heads=8, head_dim=128, attention_bias=True,
+        use_qk_norm=True, partial_rotary_factor=0.5, rope_theta=1000000, rms_norm_eps=1e-5,
+        moe_intermediate_size=1536, n_routed_experts=160, n_shared_experts=1,
+        num_experts_per_tok=8, first_k_dense_replace=3, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=1,
+        tie_word_embeddings=False)),
+    "glm-4.5-air": (Glm4MoeConfig, dict(
+        vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+        num_attention_heads=96, num_key_value_heads=8, head_dim=128, attention_bias=True,
+        use_qk_norm=False, partial_rotary_factor=0.5, rope_theta=1000000, rms_norm_eps=1e-5,
+        moe_intermediate_size=1408, n_routed_experts=128, n_shared_experts=1,
+        num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=1.0, num_nextn_predict_layers=1,
+        tie_word_embeddings=False)),
+    # MiniMaxAI/MiniMax-M2 config.json (MTP modules are not built by transformers).
+    "minimax-m2": (MiniMaxM2Config, dict(
+        vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62,
+        num_attention_heads=48, num_key_value_heads=8, head_dim=128, rotary_dim=64,
+        rope_theta=5000000, rms_norm_eps=1e-6, num_local_experts=256, num_experts_per_tok=8,
+        router_aux_loss_coef=0.001, tie_word_embeddings=False)),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (as in Megatron-Bridge's Qwen3-Next test);
+    # the MTP layer is not built by transformers.
+    "qwen3-next-80b-a3b": (Qwen3NextConfig, dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, full_attention_interval=4,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10,
+        norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1, rms_norm_eps=1e-6,
+        rope_theta=10000000, partial_rotary_factor=0.25, tie_word_embeddings=False)),
+    # text_config of Qwen/Qwen3.5-27B and Qwen/Qwen3.5-35B-A3B (THUDM slime's
+    # scripts/models/qwen3.5-27B.sh and qwen3.5-35B-A3B.sh); the text models only.
+    "qwen3.5-27b": (Qwen3_5TextConfig, dict(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, full_attention_interval=4,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=48, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)),
+    "qwen3.5-35b-a3b": (Qwen3_5MoeTextConfig, dict(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, full_attention_interval=4,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)),
 }
 
 LLAMA_3_1_8B_TOTAL = 8_030_261_248
@@ -237,6 +309,86 @@ def mamba2_kwargs(cfg: ModelConfig) -> dict:
                 layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings)
 
 
+def deepseek_v3_kwargs(cfg: ModelConfig) -> dict:
+    m, e = cfg.mla, cfg.moe
+    assert m is not None and e is not None and cfg.mlp is not None
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                intermediate_size=cfg.mlp.d_ff, moe_intermediate_size=e.d_ff,
+                num_hidden_layers=cfg.parsed.layers.count("+"),
+                first_k_dense_replace=cfg.parsed.layers.count("-"),
+                num_attention_heads=m.n_heads, num_key_value_heads=m.n_heads,
+                q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                qk_nope_head_dim=m.d_head_nope, qk_rope_head_dim=m.d_head_rope,
+                v_head_dim=m.d_head_v, n_routed_experts=e.n_experts, num_experts_per_tok=e.top_k,
+                n_shared_experts=e.n_shared_experts, n_group=e.n_expert_groups,
+                topk_group=e.topk_groups, tie_word_embeddings=cfg.tie_embeddings)
+
+
+def glm4_moe_kwargs(cfg: ModelConfig) -> dict:
+    a, mlp, e = cfg.attention, cfg.mlp, cfg.moe
+    assert a is not None and mlp is not None and e is not None and not a.out_bias
+    assert e.score_func == "sigmoid" and e.score_correction_bias and e.d_ff_shared is None
+    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    return dict(_attention_kwargs(cfg), num_hidden_layers=len(kinds),
+                first_k_dense_replace=kinds.count("*-"), intermediate_size=mlp.d_ff,
+                attention_bias=a.qkv_bias, use_qk_norm=a.qk_norm,
+                partial_rotary_factor=a.rotary_fraction, rms_norm_eps=cfg.norm_eps,
+                moe_intermediate_size=e.d_ff, n_routed_experts=e.n_experts,
+                n_shared_experts=e.n_shared_experts, num_experts_per_tok=e.top_k,
+                n_group=e.n_expert_groups, topk_group=e.topk_groups)
+
+
+def minimax_m2_kwargs(cfg: ModelConfig) -> dict:
+    a, e = cfg.attention, cfg.moe
+    assert a is not None and e is not None and a.qk_norm_scope == "all"
+    assert e.score_func == "sigmoid" and e.n_shared_experts == 0
+    return dict(_attention_kwargs(cfg), num_hidden_layers=_layers(cfg, "*E"),
+                intermediate_size=e.d_ff, num_local_experts=e.n_experts,
+                num_experts_per_tok=e.top_k, rotary_dim=int(d_head_of(cfg) * a.rotary_fraction),
+                rms_norm_eps=cfg.norm_eps)
+
+
+def olmo_hybrid_kwargs(cfg: ModelConfig) -> dict:
+    a, mlp, d = cfg.attention, cfg.mlp, cfg.gdn
+    assert a is not None and mlp is not None and d is not None and a.qk_norm_scope == "all"
+    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    assert set(kinds) == {"G-", "*-"} and mlp.activation == "swiglu"
+    return dict(_attention_kwargs(cfg), num_hidden_layers=len(kinds),
+                layer_types=["linear_attention" if k == "G-" else "full_attention"
+                             for k in kinds],
+                intermediate_size=mlp.d_ff, rms_norm_eps=cfg.norm_eps,
+                attention_bias=a.qkv_bias, linear_num_key_heads=d.n_kv_heads or d.n_heads,
+                linear_num_value_heads=d.n_heads, linear_key_head_dim=d.d_head_k,
+                linear_value_head_dim=d.d_head_v, linear_conv_kernel_dim=d.d_conv,
+                pad_token_id=None, eos_token_id=None)
+
+
+def qwen3_next_kwargs(cfg: ModelConfig) -> dict:
+    a, d, e, mlp = cfg.attention, cfg.gdn, cfg.moe, cfg.mlp
+    assert a is not None and d is not None and a.output_gate and cfg.norm_zero_centered
+    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    out = dict(_attention_kwargs(cfg), num_hidden_layers=len(kinds),
+               layer_types=["linear_attention" if k[0] == "G" else "full_attention"
+                            for k in kinds], rms_norm_eps=cfg.norm_eps,
+               linear_num_key_heads=d.n_kv_heads or d.n_heads, linear_num_value_heads=d.n_heads,
+               linear_key_head_dim=d.d_head_k, linear_value_head_dim=d.d_head_v,
+               linear_conv_kernel_dim=d.d_conv)
+    if mlp is not None:
+        out["intermediate_size"] = mlp.d_ff
+    if e is not None:
+        assert e.shared_expert_gate and e.n_shared_experts == 1
+        out.update(num_experts=e.n_experts, num_experts_per_tok=e.top_k,
+                   moe_intermediate_size=e.d_ff, shared_expert_intermediate_size=e.d_ff_shared,
+                   mlp_only_layers=[i for i, k in enumerate(kinds) if k[1] == "-"])
+    return out
+
+
+def qwen3_5_moe_kwargs(cfg: ModelConfig) -> dict:
+    out = qwen3_next_kwargs(cfg)
+    assert out.pop("mlp_only_layers") == []
+    return out
+
+
 DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "nemotron-h-debug": (NemotronHConfig, nemotron_h_kwargs),
     "nemotron-3-nano-debug": (NemotronHConfig, nemotron_h_kwargs),
@@ -245,6 +397,13 @@ DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "qwen3-moe-debug": (Qwen3MoeConfig, qwen3_moe_kwargs),
     "mixtral-debug": (MixtralConfig, mixtral_kwargs),
     "mamba2-debug": (Mamba2Config, mamba2_kwargs),
+    "deepseek-v3-debug": (DeepseekV3Config, deepseek_v3_kwargs),
+    "glm4-moe-debug": (Glm4MoeConfig, glm4_moe_kwargs),
+    "minimax-m2-debug": (MiniMaxM2Config, minimax_m2_kwargs),
+    "olmo-hybrid-debug": (OlmoHybridConfig, olmo_hybrid_kwargs),
+    "qwen3-next-debug": (Qwen3NextConfig, qwen3_next_kwargs),
+    "qwen3.5-debug": (Qwen3_5TextConfig, qwen3_next_kwargs),
+    "qwen3.5-moe-debug": (Qwen3_5MoeTextConfig, qwen3_5_moe_kwargs),
 }
 
 

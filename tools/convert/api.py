@@ -35,6 +35,8 @@ from composer.config import ConfigError, ModelConfig, config_diff
 from composer.convert.base import Adapter, encode_floats, load_hf_config
 from composer.convert.plan import (
     Link,
+    Piece,
+    Target,
     assembled_shape,
     build_targets,
     check_coverage,
@@ -48,6 +50,35 @@ from composer.specs.builder import build_model, check_buildable, fp32_names
 
 HF_DIR = "hf"
 CONVERSION_FILE = "conversion.json"
+ASIDE_DIR = "aside"
+"""Inside ``hf/``: source tensors the adapter keeps aside (:meth:`Adapter.aside`), by their HF
+names and dtypes, to be written back unchanged on export."""
+
+
+def _identity_targets(names: list[str], source: Any, dtype: torch.dtype | None = None) -> list:
+    """Whole-tensor copies of ``names`` from ``source`` (in their dtype unless ``dtype``)."""
+    targets = []
+    for name in names:
+        info = source.tensors[name]
+        shape = tuple(info.shape)
+        numel = 1
+        for d in shape:
+            numel *= d
+        out = DTYPE_NAMES[dtype] if dtype is not None and info.torch_dtype.is_floating_point \
+            else info.dtype
+        targets.append(Target(name, shape, [Piece(name, 0, numel, 0)], out))
+    return targets
+
+
+class _Union:
+    """Two tensor sources read as one (the model's tensors and the ones kept aside)."""
+
+    def __init__(self, *sources: Any) -> None:
+        self._by_name = {n: s for s in sources for n in s.tensors}
+        self.tensors = {n: s.tensors[n] for n, s in self._by_name.items()}
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        self._by_name[name].read_into(name, offset, out)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 Progress = Callable[[int], None]
@@ -137,9 +168,11 @@ def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
                                   "under two names")
         canonical[key] = name
     source = source.renamed({v: k for k, v in canonical.items()})
-    fused, links = _choose_layout(adapter, cfg, set(canonical))
+    aside = sorted(n for n in canonical if adapter.aside(n, hf_cfg))
+    kept = set(aside)
+    fused, links = _choose_layout(adapter, cfg, set(canonical) - kept)
     tied_ignored = _lm_head_tied(source, links, cfg)
-    check_coverage(links, "hf", canonical, lambda n: n in tied_ignored or
+    check_coverage(links, "hf", canonical, lambda n: n in tied_ignored or n in kept or
                    adapter.ignored(n, hf_cfg), str(folder))
     meta = build_model(cfg, device="meta")
     our_shapes = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
@@ -158,6 +191,7 @@ def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
         "architecture": _architecture(hf_cfg, folder),
         "fused_experts": fused,
         "source_dtypes": {n: source.tensors[n].dtype for n in sorted(source.tensors)},
+        "aside": aside,
     }
     with atomic_folder(dst, force) as tmp:
         cfg.save(tmp / CONFIG_FILE)
@@ -165,6 +199,11 @@ def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
         writer = ShardedWriter(tmp, plan_tensors(targets, order), max_shard_bytes)
         execute(targets, source, writer, progress)
         (tmp / HF_DIR).mkdir()
+        if aside:
+            (tmp / HF_DIR / ASIDE_DIR).mkdir()
+            kept_targets = _identity_targets(aside, source)
+            execute(kept_targets, source, ShardedWriter(tmp / HF_DIR / ASIDE_DIR, plan_tensors(
+                kept_targets, aside), max_shard_bytes), progress)
         shutil.copy2(folder / "config.json", tmp / HF_DIR / "config.json")
         for path in _extra_files(folder):
             shutil.copy2(path, tmp / HF_DIR / path.name)
@@ -251,12 +290,17 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
                             dtype, adapter)
     counts = Counter(t.dtype for t in targets)
     main_dtype = DTYPES[counts.most_common(1)[0][0]]
+    reader: Any = source
+    if (hf_dir / ASIDE_DIR).is_dir():  # written back as they came, after the model's tensors
+        kept = TensorSource(hf_dir / ASIDE_DIR)
+        targets += _identity_targets(kept.names(), kept, dtype)
+        reader = _Union(source, kept)
     hf_cfg["dtype"] = str(main_dtype).removeprefix("torch.")
     hf_cfg.pop("torch_dtype", None)
     with atomic_folder(dst, force) as tmp:
         writer = ShardedWriter(tmp, plan_tensors(targets, [t.name for t in targets]),
                                max_shard_bytes)
-        execute(targets, source, writer, progress)
+        execute(targets, reader, writer, progress)
         if hf_dir.exists():
             for path in _extra_files(hf_dir):
                 if path.name != CONVERSION_FILE:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,22 @@ class Adapter(abc.ABC):
     def ignored(self, name: str, hf: dict[str, Any]) -> bool:
         """Source tensors that are deliberately not converted (e.g. rotary caches)."""
         return name.endswith("rotary_emb.inv_freq")
+
+    def aside(self, name: str, hf: dict[str, Any]) -> bool:
+        """Source tensors kept aside as they are (multi-token-prediction layers no block of ours
+        reads yet): stored byte for byte in the checkpoint's ``hf/aside/`` and written back on
+        export, never dropped."""
+        return False
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def is_mtp_tensor(name: str, n_layers: int) -> bool:
+    """A multi-token-prediction tensor: a decoder layer at or beyond ``num_hidden_layers``
+    (DeepSeek-V3, GLM-4.5) or under ``mtp.`` (Qwen3-Next); what :meth:`Adapter.aside` keeps."""
+    m = _LAYER.match(name)
+    return bool(m and int(m.group(1)) >= n_layers) or name.startswith(("mtp.", "model.mtp."))
 
 
 # ---------------------------------------------------------------- HF config helpers

@@ -2,8 +2,12 @@
 
 from composer.convert.base import Adapter
 from composer.convert.decoder import LlamaAdapter, MixtralAdapter, Qwen3Adapter, Qwen3MoeAdapter
+from composer.convert.deepseek import DeepseekV3Adapter
+from composer.convert.glm4_moe import Glm4MoeAdapter, MiniMaxM2Adapter
 from composer.convert.granite import BambaAdapter, GraniteMoeHybridAdapter
 from composer.convert.mamba import Mamba2Adapter, NemotronHAdapter
+from composer.convert.olmo_hybrid import OlmoHybridAdapter
+from composer.convert.qwen3_next import Qwen3_5Adapter, Qwen3_5MoeAdapter, Qwen3NextAdapter
 
 ADAPTERS: list[Adapter] = [
     LlamaAdapter(),
@@ -14,4 +18,12 @@ ADAPTERS: list[Adapter] = [
     NemotronHAdapter(),
     BambaAdapter(),
     GraniteMoeHybridAdapter(),
+    DeepseekV3Adapter(),
+    Glm4MoeAdapter(),
+    MiniMaxM2Adapter(),
+    OlmoHybridAdapter(),
+    # The same config can be both: Qwen3-Next first (its published presets), Qwen3.5 by --arch.
+    Qwen3NextAdapter(),
+    Qwen3_5Adapter(),
+    Qwen3_5MoeAdapter(),
 ]

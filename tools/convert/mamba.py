@@ -293,6 +293,9 @@ class NemotronHAdapter(Adapter):
                               "embeddings; tie_embeddings must be false")
         _check_plain(cfg, self.family)
         symbols = pattern.layers
+        unknown = sorted(set(symbols) - set(SYMBOL_TO_TYPE))
+        if unknown:
+            raise layer_pattern_error(self.family, cfg.pattern, f"it has no {unknown[0]!r} layers")
         out = common_to_hf(cfg, base, self.architectures[0], self.model_type)
         for old in (*NEMOTRON_H_LEGACY.values(), "layer_types"):
             out.pop(old, None)  # they would override what we write

@@ -1,0 +1,232 @@
+"""The gated delta net mixer (Yang, Kautz & Hatamizadeh, ICLR 2025, "Gated Delta Networks",
+§3.4 "Gated DeltaNet"): the linear-attention layer of Qwen3-Next, Qwen3.5 and OLMo-Hybrid.
+
+Per token, with ``G`` query/key heads of width ``K`` and ``H = G * R`` value heads of width
+``V`` (each q/k head serves ``R`` consecutive value heads)::
+
+    q, k, v = silu(causal depthwise conv([q_proj x, k_proj x, v_proj x]))   (width d_conv)
+    q, k    = l2norm(q), l2norm(k) per head  (x * rsqrt(sum x^2 + 1e-6), in >= fp32)
+    g       = -exp(A_log) * softplus(a_proj x + dt_bias)                    per value head
+    beta    = sigmoid(b_proj x)              (times 2 with allow_neg_eigval, OLMo-Hybrid)
+    o       = gated delta rule(q / sqrt(K), k, v, g, beta)    (composer.kernels.gdn)
+    y       = o_proj(norm.weight * rms(o) * silu(z_proj x))   per value head (norm, then gate)
+
+This is the math of transformers' ``Qwen3NextGatedDeltaNet`` / ``OlmoHybridGatedDeltaNet``.
+
+Parameters (canonical names and shapes; the contract for converters). ``D`` d_model,
+``QK = G * K``, ``VV = H * V``; heads are contiguous blocks of rows, value head ``h`` at rows
+``h * V : (h + 1) * V``, q/k head ``h // R``:
+
+    q_proj.weight   [QK, D]              k_proj.weight   [QK, D]
+    v_proj.weight   [VV, D]              z_proj.weight   [VV, D]   (output gate)
+    b_proj.weight   [H, D]  (beta)       a_proj.weight   [H, D]    (decay input)
+    conv1d.weight   [2 QK + VV, 1, d_conv]   rows [q; k; v] (conv1d.bias [2 QK + VV] if conv_bias)
+    A_log [H] fp32,  dt_bias [H] fp32,  norm.weight [V] (shared by the heads)
+    o_proj.weight   [D, VV]
+
+Qwen3-Next fuses ``in_proj_qkvz`` ``[2 QK + 2 VV, D]`` grouped per key head: view it as
+``[G, 2K + 2RV, D]`` and split the middle dim into ``(K, K, R V, R V)`` for q, k, v, z (then
+flatten the first two dims); ``in_proj_ba`` ``[2H, D]`` as ``[G, 2R, D]`` split ``(R, R)`` for
+b, a. Its ``conv1d.weight`` is already ``[q; k; v]``, ``out_proj`` is ``o_proj``. Qwen3.5 stores
+``in_proj_qkv`` (``[q; k; v]`` rows), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; OLMo-Hybrid
+stores ``q/k/v/a/b_proj``, ``g_proj`` (our ``z_proj``) and ``o_norm`` (our ``norm``).
+
+Packed documents (``doc_ids``): the convolution reads no earlier document and the state restarts
+at each document's first token (:mod:`composer.kernels.gdn`).
+
+Shape legend: B batch, T time, D d_model, G q/k heads, H value heads, K / V their widths,
+X conv channels (2 G K + H V).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from composer.blocks.mamba2 import ALogInit, DtBiasInit
+from composer.blocks.plan import ONES, Divisible, Init, Normal, ParallelPlan, init_module
+from composer.blocks.split import SplitCausalConv1d
+from composer.config import GDNConfig, ModelConfig
+from composer.kernels import conv_silu
+from composer.kernels.gdn import gated_delta_rule, gdn_recurrent_ref
+
+L2_EPS = 1e-6
+"""transformers' and fla's ``l2norm`` epsilon (inside the square root, added to the sum)."""
+
+
+def _n_kv_heads(d: GDNConfig) -> int:
+    return d.n_kv_heads or d.n_heads
+
+
+def _sizes(d: GDNConfig) -> tuple[int, int]:
+    """``(QK, VV)``: the widths of q (and k) and of v (and z)."""
+    return _n_kv_heads(d) * d.d_head_k, d.n_heads * d.d_head_v
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_EPS)
+
+
+class HeadGatedRMSNorm(nn.Module):
+    """``w * rms(x) * silu(z)`` over the last dim (one head), weight shared by the heads; the norm
+    in >= fp32 and cast back before the weight, as transformers' ``Qwen3NextRMSNormGated``."""
+
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def init_rules(self) -> dict[str, Init]:
+        return {"weight": ONES}
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return h * F.silu(gate.to(h.dtype))
+
+
+class GatedDeltaNet(nn.Module):
+    """``layers.i.mixer.{q,k,v,z,b,a}_proj, conv1d, A_log, dt_bias, norm, o_proj`` (docstring)."""
+
+    keep_fp32 = ("A_log", "dt_bias")
+    uses_doc_ids = True
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        d = cfg.gdn
+        assert d is not None
+        self.gdn_cfg = d
+        self.layer_idx = layer_idx
+        self.init_std = cfg.init_std
+        qk, vv = _sizes(d)
+        D = cfg.d_model
+        self.q_proj = nn.Linear(D, qk, bias=False)
+        self.k_proj = nn.Linear(D, qk, bias=False)
+        self.v_proj = nn.Linear(D, vv, bias=False)
+        self.z_proj = nn.Linear(D, vv, bias=False)
+        self.b_proj = nn.Linear(D, d.n_heads, bias=False)
+        self.a_proj = nn.Linear(D, d.n_heads, bias=False)
+        self.conv1d = SplitCausalConv1d({"q": qk, "k": qk, "v": vv}, d.d_conv, bias=d.conv_bias)
+        self.A_log = nn.Parameter(torch.empty(d.n_heads))
+        self.dt_bias = nn.Parameter(torch.empty(d.n_heads))
+        self.norm = HeadGatedRMSNorm(d.d_head_v, d.norm_eps)
+        self.o_proj = nn.Linear(vv, D, bias=False)
+
+    def init_rules(self) -> dict[str, Init]:
+        d = self.gdn_cfg  # conv1d and norm declare their own
+        return {"*_proj.weight": Normal(self.init_std),
+                "dt_bias": DtBiasInit(d.dt_min, d.dt_max, d.dt_init_floor),
+                "A_log": ALogInit(*d.a_init_range)}
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        init_module(self, generator)
+
+    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        d = self.gdn_cfg
+        b, T, _ = x_BTD.shape
+        # Sizes follow the weights (a tensor-parallel rank holds a slice of the heads).
+        H = self.A_log.shape[0]
+        G = H * _n_kv_heads(d) // d.n_heads
+        K, V = d.d_head_k, d.d_head_v
+        qkv_BTX = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1)
+        qkv_BTX = conv_silu(qkv_BTX, self.conv1d, doc_ids)
+        q_BTX, k_BTX, v_BTX = qkv_BTX.split([G * K, G * K, H * V], dim=-1)
+        dtype = torch.promote_types(x_BTD.dtype, torch.float32)
+        q_BTGK = _l2norm(q_BTX.reshape(b, T, G, K).to(dtype))
+        k_BTGK = _l2norm(k_BTX.reshape(b, T, G, K).to(dtype))
+        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).to(dtype))
+        if d.allow_neg_eigval:
+            beta_BTH = beta_BTH * 2.0
+        a_BTH = self.a_proj(x_BTD).to(dtype)
+        g_BTH = -torch.exp(self.A_log.to(dtype)) * F.softplus(a_BTH + self.dt_bias.to(dtype))
+        o_BTHV = gated_delta_rule(q_BTGK, k_BTGK, v_BTX.reshape(b, T, H, V), g_BTH, beta_BTH,
+                                  d.chunk_size, doc_ids=doc_ids)
+        # o stays in >= fp32 through the norm, as in transformers; cast once for o_proj.
+        z_BTHV = self.z_proj(x_BTD).reshape(b, T, H, V)
+        y_BTHV = self.norm(o_BTHV, z_BTHV)
+        return self.o_proj(y_BTHV.reshape(b, T, H * V).to(x_BTD.dtype))
+
+    def parallel_plan(self) -> ParallelPlan:
+        """Heads split over ``tp`` (Megatron's GDN): the six input projections column parallel by
+        heads, each part of the conv and the per-head ``A_log`` / ``dt_bias`` split alike, o_proj
+        row parallel; the norm weight (one head wide, shared) replicated with partial grads."""
+        return ParallelPlan(colwise=("q_proj", "k_proj", "v_proj", "z_proj", "b_proj", "a_proj"),
+                            rowwise=("o_proj",), shard={"conv1d.*": 0, "A_log": 0, "dt_bias": 0},
+                            partial=("norm.weight",))
+
+    @staticmethod
+    def layout_rules(cfg: ModelConfig) -> list[Divisible]:
+        d = cfg.gdn
+        assert d is not None
+        return [Divisible("gdn.n_heads", d.n_heads), Divisible("gdn.n_kv_heads", _n_kv_heads(d))]
+
+    @staticmethod
+    def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+        """Forward FLOPs per token (a multiply-add is 2), averaged over a ``seq_len`` sequence.
+
+        With ``L = min(chunk_size, seq_len)``, ``n_chunks = ceil(seq_len / L)``, the sequence
+        padded to ``T' = n_chunks * L`` and per value head::
+
+            projections  2 * (params of the seven projections)
+            conv         2 * X * d_conv
+            chunked      T' * H * (4 L K + 2 L V + L (K + V) + 6 K V) / seq_len
+
+        The chunked terms per step: the ``L x L`` products ``k_beta k^T`` and ``q k^T`` (dense, as
+        computed), the triangular solves for ``U0`` and ``W`` (``L`` multiply-adds per column,
+        halved by the triangle), ``attn @ u``, and the state's three ``K x V`` products
+        (``W S``, ``q S``, ``k^T u``). Elementwise work is not counted.
+        """
+        d = cfg.gdn
+        assert d is not None
+        qk, vv = _sizes(d)
+        H, K, V = d.n_heads, d.d_head_k, d.d_head_v
+        proj = cfg.d_model * (2 * qk + 2 * vv + 2 * H) + vv * cfg.d_model
+        L = max(1, min(d.chunk_size, seq_len))
+        padded = -(-max(seq_len, 1) // L) * L
+        chunked = padded * H * (4 * L * K + 2 * L * V + L * (K + V) + 6 * K * V)
+        return 2 * proj + 2 * (2 * qk + vv) * d.d_conv + chunked // max(seq_len, 1)
+
+
+def gdn_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig,
+            doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-math twin of :class:`GatedDeltaNet`; ``weights`` uses its state-dict names.
+
+    The causal convolution as a sum over taps, softplus as ``log1p(exp(.))``, the sequential
+    :func:`gdn_recurrent_ref`. Meant for fp64 inputs and weights.
+    """
+    d = cfg.gdn
+    assert d is not None
+    b, T, _ = x.shape
+    G, H, K, V = _n_kv_heads(d), d.n_heads, d.d_head_k, d.d_head_v
+    qk, vv = _sizes(d)
+    w = {name: weights[f"{name}_proj.weight"] for name in "qkvzba"}
+    qkv = torch.cat([x @ w["q"].T, x @ w["k"].T, x @ w["v"].T], -1)
+    cw, taps = weights["conv1d.weight"][:, 0, :], d.d_conv
+    conv = torch.zeros_like(qkv)
+    for tap in range(taps):  # tap k multiplies the input K - 1 - k steps back
+        lag = taps - 1 - tap
+        if lag >= T:
+            continue
+        src = qkv[:, : T - lag]
+        if doc_ids is not None:
+            src = src * (doc_ids[:, : T - lag] == doc_ids[:, lag:])[..., None]
+        conv[:, lag:] = conv[:, lag:] + cw[:, tap] * src
+    if "conv1d.bias" in weights:
+        conv = conv + weights["conv1d.bias"]
+    qkv = conv / (1 + torch.exp(-conv))
+    q, k, v = qkv[..., :qk], qkv[..., qk : 2 * qk], qkv[..., 2 * qk :]
+    q = q.reshape(b, T, G, K)
+    k = k.reshape(b, T, G, K)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+    beta = 1 / (1 + torch.exp(-(x @ w["b"].T)))
+    if d.allow_neg_eigval:
+        beta = 2 * beta
+    g = -torch.exp(weights["A_log"]) * torch.log1p(torch.exp(x @ w["a"].T + weights["dt_bias"]))
+    o = gdn_recurrent_ref(q, k, v.reshape(b, T, H, V), g, beta, doc_ids=doc_ids)
+    z = (x @ w["z"].T).reshape(b, T, H, V)
+    o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + d.norm_eps)
+    y = weights["norm.weight"] * o * z / (1 + torch.exp(-z))
+    return y.reshape(b, T, vv) @ weights["o_proj.weight"].T

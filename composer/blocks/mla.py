@@ -1,0 +1,254 @@
+"""Multi-latent attention (MLA): DeepSeek-V2 §2.1, as DeepSeek-V3 and Kimi-K2 use it.
+
+Keys and values come from one compressed latent per token, queries from an optional low-rank
+bottleneck; position enters through a few extra RoPE channels per head, with one RoPE key shared
+by all heads (it cannot be folded into the latent):
+
+    q       = q_b(rms(q_a(x)))          or  q_proj(x)           [H, N + R]   (nope | rope)
+    [c, kr] = kv_a(x)                                           c: [C], kr: [R] (one head)
+    [kn, v] = kv_b(rms(c))                                      [H, N], [H, V]
+    k_h     = [kn_h, rope(kr)],   q_h = [qn_h, rope(qr_h)]
+    o       = o_proj(concat_h softmax(q_h k_h^T * scale + causal) v_h)
+
+``scale = (N + R)^-1/2``, times YaRN's ``mscale(factor, mscale_all_dim)^2`` when the RoPE uses
+YaRN (Peng et al. 2023) with ``mscale_all_dim``; YaRN also multiplies the cos/sin tables by its
+attention factor, which scales the RoPE channels only. RoPE is the rotate-half layout of
+``attention.py`` (channel ``i`` pairs with ``i + R/2``). DeepSeek's checkpoints store the RoPE rows
+of ``q_b_proj`` and ``kv_a_proj_with_mqa`` pair-interleaved (``rope_interleave``); the converter
+permutes them once on import (``tools/convert/deepseek.py``), so this block has one convention.
+
+This is the training form (per-head k and v materialised, then SDPA); the absorbed form (scores
+against the latent, for decoding) is the same math with ``kv_b`` folded into q and o.
+
+Packed documents (``doc_ids``): block-diagonal causal mask and RoPE positions that restart at each
+document, as in ``attention.py``.
+
+Legend: B batch, T time, D model width, H heads, C kv latent rank, N nope width, R rope width,
+V value width, Q = N + R query/key width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from composer.blocks.attention import apply_rope, rope_cos_sin, rope_cos_sin_at, rope_frequencies
+from composer.blocks.norm import RMSNorm
+from composer.blocks.plan import Divisible, Init, Normal, ParallelPlan, init_module
+from composer.config import MLAConfig, ModelConfig, YarnScaling
+from composer.kernels import sdpa_context
+from composer.kernels.docs import doc_positions
+from composer.kernels.sdpa import doc_sdpa
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(d_rot: int, theta: float, y: YarnScaling) -> torch.Tensor:
+    """YaRN inverse frequencies (fp64): interpolated by ``factor`` below the ``beta_slow``
+    correction dimension, extrapolated above ``beta_fast``, a linear ramp between."""
+    dims = torch.arange(0, d_rot, 2, dtype=torch.float64, device="cpu")
+    extrapolated = 1.0 / theta ** (dims / d_rot)
+    interpolated = extrapolated / y.factor
+
+    def correction_dim(n_rotations: float) -> float:
+        ratio = y.original_max_position / (n_rotations * 2 * math.pi)
+        return d_rot * math.log(ratio) / (2 * math.log(theta))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d_rot - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoids a zero-width ramp
+    ramp = (torch.arange(d_rot // 2, dtype=torch.float64, device="cpu") - low) / (high - low)
+    ramp = ramp.clamp(0, 1)
+    return interpolated * ramp + extrapolated * (1 - ramp)
+
+
+def mla_rope(m: MLAConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for the RoPE channels and the gain of the cos/sin tables."""
+    y = m.rope_scaling
+    if y is None:
+        return rope_frequencies(m.d_head_rope, m.rope_theta, None), 1.0
+    if y.attention_factor is not None:
+        gain = y.attention_factor
+    elif y.mscale and y.mscale_all_dim:
+        gain = yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
+    else:
+        gain = yarn_mscale(y.factor)
+    return yarn_frequencies(m.d_head_rope, m.rope_theta, y), gain
+
+
+def mla_softmax_scale(m: MLAConfig) -> float:
+    if m.softmax_scale is not None:
+        return m.softmax_scale
+    scale = (m.d_head_nope + m.d_head_rope) ** -0.5
+    y = m.rope_scaling
+    if y is not None and y.mscale_all_dim:
+        scale *= yarn_mscale(y.factor, y.mscale_all_dim) ** 2
+    return scale
+
+
+class MLA(nn.Module):
+    """``layers.i.mixer.{q_proj | q_a_proj, q_a_norm, q_b_proj}``, ``kv_a_proj``,
+    ``kv_a_norm``, ``kv_b_proj``, ``o_proj`` (no biases)."""
+
+    uses_doc_ids = True
+    """``forward`` takes ``doc_ids`` (the residual layer passes them only to mixers that do)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        m = cfg.mla
+        assert m is not None
+        self.n_heads, self.q_lora_rank, self.kv_lora_rank = m.n_heads, m.q_lora_rank, \
+            m.kv_lora_rank
+        self.d_nope, self.d_rope, self.d_v = m.d_head_nope, m.d_head_rope, m.d_head_v
+        self.d_qk = self.d_nope + self.d_rope
+        self.init_std = cfg.init_std
+        d, h = cfg.d_model, m.n_heads
+        if m.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, h * self.d_qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, m.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, m.norm_eps)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, h * self.d_qk, bias=False)
+        self.kv_a_proj = nn.Linear(d, m.kv_lora_rank + self.d_rope, bias=False)
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, m.norm_eps)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, h * (self.d_nope + self.d_v), bias=False)
+        self.o_proj = nn.Linear(h * self.d_v, d, bias=False)
+        self.inv_freq, self.rope_gain = mla_rope(m)
+        self.scale = mla_softmax_scale(m)
+
+    def init_rules(self) -> dict[str, Init]:
+        return {"*_proj.weight": Normal(self.init_std)}
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        init_module(self, generator)
+
+    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, _ = x_BTD.shape
+        if self.q_lora_rank is None:
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BTD)))
+        # -1: the head count follows the weights (a tensor-parallel rank holds some of the heads)
+        q_BHTQ = q.view(b, t, -1, self.d_qk).transpose(1, 2)
+        qn_BHTN, qr_BHTR = q_BHTQ.split([self.d_nope, self.d_rope], dim=-1)
+        c_BTC, kr_BTR = self.kv_a_proj(x_BTD).split([self.kv_lora_rank, self.d_rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_norm(c_BTC)).view(b, t, -1, self.d_nope + self.d_v)
+        kn_BHTN, v_BHTV = kv.transpose(1, 2).split([self.d_nope, self.d_v], dim=-1)
+        if doc_ids is None:
+            cos, sin = self._cos_sin(t, x_BTD.device, q.dtype)
+        else:  # positions restart at each document
+            cos, sin = rope_cos_sin_at(doc_positions(doc_ids), self.inv_freq, q.dtype)
+            cos, sin = self._gain(cos), self._gain(sin)
+        qr_BHTR = apply_rope(qr_BHTR, cos, sin)
+        kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
+        h = q_BHTQ.shape[1]
+        q_BHTQ = torch.cat([qn_BHTN, qr_BHTR], dim=-1)
+        k_BHTQ = torch.cat([kn_BHTN, kr_B1TR.expand(-1, h, -1, -1)], dim=-1)
+        if doc_ids is None:
+            with sdpa_context(q_BHTQ):  # flash first on CUDA; CPU untouched (kernels.sdpa)
+                o_BHTV = F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTV, is_causal=True,
+                                                        scale=self.scale)
+        else:  # block-diagonal causal: each document attends to itself only
+            o_BHTV = doc_sdpa(q_BHTQ, k_BHTQ, v_BHTV, doc_ids, self.scale)
+        return self.o_proj(o_BHTV.transpose(1, 2).reshape(b, t, -1))
+
+    def _gain(self, table: torch.Tensor) -> torch.Tensor:
+        return table * self.rope_gain if self.rope_gain != 1.0 else table
+
+    def _cos_sin(self, t: int, device: torch.device,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables for length ``t``, kept while the length, device and dtype repeat."""
+        key = (t, device, dtype)
+        cached = getattr(self, "_rope_cache", None)
+        if cached is None or cached[0] != key:
+            cos, sin = rope_cos_sin(t, self.inv_freq, device, dtype)
+            cached = (key, self._gain(cos), self._gain(sin))
+            self._rope_cache = cached
+        return cached[1], cached[2]
+
+    def parallel_plan(self) -> ParallelPlan:
+        """Heads split over ``tp``: the query up-projection (or ``q_proj``) and ``kv_b_proj``
+        column parallel (their rows are head-major), ``o_proj`` row parallel. The
+        down-projections, the latent norms and the shared RoPE key are replicated: each rank
+        back-propagates through its heads only, so their gradients are partial sums."""
+        q = ("q_proj",) if self.q_lora_rank is None else ("q_b_proj",)
+        return ParallelPlan(colwise=(*q, "kv_b_proj"), rowwise=("o_proj",),
+                            partial=("q_a_proj.weight", "q_a_norm.weight", "kv_a_proj.weight",
+                                     "kv_a_norm.weight"))
+
+    @staticmethod
+    def layout_rules(cfg: ModelConfig) -> list[Divisible]:
+        assert cfg.mla is not None
+        return [Divisible("mla.n_heads", cfg.mla.n_heads)]
+
+    @staticmethod
+    def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+        """Projections ``2 * weights`` plus scores ``2 * H * Q * seq_len`` and weighted sum
+        ``2 * H * V * seq_len`` (full context, as ``attention.py`` counts it)."""
+        m = cfg.mla
+        assert m is not None
+        d, h, q = cfg.d_model, m.n_heads, m.d_head_nope + m.d_head_rope
+        proj_q = d * h * q if m.q_lora_rank is None else m.q_lora_rank * (d + h * q)
+        proj = (proj_q + d * (m.kv_lora_rank + m.d_head_rope)
+                + m.kv_lora_rank * h * (m.d_head_nope + m.d_head_v) + h * m.d_head_v * d)
+        return 2 * proj + 2 * h * (q + m.d_head_v) * seq_len
+
+
+def mla_ref(x: torch.Tensor, w: dict[str, torch.Tensor], m: MLAConfig,
+            doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-math twin of :class:`MLA`: per-head keys and values materialised from the latent,
+    explicit pair rotations, explicit mask, a loop over heads. ``w`` is the block's state dict
+    (``q_a_proj.weight``, ...)."""
+    b, t, _ = x.shape
+    n, r, v_dim, h = m.d_head_nope, m.d_head_rope, m.d_head_v, m.n_heads
+
+    def rms(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * y / torch.sqrt((y * y).mean(-1, keepdim=True) + m.norm_eps)
+
+    if m.q_lora_rank is None:
+        q = x @ w["q_proj.weight"].T
+    else:
+        q = rms(x @ w["q_a_proj.weight"].T, w["q_a_norm.weight"]) @ w["q_b_proj.weight"].T
+    q = q.view(b, t, h, n + r)
+    kv_a = x @ w["kv_a_proj.weight"].T
+    c, k_rope = rms(kv_a[..., :m.kv_lora_rank], w["kv_a_norm.weight"]), kv_a[..., m.kv_lora_rank:]
+    w_kv = w["kv_b_proj.weight"].view(h, n + v_dim, m.kv_lora_rank)
+    pos = torch.arange(t).expand(b, t)
+    mask = torch.full((t, t), float("-inf"), dtype=x.dtype).triu(1)
+    if doc_ids is not None:
+        first = torch.stack([torch.searchsorted(row, row, right=False) for row in doc_ids])
+        pos = pos - first
+        mask = mask.masked_fill(doc_ids[:, :, None] != doc_ids[:, None, :], float("-inf"))
+    inv_freq, gain = mla_rope(m)
+    k_rope = _rotate_pairs(k_rope, inv_freq.to(x.dtype), pos) * gain
+    heads = []
+    for i in range(h):
+        q_i = torch.cat([q[:, :, i, :n], _rotate_pairs(q[:, :, i, n:], inv_freq.to(x.dtype),
+                                                       pos) * gain], -1)
+        k_i = torch.cat([c @ w_kv[i, :n].T, k_rope], -1)
+        v_i = c @ w_kv[i, n:].T
+        scores = q_i @ k_i.transpose(1, 2) * mla_softmax_scale(m) + mask
+        heads.append(torch.softmax(scores, -1) @ v_i)
+    return torch.cat(heads, -1) @ w["o_proj.weight"].T
+
+
+def _rotate_pairs(x: torch.Tensor, inv_freq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs ``(i, i + R/2)`` of ``x`` ``[B, T, R]`` by ``pos * inv_freq[i]``."""
+    out = x.clone()
+    half = inv_freq.shape[0]
+    pos = pos.to(x.dtype)
+    for i in range(half):
+        ang = pos * inv_freq[i]
+        a, b = x[..., i], x[..., i + half]
+        out[..., i] = a * torch.cos(ang) - b * torch.sin(ang)
+        out[..., i + half] = a * torch.sin(ang) + b * torch.cos(ang)
+    return out
