@@ -105,6 +105,11 @@ class MLAConfig:
     """Epsilon of the two latent RMSNorms (transformers keeps them at 1e-6)."""
     softmax_scale: float | None = None
     """Score scale; ``None`` means ``(d_head_nope + d_head_rope)^-1/2`` times YaRN's mscale^2."""
+    max_dense_len: int | None = None
+    """Longest sequence this dense block computes exactly; longer ones are refused. Set from
+    DeepSeek-V3.2's ``index_topk``: its DSA indexer keeps the top ``index_topk`` keys per query,
+    which is every causal key up to that length, and sparse attention is not built. ``None``: no
+    limit (plain MLA)."""
 
 
 @dataclass
@@ -572,7 +577,8 @@ def _validate_moe(e: MoEConfig, cfg: ModelConfig) -> None:
 
 def _validate_mla(m: MLAConfig, cfg: ModelConfig) -> None:
     _positive(m, "mla.", ("n_heads", "q_lora_rank", "kv_lora_rank", "d_head_nope", "d_head_rope",
-                          "d_head_v", "rope_theta", "norm_eps", "softmax_scale"))
+                          "d_head_v", "rope_theta", "norm_eps", "softmax_scale",
+                          "max_dense_len"))
     if m.d_head_rope % 2:
         raise ConfigError(f"mla.d_head_rope ({m.d_head_rope}) must be even (RoPE rotates pairs)")
     y = m.rope_scaling

@@ -20,6 +20,10 @@ permutes them once on import (``tools/convert/deepseek.py``), so this block has 
 This is the training form (per-head k and v materialised, then SDPA); the absorbed form (scores
 against the latent, for decoding) is the same math with ``kv_b`` folded into q and o.
 
+DeepSeek-V3.2 adds a DSA indexer that keeps the top ``index_topk`` keys per query; up to that
+length it keeps every causal key, so the layer is this dense one. ``mla.max_dense_len`` (set from
+``index_topk``) makes longer sequences a ``ValueError`` rather than a different computation.
+
 Packed documents (``doc_ids``): block-diagonal causal mask and RoPE positions that restart at each
 document, as in ``attention.py``.
 
@@ -124,6 +128,7 @@ class MLA(nn.Module):
         self.o_proj = nn.Linear(h * self.d_v, d, bias=False)
         self.inv_freq, self.rope_gain = mla_rope(m)
         self.scale = mla_softmax_scale(m)
+        self.max_dense_len = m.max_dense_len
 
     def init_rules(self) -> dict[str, Init]:
         return {"*_proj.weight": Normal(self.init_std)}
@@ -133,6 +138,11 @@ class MLA(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x_BTD.shape
+        if self.max_dense_len is not None and t > self.max_dense_len:
+            n = self.max_dense_len
+            raise ValueError(f"MLA: sequence of {t} tokens exceeds mla.max_dense_len={n}: sparse "
+                             f"attention (DeepSeek-V3.2's indexer, top-k {n}) is not built; "
+                             f"sequences up to {n} tokens are exact")
         if self.q_lora_rank is None:
             q = self.q_proj(x_BTD)
         else:

@@ -57,6 +57,21 @@ def test_mla_documents_are_isolated():
     torch.testing.assert_close(packed, torch.cat([mla(a), mla(b)], 1), atol=1e-12, rtol=0)
 
 
+def test_max_dense_len_refuses_longer_sequences():
+    import dataclasses
+
+    m = dataclasses.replace(CASES["lora-q"], max_dense_len=6)
+    mla = MLA(_cfg(m))
+    _randomize(mla)
+    plain = MLA(_cfg(CASES["lora-q"]))
+    plain.load_state_dict(mla.state_dict())
+    x = torch.randn(2, 6, 32)
+    torch.testing.assert_close(mla(x), plain(x), atol=0, rtol=0)  # up to the limit: dense MLA
+    with pytest.raises(ValueError, match=r"sparse attention \(DeepSeek-V3.2's indexer, top-k 6\)"
+                       r" is not built; sequences up to 6 tokens are exact"):
+        mla(torch.randn(2, 7, 32))
+
+
 def _hf_config(m: MLAConfig, interleave: bool):
     from transformers import DeepseekV3Config
 

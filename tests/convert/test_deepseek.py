@@ -1,5 +1,7 @@
 """DeepSeek-V3 (MLA + dense / sigmoid-routed MoE): HF -> composer -> HF, logits and bytes; the
-interleaved RoPE rows are permuted on import and restored exactly on export."""
+interleaved RoPE rows are permuted on import and restored exactly on export. DeepSeek-V3.2: the
+same up to index_topk tokens, its DSA indexer tensors kept aside byte for byte, longer sequences
+refused."""
 
 import pytest
 import torch
@@ -79,3 +81,60 @@ def test_unsupported_fields_are_refused():
         adapter.config_from_hf(tiny(rope_interleave=False))
     with pytest.raises(ConfigError, match="quantized checkpoints"):
         adapter.config_from_hf(tiny(quantization_config={"quant_method": "fp8"}))
+
+
+def tiny_v32(**kw):
+    base = tiny(index_topk=24, index_n_heads=2, index_head_dim=8)
+    base.update(kw)
+    return base
+
+
+@pytest.mark.parametrize("mlp_layer_types", [None, ["sparse", "dense", "sparse"]],
+                         ids=["first-k-dense", "mixed"])
+def test_deepseek_v32(check_family, randomize, tmp_path, mlp_layer_types):
+    from safetensors.torch import load_file
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    import composer
+
+    model = DeepseekV32ForCausalLM(DeepseekV32Config(**tiny_v32(mlp_layer_types=mlp_layer_types)))
+    randomize(model, seed=7)
+    indexer = model.model.layers[0].self_attn.indexer
+    assert indexer.k_norm.bias.abs().max() > 0 and indexer.wq_b.weight.abs().max() > 0
+    # 2 x 19 tokens <= index_topk: the indexer selects every causal key, dense MLA is exact
+    cfg = check_family(model, bf16=mlp_layer_types is None)
+    assert cfg.mla.max_dense_len == 24
+    assert cfg.pattern == ("+-+E+E" if mlp_layer_types is None else "+E+-+E")
+    aside = load_file(tmp_path / "ours" / "hf" / "aside" / "model.safetensors")
+    names = {f"model.layers.{i}.self_attn.indexer.{w}" for i in range(3)
+             for w in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias",
+                       "weights_proj.weight")}
+    assert set(aside) == names
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    for name in names:  # written back byte for byte
+        assert back[name].dtype == aside[name].dtype and torch.equal(back[name], aside[name])
+    import json
+    hf_back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (hf_back["index_topk"], hf_back["index_n_heads"], hf_back["index_head_dim"]) == \
+        (24, 2, 8)
+    assert "rope_interleave" not in hf_back
+    ours = composer.load(tmp_path / "ours")
+    ids = torch.randint(0, 97, (1, 25))
+    with pytest.raises(ValueError, match=r"sparse attention \(DeepSeek-V3.2's indexer, top-k "
+                       r"24\) is not built; sequences up to 24 tokens are exact"):
+        ours(ids)
+    with torch.no_grad():
+        assert ours(ids[:, :24]).shape == (1, 24, 97)
+
+
+def test_deepseek_v32_refusals():
+    from composer.convert.deepseek import DeepseekV32Adapter
+
+    adapter = DeepseekV32Adapter()
+    with pytest.raises(ConfigError, match="needs q_lora_rank"):
+        adapter.config_from_hf(tiny_v32(q_lora_rank=None))
+    with pytest.raises(ConfigError, match="layer_types"):
+        adapter.config_from_hf(tiny_v32(layer_types=["full_attention"] * 3))
+    cfg = adapter.config_from_hf(tiny_v32())
+    with pytest.raises(ConfigError, match="source checkpoint"):
+        adapter.config_to_hf(cfg, {})

@@ -15,10 +15,20 @@ export: a byte permutation, exact both ways.
 Multi-token-prediction weights (``model.layers.{num_hidden_layers}.*``) are kept aside byte for
 byte (``hf/aside/``) and written back on export (no block of ours reads them yet). FP8
 checkpoints (``weight_scale_inv``) are refused: dequantize to bf16 first.
+
+DeepSeek-V3.2 (``DeepseekV32ForCausalLM``, :class:`DeepseekV32Adapter`) is the same model plus a
+DSA indexer per attention layer (``self_attn.indexer.{wq_b,wk,k_norm,weights_proj}``) that keeps
+the top ``index_topk`` keys per query. Up to ``index_topk`` tokens that is every causal key
+(transformers takes ``topk(min(index_topk, T))`` over all ``T`` keys and masks none of the causal
+ones), so the layer is dense MLA: the indexer tensors are kept aside byte for byte and
+``mla.max_dense_len = index_topk`` makes our block refuse longer sequences. Its MLA RoPE is always
+interleaved (no ``rope_interleave`` field; the indexer's own RoPE is rotate-half but its tensors
+are not touched), so the same row permutation applies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from composer.config import (
@@ -269,3 +279,70 @@ class DeepseekV3Adapter(Adapter):
             links += expert_links(ours, f"{hf}.mlp", moe.n_experts, moe.d_ff, fused_experts,
                                   {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
         return links
+
+
+class DeepseekV32Adapter(DeepseekV3Adapter):
+    """DeepSeek-V3.2: V3's MLA + MoE with a DSA indexer (kept aside; see the module docstring).
+    Per-layer ``mlp_layer_types`` (``dense`` / ``sparse``) in any order; ``layer_types`` must be
+    all ``indexed_attention``; ``index_n_heads`` / ``index_head_dim`` come back from the source
+    config on export."""
+
+    family = "deepseek-v3.2"
+    architectures = ("DeepseekV32ForCausalLM",)
+    model_type = "deepseek_v32"
+
+    def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
+        n_layers = require(hf, "num_hidden_layers")
+        if hf.get("q_lora_rank") is None:
+            raise ConfigError("config.json: DeepseekV32 needs q_lora_rank (its indexer reads the "
+                              "query latent; transformers builds no full q_proj)")
+        topk = require(hf, "index_topk")
+        types = hf.get("layer_types") or ["indexed_attention"] * n_layers
+        if list(types) != ["indexed_attention"] * n_layers:
+            raise ConfigError(f"config.json: layer_types must be {n_layers} x "
+                              f"'indexed_attention', got {types}")
+        mlp_types = hf.get("mlp_layer_types")
+        if mlp_types is None:
+            k = min(int(hf.get("first_k_dense_replace") or 0), n_layers)
+            mlp_types = ["dense"] * k + ["sparse"] * (n_layers - k)
+        if len(mlp_types) != n_layers or set(mlp_types) - {"dense", "sparse"}:
+            raise ConfigError(f"config.json: mlp_layer_types must be {n_layers} of 'dense' / "
+                              f"'sparse', got {mlp_types}")
+        n_dense = mlp_types.count("dense")
+        # V3's reader builds the MLP section when k > 0 and the MoE one when k < n_layers.
+        k = n_layers if n_dense == n_layers else 0 if n_dense == 0 else 1
+        v3 = {key: v for key, v in hf.items() if key != "rope_interleave"}  # always interleaved
+        v3["first_k_dense_replace"] = k
+        cfg = super().config_from_hf(v3)
+        pattern = "".join("+-" if t == "dense" else "+E" for t in mlp_types)
+        return dataclasses.replace(cfg, pattern=pattern,
+                                   mla=dataclasses.replace(cfg.mla, max_dense_len=int(topk)))
+
+    def layer_kinds(self, cfg: ModelConfig) -> list[bool]:
+        """Per HF layer, whether it is MoE: the pattern must be ``(+-|+E)*``."""
+        layers = cfg.parsed.layers
+        pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
+        if len(layers) % 2 or any(p not in ("+-", "+E") for p in pairs):
+            raise layer_pattern_error(self.family, cfg.pattern, "it must be '+-' (dense MLP) "
+                                      "and '+E' (MoE) layers")
+        return [p == "+E" for p in pairs]
+
+    def config_to_hf(self, cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
+        if cfg.mla is None or cfg.mla.max_dense_len is None:
+            raise ConfigError("DeepseekV32 needs mla.max_dense_len (its index_topk)")
+        if "index_n_heads" not in base or "index_head_dim" not in base:
+            raise ConfigError("DeepseekV32 export needs a DeepSeek-V3.2 source checkpoint "
+                              "(index_n_heads / index_head_dim in hf/config.json, the indexer "
+                              "tensors in hf/aside/): no block of ours builds the indexer")
+        out = super().config_to_hf(cfg, base)
+        sparse = self.layer_kinds(cfg)
+        lead = next((i for i, s in enumerate(sparse) if s), len(sparse))
+        out.pop("rope_interleave", None)
+        out.update(first_k_dense_replace=lead,
+                   mlp_layer_types=["sparse" if s else "dense" for s in sparse],
+                   layer_types=["indexed_attention"] * len(sparse),
+                   index_topk=cfg.mla.max_dense_len)
+        return out
+
+    def aside(self, name: str, hf: dict[str, Any]) -> bool:
+        return ".self_attn.indexer." in name or super().aside(name, hf)

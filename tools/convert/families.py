@@ -2,7 +2,7 @@
 
 from composer.convert.base import Adapter
 from composer.convert.decoder import LlamaAdapter, MixtralAdapter, Qwen3Adapter, Qwen3MoeAdapter
-from composer.convert.deepseek import DeepseekV3Adapter
+from composer.convert.deepseek import DeepseekV3Adapter, DeepseekV32Adapter
 from composer.convert.glm4_moe import Glm4MoeAdapter, MiniMaxM2Adapter
 from composer.convert.granite import BambaAdapter, GraniteMoeHybridAdapter
 from composer.convert.mamba import Mamba2Adapter, NemotronHAdapter
@@ -19,6 +19,7 @@ ADAPTERS: list[Adapter] = [
     BambaAdapter(),
     GraniteMoeHybridAdapter(),
     DeepseekV3Adapter(),
+    DeepseekV32Adapter(),
     Glm4MoeAdapter(),
     MiniMaxM2Adapter(),
     OlmoHybridAdapter(),
