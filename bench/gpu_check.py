@@ -216,7 +216,7 @@ def read_jsonl(path: Path) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:  # a line cut short by a kill
-                pass
+                continue
     return rows
 
 

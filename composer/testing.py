@@ -104,3 +104,33 @@ def adamw_steps(model: torch.nn.Module, dims, opt: torch.optim.Optimizer,
         if on_step is not None:
             on_step(step + 1, losses[-1])
     return TrainResult(losses=losses, step=start_step + steps)
+
+
+def layout_case(layout: dict, cfg_dict: dict, data: np.ndarray, fp64: bool = False,
+                lr: float = 1e-4, steps: int = 3) -> dict:
+    """What a parallel layout computes, for layout-parity tests (every rank runs it; ``{}`` is
+    one process): the eval loss, the gradients of one global batch (gathered whole) and the
+    weights after ``steps`` plain AdamW steps, for a model built shard-local with seed 7."""
+    from composer.config import ModelConfig
+    from composer.parallel.data import finish_grads
+    from composer.parallel.mesh import ParallelConfig, build_parallel_dims
+    from composer.run import build_sharded, evaluate
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    cfg = ModelConfig.from_dict(cfg_dict)
+    dims = build_parallel_dims(ParallelConfig(**layout))
+    model = build_sharded(cfg, dims, seed=7, dtype=torch.float64 if fp64 else None)
+    rows = list(data)
+    loss, _ = evaluate(model, dims, rows, batch_size=2)
+    share = len(rows) // dims.dp
+    mine = torch.from_numpy(data[dims.dp_rank() * share:(dims.dp_rank() + 1) * share]).long()
+    model.train()
+    model(mine, mine).loss.backward()
+    finish_grads(model, dims)
+    grads = {k: whole(p.grad).clone() for k, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    result = adamw_steps(model, dims, opt, rows, steps, batch_size=4, seed=3)
+    params = {k: whole(p.detach()).clone() for k, p in model.named_parameters()}
+    return {"eval": loss, "grads": grads, "losses": result.losses, "params": params}

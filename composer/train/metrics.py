@@ -47,8 +47,12 @@ def max_memory_bytes(device: torch.device) -> int:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    except OSError:  # no /proc (macOS)
+        return _rusage_peak()
+    return _rusage_peak()
+
+
+def _rusage_peak() -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -3,11 +3,11 @@ every parameter (the replicated norm weight included) and three AdamW steps; glo
 
 import numpy as np
 import pytest
-import torch
 
 from composer.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
+from composer.testing import layout_case, rel_err
 
 
 def gdn_cfg(n_kv_heads: int = 2, conv_bias: bool = False) -> ModelConfig:
@@ -22,35 +22,10 @@ def tokens() -> np.ndarray:
     return np.random.default_rng(0).integers(0, 61, (8, 16))
 
 
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+case = layout_case  # run in every rank by run_distributed
 
 
-def case(layout: dict, cfg_dict: dict, data: np.ndarray, fp64: bool, lr: float) -> dict:
-    from composer.parallel.data import finish_grads
-    from composer.parallel.mesh import build_parallel_dims
-    from composer.run import build_sharded, evaluate
-    from composer.testing import adamw_steps
-
-    cfg = ModelConfig.from_dict(cfg_dict)
-    dims = build_parallel_dims(ParallelConfig(**layout))
-    model = build_sharded(cfg, dims, seed=7, dtype=torch.float64 if fp64 else None)
-    rows = list(data)
-    loss, _ = evaluate(model, dims, rows, batch_size=2)
-    share = len(rows) // dims.dp
-    mine = torch.from_numpy(data[dims.dp_rank() * share:(dims.dp_rank() + 1) * share]).long()
-    model.train()
-    model(mine, mine).loss.backward()
-    finish_grads(model, dims)
-    grads = {k: _full(p.grad).clone() for k, p in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    result = adamw_steps(model, dims, opt, rows, 3, batch_size=4, seed=3)
-    params = {k: _full(p.detach()).clone() for k, p in model.named_parameters()}
-    return {"eval": loss, "grads": grads, "losses": result.losses, "params": params}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
+rel = rel_err
 
 
 def worst(got: dict, ref: dict) -> tuple[str, float]:
