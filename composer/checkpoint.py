@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 CONFIG_FILE = "config.yaml"
+ORIGIN_FILE = "origin.json"  # {"family": ...} of the zoo preset a checkpoint was built from
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD = 50 * 10**9

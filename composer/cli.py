@@ -99,10 +99,12 @@ def cmd_build(args: argparse.Namespace) -> int:
     info = stats_dict(cfg, args.seq_len)
     if args.out:
         from composer.specs.builder import build_model, save
+        from composer.zoo import get_preset
 
         start = time.perf_counter()
         model = build_model(cfg, device="cpu", seed=args.seed)
-        save(model, args.out, force=args.force)
+        family = get_preset(args.preset).family if args.preset else None
+        save(model, args.out, force=args.force, family=family)
         info["out"] = str(args.out)
         info["build_seconds"] = round(time.perf_counter() - start, 3)
     if args.json:

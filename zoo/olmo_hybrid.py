@@ -2,11 +2,12 @@
 SwiGLU MLP; GDN layers pre-norm, attention layers (and their MLPs) post-norm with qk-norm over
 the whole projection (``post_norm_layers``, ``attention.qk_norm_scope: all``).
 
-Only the debug flavour ships. The released ``allenai/Olmo-Hybrid-7B`` ``config.json`` could not
-be confirmed from a citable copy: transformers' ``OlmoHybridConfig`` defaults (3840 wide, 32
-layers, 30 heads, 11008 MLP, 100352 vocab) are documented only as "similar" to it, and the
-release's RoPE differs between sources (mlx-lm PR #1023: theta 1e4 for the base / SFT models,
-NoPE for DPO; open-instruct PR #1822: NoPE). Add the 7B preset once its config.json is checked.
+``olmo-hybrid-7b`` is transformers' ``OlmoHybridConfig`` with its defaults, which its docstring
+gives as the configuration of ``allenai/Olmo-Hybrid-7B`` (3840 wide, 32 layers of which every
+fourth is attention, 30 heads, 30 GDN heads of 96/192, 11008 MLP, 100352 vocab, RoPE theta 1e4).
+The release's own ``config.json`` could not be read offline, and its RoPE differs between
+sources (mlx-lm PR #1023: theta 1e4 for the base / SFT models, NoPE for DPO): converting a
+checkpoint always takes the checkpoint's ``config.json``, never this preset.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ def olmo_hybrid(n_blocks: int, d_model: int, d_ff: int, n_heads: int, n_kv_heads
 
 
 PRESETS = [
+    Preset("olmo-hybrid-7b", FAMILY, "allenai/Olmo-Hybrid-7B",
+           "transformers 5.24 OlmoHybridConfig defaults (documented as Olmo-Hybrid-7B)",
+           lambda: olmo_hybrid(8, 3840, 11008, n_heads=30, n_kv_heads=30, gdn_heads=30,
+                               gdn_kv_heads=30, d_head_k=96, d_head_v=192, vocab_size=100352)),
     Preset("olmo-hybrid-debug", FAMILY, "(tiny random config)",
            "OLMo-Hybrid layout (transformers 5.24 OlmoHybridConfig), tiny sizes",
            lambda: olmo_hybrid(2, 64, 128, n_heads=4, n_kv_heads=2, gdn_heads=4, gdn_kv_heads=2,

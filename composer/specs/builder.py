@@ -11,6 +11,7 @@ Portable checkpoints (``config.yaml`` + ``model.safetensors``) are written and r
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from composer.checkpoint import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD,
     DTYPE_NAMES,
+    ORIGIN_FILE,
     PlannedTensor,
     ShardedWriter,
     TensorSource,
@@ -157,13 +159,16 @@ def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
 def write_portable(folder: str | Path, cfg: ModelConfig,
                    tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
                    read: Iterator[tuple[str, torch.Tensor]], force: bool = False,
-                   max_shard_bytes: int = DEFAULT_MAX_SHARD) -> Path:
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD, family: str | None = None) -> Path:
     """Write a portable checkpoint atomically: ``tensors`` is the plan (name, dtype, shape) and
-    ``read`` yields the tensors in that order, one at a time (bounded memory)."""
+    ``read`` yields the tensors in that order, one at a time (bounded memory). ``family`` (a
+    zoo preset's) is recorded in ``origin.json``, so ``to-hf`` writes that family's class."""
     folder = Path(folder)
     plan = [PlannedTensor(name, DTYPE_NAMES[dtype], tuple(shape)) for name, dtype, shape in tensors]
     with atomic_folder(folder, force) as tmp:
         cfg.save(tmp / CONFIG_FILE)
+        if family:
+            (tmp / ORIGIN_FILE).write_text(json.dumps({"family": family}) + "\n")
         writer = ShardedWriter(tmp, plan, max_shard_bytes)  # keeps the plan's order
         for name, t in read:
             writer.write(name, tensor_bytes(t.cpu()))
@@ -172,13 +177,13 @@ def write_portable(folder: str | Path, cfg: ModelConfig,
 
 
 def save(model: HybridModel, folder: str | Path, force: bool = False,
-         max_shard_bytes: int = DEFAULT_MAX_SHARD) -> Path:
+         max_shard_bytes: int = DEFAULT_MAX_SHARD, family: str | None = None) -> Path:
     """Write ``config.yaml`` and ``model.safetensors`` (sharded with an index past
     ``max_shard_bytes``) atomically; a single-device model."""
     state = model.state_dict()
     plan = [(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
     return write_portable(folder, model.config, plan, iter(state.items()), force,
-                          max_shard_bytes)
+                          max_shard_bytes, family)
 
 
 def open_portable(folder: str | Path) -> tuple[ModelConfig, TensorSource]:

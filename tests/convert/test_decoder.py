@@ -5,6 +5,7 @@ import torch
 
 import composer
 from composer.convert import from_hf, to_hf
+from composer.testing import rel_err
 
 
 def small(**kw):
@@ -98,10 +99,9 @@ def test_fused_expert_layout_on_disk_is_read(tmp_path, randomize):
     with safe_open(str(tmp_path / "fused" / "model.safetensors"), "pt") as f:
         assert any("experts.gate_up_proj" in k for k in f.keys())
     from_hf(tmp_path / "fused", tmp_path / "ours")
-    ids = torch.randint(0, 97, (1, 11))
+    ids = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        torch.testing.assert_close(composer.load(tmp_path / "ours")(ids), model(ids).logits,
-                                   rtol=1e-4, atol=1e-4)
+        assert rel_err(composer.load(tmp_path / "ours")(ids), model(ids).logits) < 1e-4
     to_hf(tmp_path / "ours", tmp_path / "back")  # the fused layout is reproduced
     from safetensors.torch import load_file
 

@@ -189,6 +189,8 @@ PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
         shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10,
         norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1, rms_norm_eps=1e-6,
         rope_theta=10000000, partial_rotary_factor=0.25, tie_word_embeddings=False)),
+    # transformers' OlmoHybridConfig defaults, documented as allenai/Olmo-Hybrid-7B.
+    "olmo-hybrid-7b": (OlmoHybridConfig, dict()),
     # text_config of Qwen/Qwen3.5-27B and Qwen/Qwen3.5-35B-A3B (THUDM slime's
     # scripts/models/qwen3.5-27B.sh and qwen3.5-35B-A3B.sh); the text models only.
     "qwen3.5-27b": (Qwen3_5TextConfig, dict(

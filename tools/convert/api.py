@@ -24,6 +24,7 @@ from composer.checkpoint import (
     DEFAULT_MAX_SHARD,
     DTYPE_NAMES,
     DTYPES,
+    ORIGIN_FILE,
     CheckpointError,
     ShardedWriter,
     TensorInfo,
@@ -222,10 +223,17 @@ def round_trip_problem(adapter: Adapter, cfg: ModelConfig, base: dict[str, Any])
     return f"the HF config would change {diff}" if diff else None
 
 
-def infer_adapter(cfg: ModelConfig) -> Adapter:
-    """The first family whose config maps to HF and back to exactly ``cfg``."""
+def _origin(folder: Path) -> str | None:
+    """The zoo family a checkpoint was built from (``composer build --preset``), if recorded."""
+    path = folder / ORIGIN_FILE
+    return json.loads(path.read_text()).get("family") if path.exists() else None
+
+
+def infer_adapter(cfg: ModelConfig, family: str | None = None) -> Adapter:
+    """The first family whose config maps to HF and back to exactly ``cfg``; ``family`` (a
+    preset's) is tried first."""
     reasons = []
-    for adapter in adapters():
+    for adapter in sorted(adapters(), key=lambda a: a.family != family):
         problem = round_trip_problem(adapter, cfg, {})
         if problem is None:
             return adapter
@@ -267,7 +275,7 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
     info = json.loads((hf_dir / CONVERSION_FILE).read_text()) \
         if (hf_dir / CONVERSION_FILE).exists() else {}
     arch = architecture or info.get("architecture")
-    adapter = adapter_for_architecture(arch) if arch else infer_adapter(cfg)
+    adapter = adapter_for_architecture(arch) if arch else infer_adapter(cfg, _origin(folder))
     problem = round_trip_problem(adapter, cfg, base)
     if problem:
         raise ConfigError(f"this model cannot be written as {adapter.family}: {problem}")
