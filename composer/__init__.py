@@ -4,6 +4,7 @@
     >>> cfg = composer.ModelConfig(pattern="M-M*-ME")
     >>> model = composer.build_model(cfg)                # on CPU, seeded
     >>> logits = model(input_ids)                        # (B, T, vocab)
+    >>> ids = composer.generate(model, input_ids, 32)    # (B, T + 32), greedy
 """
 
 from composer.blocks.model import HybridModel, ModelOutput
@@ -17,6 +18,7 @@ from composer.config import (
     RopeScaling,
     apply_overrides,
 )
+from composer.inference import generate
 from composer.pattern import Pattern, PatternError, parse_pattern
 from composer.specs.builder import build_model, cast_model, load, model_stats, save
 from composer.specs.registry import register
@@ -38,6 +40,7 @@ __all__ = [
     "apply_overrides",
     "build_model",
     "cast_model",
+    "generate",
     "load",
     "model_stats",
     "parse_pattern",

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer.blocks.cache import KVState, StepContext, attention_mask
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import (
     ZEROS,
@@ -103,6 +104,7 @@ class Attention(nn.Module):
         super().__init__()
         a = cfg.attention
         assert a is not None
+        self.layer_idx = layer_idx
         self.n_heads = a.n_heads
         self.n_kv_heads = a.n_kv_heads or a.n_heads
         self.d_head = d_head_of(cfg)
@@ -133,6 +135,27 @@ class Attention(nn.Module):
         init_module(self, generator)
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        t = x_BTD.shape[1]
+        q_BHTE, k_BKTE, v_BKTE, gate_BTX = self._project(x_BTD)
+        if self.rope:
+            if doc_ids is None:
+                cos, sin = self._cos_sin(t, x_BTD.device, q_BHTE.dtype)
+            else:  # positions restart at each document
+                cos, sin = rope_cos_sin_at(doc_positions(doc_ids), self.inv_freq, q_BHTE.dtype)
+            q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
+        if doc_ids is None:
+            with sdpa_context(q_BHTE):  # flash first on CUDA; CPU untouched (kernels.sdpa)
+                o_BHTE = F.scaled_dot_product_attention(
+                    q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=self.scale,
+                    enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
+        else:  # block-diagonal causal: each document attends to itself only
+            o_BHTE = doc_sdpa(q_BHTE, k_BKTE, v_BKTE, doc_ids, self.scale)
+        return self._output(o_BHTE, gate_BTX)
+
+    def _project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor | None]:
+        """``q [B, H, T, E]``, ``k``, ``v [B, K, T, E]`` (qk-normed, before RoPE) and the output
+        gate ``[B, T, H * E]`` (or None)."""
         b, t, _ = x_BTD.shape
         # -1: the head counts follow the weights (a tensor-parallel rank holds some of the heads)
         q, k = self.q_proj(x_BTD), self.k_proj(x_BTD)
@@ -147,24 +170,40 @@ class Attention(nn.Module):
         v = self.v_proj(x_BTD).view(b, t, -1, self.d_head)
         if self.qk_norm and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
-        q_BHTE, k_BKTE, v_BKTE = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.rope:
-            if doc_ids is None:
-                cos, sin = self._cos_sin(t, x_BTD.device, q.dtype)
-            else:  # positions restart at each document
-                cos, sin = rope_cos_sin_at(doc_positions(doc_ids), self.inv_freq, q.dtype)
-            q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
-        if doc_ids is None:
-            with sdpa_context(q_BHTE):  # flash first on CUDA; CPU untouched (kernels.sdpa)
-                o_BHTE = F.scaled_dot_product_attention(
-                    q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=self.scale,
-                    enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
-        else:  # block-diagonal causal: each document attends to itself only
-            o_BHTE = doc_sdpa(q_BHTE, k_BKTE, v_BKTE, doc_ids, self.scale)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate_BTX
+
+    def _output(self, o_BHTE: torch.Tensor, gate_BTX: torch.Tensor | None) -> torch.Tensor:
+        b, _, t, _ = o_BHTE.shape
         o_BTX = o_BHTE.transpose(1, 2).reshape(b, t, -1)
         if gate_BTX is not None:
             o_BTX = o_BTX * torch.sigmoid(gate_BTX)
         return self.o_proj(o_BTX)
+
+    def init_cache(self, batch: int, max_len: int, device: torch.device,
+                   dtype: torch.dtype) -> KVState:
+        """Preallocated keys and values for ``max_len`` slots (:mod:`composer.blocks.cache`)."""
+        kv = self.k_proj.weight.shape[0] // self.d_head
+        shape = (batch, kv, max_len, self.d_head)
+        return KVState(torch.zeros(shape, device=device, dtype=dtype),
+                       torch.zeros(shape, device=device, dtype=dtype))
+
+    def forward_cached(self, x_BTD: torch.Tensor, state: KVState,
+                       ctx: StepContext) -> torch.Tensor:
+        """The new tokens' output, their keys and values written into slots ``ctx.start :
+        ctx.end`` (RoPE at ``ctx.pos_BT``), attending to every real slot so far."""
+        q_BHTE, k_BKTE, v_BKTE, gate_BTX = self._project(x_BTD)
+        if self.rope:
+            cos, sin = rope_cos_sin_at(ctx.pos_BT, self.inv_freq, q_BHTE.dtype)
+            q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
+        state.k_BKSE[:, :, ctx.start:ctx.end] = k_BKTE
+        state.v_BKSE[:, :, ctx.start:ctx.end] = v_BKTE
+        k_BKSE, v_BKSE = state.k_BKSE[:, :, :ctx.end], state.v_BKSE[:, :, :ctx.end]
+        mask = attention_mask(ctx)
+        with sdpa_context(q_BHTE):
+            o_BHTE = F.scaled_dot_product_attention(
+                q_BHTE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=mask is None,
+                scale=self.scale, enable_gqa=q_BHTE.shape[1] != k_BKSE.shape[1])
+        return self._output(o_BHTE, gate_BTX)
 
     def _cos_sin(self, t: int, device: torch.device,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,12 +44,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer.blocks.cache import RecurrentState, StepContext, recurrent_state
 from composer.blocks.mamba2 import ALogInit, DtBiasInit
 from composer.blocks.plan import ONES, Divisible, Init, Normal, ParallelPlan, init_module
 from composer.blocks.split import SplitCausalConv1d
 from composer.config import GDNConfig, ModelConfig
 from composer.kernels import conv_silu
-from composer.kernels.gdn import gated_delta_rule, gdn_recurrent_ref
+from composer.kernels.conv import conv_continue, keep_window
+from composer.kernels.gdn import gated_delta_rule, gdn_recurrent_ref, gdn_step
 
 L2_EPS = 1e-6
 """transformers' and fla's ``l2norm`` epsilon (inside the square root, added to the sum)."""
@@ -123,16 +125,30 @@ class GatedDeltaNet(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)
 
+    def _heads(self) -> tuple[int, int]:
+        """``(G, H)`` of this rank (a tensor-parallel rank holds a slice of the heads)."""
+        H = self.A_log.shape[0]
+        return H * _n_kv_heads(self.gdn_cfg) // self.gdn_cfg.n_heads, H
+
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self._run(x_BTD, doc_ids)
+
+    def _run(self, x_BTD: torch.Tensor, doc_ids: torch.Tensor | None,
+             state: RecurrentState | None = None, fresh: bool = True) -> torch.Tensor:
+        """The mixer; with ``state`` it continues from it (or, ``fresh``, starts from zero) and
+        leaves the conv window and delta-rule state after the last token there."""
         d = self.gdn_cfg
         b, T, _ = x_BTD.shape
-        # Sizes follow the weights (a tensor-parallel rank holds a slice of the heads).
-        H = self.A_log.shape[0]
-        G = H * _n_kv_heads(d) // d.n_heads
+        G, H = self._heads()
         K, V = d.d_head_k, d.d_head_v
         qkv_BTX = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1)
-        qkv_BTX = conv_silu(qkv_BTX, self.conv1d, doc_ids)
-        q_BTX, k_BTX, v_BTX = qkv_BTX.split([G * K, G * K, H * V], dim=-1)
+        if state is None or fresh:
+            conv_BTX = conv_silu(qkv_BTX, self.conv1d, doc_ids)
+        else:
+            conv_BTX = conv_continue(qkv_BTX, self.conv1d, state.conv_BXW)
+        if state is not None:
+            keep_window(state.conv_BXW, qkv_BTX, doc_ids, fresh)
+        q_BTX, k_BTX, v_BTX = conv_BTX.split([G * K, G * K, H * V], dim=-1)
         dtype = torch.promote_types(x_BTD.dtype, torch.float32)
         q_BTGK = _l2norm(q_BTX.reshape(b, T, G, K).to(dtype))
         k_BTGK = _l2norm(k_BTX.reshape(b, T, G, K).to(dtype))
@@ -141,12 +157,37 @@ class GatedDeltaNet(nn.Module):
             beta_BTH = beta_BTH * 2.0
         a_BTH = self.a_proj(x_BTD).to(dtype)
         g_BTH = -torch.exp(self.A_log.to(dtype)) * F.softplus(a_BTH + self.dt_bias.to(dtype))
-        o_BTHV = gated_delta_rule(q_BTGK, k_BTGK, v_BTX.reshape(b, T, H, V), g_BTH, beta_BTH,
-                                  d.chunk_size, doc_ids=doc_ids)
+        v_BTHV = v_BTX.reshape(b, T, H, V)
+        if state is None:
+            o_BTHV = gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, d.chunk_size,
+                                      doc_ids=doc_ids)
+        elif T == 1 and not fresh:  # one decoding step: the recurrence itself
+            o_BTHV = gdn_step(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, state.state)
+        else:
+            o_BTHV, final = gated_delta_rule(
+                q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, d.chunk_size,
+                initial_state_BHKV=None if fresh else state.state, return_final_state=True,
+                doc_ids=doc_ids)
+            state.state.copy_(final)
         # o stays in >= fp32 through the norm, as in transformers; cast once for o_proj.
         z_BTHV = self.z_proj(x_BTD).reshape(b, T, H, V)
         y_BTHV = self.norm(o_BTHV, z_BTHV)
         return self.o_proj(y_BTHV.reshape(b, T, H * V).to(x_BTD.dtype))
+
+    def init_cache(self, batch: int, max_len: int, device: torch.device,
+                   dtype: torch.dtype) -> RecurrentState:
+        """Conv window ``[B, X, d_conv - 1]`` and state ``[B, H, K, V]`` (>= fp32): the same
+        size whatever ``max_len`` (:mod:`composer.blocks.cache`)."""
+        d = self.gdn_cfg
+        G, H = self._heads()
+        return recurrent_state(batch, 2 * G * d.d_head_k + H * d.d_head_v, d.d_conv,
+                               (H, d.d_head_k, d.d_head_v), device, dtype)
+
+    def forward_cached(self, x_BTD: torch.Tensor, state: RecurrentState,
+                       ctx: StepContext) -> torch.Tensor:
+        """Continue from ``state`` over the new tokens (the chunked form for a prompt, one step
+        of the recurrence per decoded token); padding of a first call is isolated."""
+        return self._run(x_BTD, ctx.doc_ids_BT, state, fresh=ctx.start == 0)
 
     def parallel_plan(self) -> ParallelPlan:
         """Heads split over ``tp`` (Megatron's GDN): the six input projections column parallel by

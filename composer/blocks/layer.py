@@ -14,6 +14,10 @@ to mixers whose class sets ``uses_doc_ids = True`` (attention, Mamba-2): token-w
 MoE) need nothing, and a user-registered mixer without the keyword keeps working. A keyword
 passes untouched through the tensor-parallel pre-hooks (they rewrite ``args[0]`` only) and
 activation checkpointing.
+
+Decoding (:mod:`composer.blocks.cache`): ``forward_cached`` is the same block for the new tokens
+of a cached forward; a stateful mixer's ``forward_cached(h, state, ctx)`` continues from its
+state, a stateless one (``stateless = True``: MLP, MoE) is called as in training.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from composer.blocks.cache import StepContext
 from composer.blocks.norm import RMSNorm
 from composer.config import ModelConfig
 
@@ -43,6 +48,17 @@ class Layer(nn.Module):
             out = self.mixer(h_BTD, doc_ids=doc_ids)
         else:
             out = self.mixer(h_BTD)
+        return self._residual(x_BTD, out)
+
+    def forward_cached(self, x_BTD: torch.Tensor, state: object | None,
+                       ctx: StepContext) -> torch.Tensor:
+        """The same block for the new tokens of a cached forward: the mixer continues from its
+        ``state`` (a stateless mixer has None, and its padding needs no isolation)."""
+        h_BTD = x_BTD if self.post_norm else self.norm(x_BTD)
+        out = self.mixer(h_BTD) if state is None else self.mixer.forward_cached(h_BTD, state, ctx)
+        return self._residual(x_BTD, out)
+
+    def _residual(self, x_BTD: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.post_norm:
             out = self.norm(out)
         if self.residual_multiplier != 1.0:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from composer.blocks.cache import RecurrentState, StepContext, recurrent_state
 from composer.blocks.norm import GatedRMSNorm, gated_rms_norm_ref
 from composer.blocks.plan import (
     ONES,
@@ -41,6 +42,8 @@ from composer.blocks.plan import (
 from composer.blocks.split import SplitCausalConv1d, SplitLinear
 from composer.config import MambaConfig, ModelConfig, d_inner_of
 from composer.kernels import conv_silu, mamba_scan
+from composer.kernels.conv import conv_continue, keep_window
+from composer.kernels.scan import ssd_step
 from composer.kernels.ssd import ssd_scan_ref
 
 
@@ -125,38 +128,72 @@ class Mamba2Mixer(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)
 
+    def _sizes(self) -> tuple[int, int, int, int]:
+        """``(H, G, E, F)`` of this rank (a tensor-parallel rank holds a slice of heads and
+        groups): the sizes follow the weights."""
+        m = self.mamba_cfg
+        H = self.dt_bias.shape[0]
+        G = H * m.n_groups // m.n_heads
+        return H, G, H * m.d_head, G * m.d_state
+
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self._run(x_BTD, doc_ids)
+
+    def _run(self, x_BTD: torch.Tensor, doc_ids: torch.Tensor | None,
+             state: RecurrentState | None = None, fresh: bool = True) -> torch.Tensor:
+        """The mixer; with ``state`` it continues from it (or, ``fresh``, starts from zero) and
+        leaves the conv window and SSM state after the last token there."""
         m = self.mamba_cfg
         b, T, _ = x_BTD.shape
-        # Sizes follow the weights (a tensor-parallel rank holds a slice of heads and groups).
-        dt_bias, A_log, D = self.dt_bias, self.A_log, self.D
-        H = dt_bias.shape[0]
-        G = H * m.n_groups // m.n_heads
-        E, F_ = H * m.d_head, G * m.d_state
+        H, G, E, F_ = self._sizes()
         zxbcdt = self.in_proj(x_BTD)
         z_BTE, xBC_BTX, dt_BTH = zxbcdt.split([E, E + 2 * F_, H], dim=-1)
         # The conv runs on the transposed [B, X, T] layout; one copy back to [B, T, X] is
         # cheaper than the scan reading x, B and C with a stride-T inner dimension (measured:
         # 2.7% of a layer's train step).
-        xBC_BTX = conv_silu(xBC_BTX, self.conv1d, doc_ids).contiguous()
-        x_BTE, B_BTF, C_BTF = xBC_BTX.split([E, F_, F_], dim=-1)
+        if state is None or fresh:
+            conv_BTX = conv_silu(xBC_BTX, self.conv1d, doc_ids).contiguous()
+        else:
+            conv_BTX = conv_continue(xBC_BTX, self.conv1d, state.conv_BXW).contiguous()
+        if state is not None:
+            keep_window(state.conv_BXW, xBC_BTX, doc_ids, fresh)
+        x_BTE, B_BTF, C_BTF = conv_BTX.split([E, F_, F_], dim=-1)
         # dt = clamp(softplus(dt + dt_bias), dt_limit), then the scan, all in >= fp32 as the
         # mamba_ssm kernel does (it fuses them on CUDA; transformers' torch path does the
         # softplus in the input dtype, identical in fp32).
-        A_H = -torch.exp(_at_least_fp32(A_log))
-        y_BTHP = mamba_scan(
-            x_BTE.view(b, T, H, m.d_head),
-            dt_BTH,
-            A_H,
-            B_BTF.view(b, T, G, m.d_state),
-            C_BTF.view(b, T, G, m.d_state),
-            m.chunk_size,
-            D_H=D, dt_bias_H=dt_bias, dt_softplus=True, dt_limit=m.dt_limit, doc_ids=doc_ids,
-        )
+        A_H = -torch.exp(_at_least_fp32(self.A_log))
+        x_BTHP = x_BTE.view(b, T, H, m.d_head)
+        B_BTGN, C_BTGN = B_BTF.view(b, T, G, m.d_state), C_BTF.view(b, T, G, m.d_state)
+        extra = dict(D_H=self.D, dt_bias_H=self.dt_bias, dt_softplus=True, dt_limit=m.dt_limit)
+        if state is None:
+            y_BTHP = mamba_scan(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, m.chunk_size, **extra,
+                                doc_ids=doc_ids)
+        elif T == 1 and not fresh:  # one decoding step: the recurrence itself
+            y_BTHP = ssd_step(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, state.state, **extra)
+        else:
+            y_BTHP, final = mamba_scan(
+                x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, m.chunk_size, **extra, doc_ids=doc_ids,
+                initial_state_BHPN=None if fresh else state.state, return_final_state=True)
+            state.state.copy_(final)
         # The D skip is inside the scan, so it is gated and normalised too (as in transformers);
         # the scan output stays fp32 through the norm and is cast only for out_proj.
         y_BTE = self.norm(y_BTHP.reshape(b, T, E), gate=z_BTE)
         return self.out_proj(y_BTE.to(x_BTD.dtype))
+
+    def init_cache(self, batch: int, max_len: int, device: torch.device,
+                   dtype: torch.dtype) -> RecurrentState:
+        """Conv window ``[B, X, d_conv - 1]`` and SSM state ``[B, H, P, N]`` (>= fp32): the
+        same size whatever ``max_len`` (:mod:`composer.blocks.cache`)."""
+        m = self.mamba_cfg
+        H, _, E, F_ = self._sizes()
+        return recurrent_state(batch, E + 2 * F_, m.d_conv, (H, m.d_head, m.d_state), device,
+                               dtype)
+
+    def forward_cached(self, x_BTD: torch.Tensor, state: RecurrentState,
+                       ctx: StepContext) -> torch.Tensor:
+        """Continue from ``state`` over the new tokens (the chunked scan for a prompt, one step
+        of the recurrence per decoded token); padding of a first call is isolated."""
+        return self._run(x_BTD, ctx.doc_ids_BT, state, fresh=ctx.start == 0)
 
     def parallel_plan(self) -> ParallelPlan:
         """Heads and groups split over ``tp``: every component of in_proj and conv1d row-split on

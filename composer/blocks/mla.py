@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.attention import apply_rope, rope_cos_sin, rope_cos_sin_at, rope_frequencies
+from composer.blocks.cache import LatentState, StepContext, attention_mask
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Divisible, Init, Normal, ParallelPlan, init_module
 from composer.config import MLAConfig, ModelConfig, YarnScaling
@@ -137,12 +138,22 @@ class MLA(nn.Module):
         init_module(self, generator)
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        t = x_BTD.shape[1]
+        self._check_length(t)
+        qn_BHTN, qr_BHTR, c_BTC, kr_BTR = self._project(x_BTD)
+        if doc_ids is None:
+            cos, sin = self._cos_sin(t, x_BTD.device, qn_BHTN.dtype)
+        else:  # positions restart at each document
+            cos, sin = rope_cos_sin_at(doc_positions(doc_ids), self.inv_freq, qn_BHTN.dtype)
+            cos, sin = self._gain(cos), self._gain(sin)
+        qr_BHTR = apply_rope(qr_BHTR, cos, sin)
+        kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
+        return self._dense(qn_BHTN, qr_BHTR, c_BTC, kr_B1TR, doc_ids)
+
+    def _project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The no-RoPE and RoPE parts of q ``[B, H, T, N | R]``, the normalised latent
+        ``[B, T, C]`` and the shared RoPE key ``[B, T, R]`` (before RoPE)."""
         b, t, _ = x_BTD.shape
-        if self.max_dense_len is not None and t > self.max_dense_len:
-            n = self.max_dense_len
-            raise ValueError(f"MLA: sequence of {t} tokens exceeds mla.max_dense_len={n}: sparse "
-                             f"attention (DeepSeek-V3.2's indexer, top-k {n}) is not built; "
-                             f"sequences up to {n} tokens are exact")
         if self.q_lora_rank is None:
             q = self.q_proj(x_BTD)
         else:
@@ -151,25 +162,74 @@ class MLA(nn.Module):
         q_BHTQ = q.view(b, t, -1, self.d_qk).transpose(1, 2)
         qn_BHTN, qr_BHTR = q_BHTQ.split([self.d_nope, self.d_rope], dim=-1)
         c_BTC, kr_BTR = self.kv_a_proj(x_BTD).split([self.kv_lora_rank, self.d_rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_norm(c_BTC)).view(b, t, -1, self.d_nope + self.d_v)
+        return qn_BHTN, qr_BHTR, self.kv_a_norm(c_BTC), kr_BTR
+
+    def _dense(self, qn_BHTN: torch.Tensor, qr_BHTR: torch.Tensor, c_BTC: torch.Tensor,
+               kr_B1TR: torch.Tensor, doc_ids: torch.Tensor | None,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The training form: per-head keys and values from the latent, then SDPA (causal, or
+        block-diagonal by ``doc_ids``, or ``mask``)."""
+        b, h, t, _ = qn_BHTN.shape
+        kv = self.kv_b_proj(c_BTC).view(b, t, -1, self.d_nope + self.d_v)
         kn_BHTN, v_BHTV = kv.transpose(1, 2).split([self.d_nope, self.d_v], dim=-1)
-        if doc_ids is None:
-            cos, sin = self._cos_sin(t, x_BTD.device, q.dtype)
-        else:  # positions restart at each document
-            cos, sin = rope_cos_sin_at(doc_positions(doc_ids), self.inv_freq, q.dtype)
-            cos, sin = self._gain(cos), self._gain(sin)
-        qr_BHTR = apply_rope(qr_BHTR, cos, sin)
-        kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
-        h = q_BHTQ.shape[1]
         q_BHTQ = torch.cat([qn_BHTN, qr_BHTR], dim=-1)
         k_BHTQ = torch.cat([kn_BHTN, kr_B1TR.expand(-1, h, -1, -1)], dim=-1)
         if doc_ids is None:
             with sdpa_context(q_BHTQ):  # flash first on CUDA; CPU untouched (kernels.sdpa)
-                o_BHTV = F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTV, is_causal=True,
+                o_BHTV = F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTV,
+                                                        attn_mask=mask, is_causal=mask is None,
                                                         scale=self.scale)
         else:  # block-diagonal causal: each document attends to itself only
             o_BHTV = doc_sdpa(q_BHTQ, k_BHTQ, v_BHTV, doc_ids, self.scale)
         return self.o_proj(o_BHTV.transpose(1, 2).reshape(b, t, -1))
+
+    def init_cache(self, batch: int, max_len: int, device: torch.device,
+                   dtype: torch.dtype) -> LatentState:
+        """The normalised latent and the RoPE key of ``max_len`` slots: ``C + R`` numbers per
+        token for all heads (:mod:`composer.blocks.cache`)."""
+        return LatentState(
+            torch.zeros(batch, max_len, self.kv_lora_rank, device=device, dtype=dtype),
+            torch.zeros(batch, max_len, self.d_rope, device=device, dtype=dtype))
+
+    def forward_cached(self, x_BTD: torch.Tensor, state: LatentState,
+                       ctx: StepContext) -> torch.Tensor:
+        """The new tokens' latents and RoPE keys written into slots ``ctx.start : ctx.end``.
+        A prompt (first call) attends in the training form; later tokens in the absorbed form,
+        against the cached latents without expanding them per head:
+
+            score_h(t, s) = (W_k,h^T qn_h,t) . c_s + qr_h,t . kr_s,   o_h = W_v,h sum_s p c_s
+
+        with ``W_k,h`` / ``W_v,h`` head ``h``'s rows of ``kv_b_proj``."""
+        self._check_length(ctx.end)
+        qn_BHTN, qr_BHTR, c_BTC, kr_BTR = self._project(x_BTD)
+        cos, sin = rope_cos_sin_at(ctx.pos_BT, self.inv_freq, qn_BHTN.dtype)
+        cos, sin = self._gain(cos), self._gain(sin)
+        qr_BHTR = apply_rope(qr_BHTR, cos, sin)
+        kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
+        state.c_BSC[:, ctx.start:ctx.end] = c_BTC
+        state.kr_BSR[:, ctx.start:ctx.end] = kr_B1TR[:, 0]
+        mask = attention_mask(ctx)
+        if ctx.start == 0:
+            return self._dense(qn_BHTN, qr_BHTR, c_BTC, kr_B1TR, None, mask)
+        b, h, t, _ = qn_BHTN.shape
+        w = self.kv_b_proj.weight.view(h, self.d_nope + self.d_v, self.kv_lora_rank)
+        w_k_HNC, w_v_HVC = w[:, :self.d_nope], w[:, self.d_nope:]
+        q_lat_BHTC = torch.einsum("bhtn,hnc->bhtc", qn_BHTN, w_k_HNC)
+        c_B1SC = state.c_BSC[:, None, :ctx.end]
+        # one shared "kv head": keys [latent | RoPE key], values the latent
+        k_B1SX = torch.cat([c_B1SC, state.kr_BSR[:, None, :ctx.end]], dim=-1)
+        o_lat_BHTC = F.scaled_dot_product_attention(
+            torch.cat([q_lat_BHTC, qr_BHTR], dim=-1), k_B1SX, c_B1SC, attn_mask=mask,
+            scale=self.scale, enable_gqa=True)
+        o_BHTV = torch.einsum("bhtc,hvc->bhtv", o_lat_BHTC, w_v_HVC)
+        return self.o_proj(o_BHTV.transpose(1, 2).reshape(b, t, -1))
+
+    def _check_length(self, t: int) -> None:
+        if self.max_dense_len is not None and t > self.max_dense_len:
+            n = self.max_dense_len
+            raise ValueError(f"MLA: sequence of {t} tokens exceeds mla.max_dense_len={n}: sparse "
+                             f"attention (DeepSeek-V3.2's indexer, top-k {n}) is not built; "
+                             f"sequences up to {n} tokens are exact")
 
     def _gain(self, table: torch.Tensor) -> torch.Tensor:
         return table * self.rope_gain if self.rope_gain != 1.0 else table

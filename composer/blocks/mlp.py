@@ -50,6 +50,9 @@ def activation_ref(name: str, x: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     """``layers.i.mixer.{gate_proj,up_proj,down_proj}``; ``gate_proj`` only when gated."""
 
+    stateless = True
+    """Token-wise: nothing to keep between decoding steps (:mod:`composer.blocks.cache`)."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, d_ff: int | None = None,
                  activation: str | None = None, bias: bool | None = None) -> None:
         """Sizes come from ``cfg.mlp`` unless given (the MoE's shared experts give them)."""

@@ -15,6 +15,9 @@ the earlier tokens of its own document (attention masks, RoPE positions, the Mam
 and state restart: each document gives what it gives alone), and nothing is predicted across a
 boundary: the label of each document's first token, the target of the previous document's last
 position, is ignored here, so any readout (the vocabulary-parallel one too) gets masked labels.
+
+Decoding (:mod:`composer.blocks.cache`, :func:`composer.generate`): ``new_cache`` allocates each
+layer's state, ``forward_cached`` runs new tokens against it and returns their logits.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer.blocks.cache import InferenceCache
 from composer.blocks.loss import IGNORE_INDEX, linear_cross_entropy
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Init, Normal
@@ -143,6 +147,42 @@ class HybridModel(nn.Module):
             return logits
         aux = self.aux_loss(loss)
         return ModelOutput(loss=loss + aux, logits=logits, aux_loss=aux)
+
+    def new_cache(self, batch: int, max_len: int, device: torch.device | None = None,
+                  dtype: torch.dtype | None = None) -> InferenceCache:
+        """An empty :class:`~composer.blocks.cache.InferenceCache` for ``batch`` sequences of up
+        to ``max_len`` tokens (prompt + new), on the model's device and in its dtype by
+        default. Every mixer must have a cache (``init_cache``) or be ``stateless``."""
+        device = device if device is not None else self.embed.weight.device
+        dtype = dtype if dtype is not None else self.embed.weight.dtype
+        states = {}
+        for key, layer in self.layers.items():
+            mixer = layer.mixer
+            if hasattr(mixer, "init_cache"):
+                states[int(key)] = mixer.init_cache(batch, max_len, device, dtype)
+            elif not getattr(mixer, "stateless", False):
+                raise ValueError(f"layer {key} ({layer.symbol!r}, {type(mixer).__name__}) has no "
+                                 "inference cache (init_cache / forward_cached) and is not "
+                                 "marked stateless; generate with use_cache=False")
+        real_BS = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        return InferenceCache(batch, max_len, states, real_BS)
+
+    def forward_cached(self, input_ids: torch.Tensor, cache: InferenceCache, *,
+                       attention_mask: torch.Tensor | None = None,
+                       last_only: bool = True) -> torch.Tensor:
+        """Logits for ``input_ids`` ``(B, T)`` continuing the sequences in ``cache`` (which it
+        fills): ``(B, vocab)`` for the last position, or ``(B, T, vocab)`` without
+        ``last_only``. ``attention_mask`` (first call only): left padding, 0 for padding."""
+        ctx = cache.advance(input_ids.shape[1], attention_mask)
+        x_BTD = self.embed(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            x_BTD = x_BTD * self.config.embedding_multiplier
+        for key, layer in self.layers.items():
+            x_BTD = layer.forward_cached(x_BTD, cache.layers.get(int(key)), ctx)
+        if last_only:
+            x_BTD = x_BTD[:, -1:]
+        _, logits = self.readout(self.final_norm(x_BTD), self.output_weight())
+        return logits[:, -1] if last_only else logits
 
     def aux_loss(self, like: torch.Tensor) -> torch.Tensor:
         """Sum of the auxiliary losses the mixers stored during the last forward."""

@@ -150,6 +150,8 @@ class MoE(nn.Module):
     """``layers.i.mixer.{router, experts, shared_experts}``; see the module docstring."""
 
     keep_fp32 = ("router.weight", "router.score_bias")
+    stateless = True
+    """Token-wise: nothing to keep between decoding steps (:mod:`composer.blocks.cache`)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()

@@ -115,3 +115,33 @@ def conv_silu(x_BTC: torch.Tensor, conv: nn.Module,
     if doc_ids is None:
         return fn(x_BTC, *_conv_params(conv))
     return fn(x_BTC, *_conv_params(conv), doc_ids)
+
+
+# ---------------------------------------------------------------- decoding (inference caches)
+
+def conv_continue(x_BTC: torch.Tensor, conv: nn.Module, window_BCW: torch.Tensor) -> torch.Tensor:
+    """``silu(conv(x))`` for tokens that continue a sequence whose last ``K - 1`` inputs are
+    ``window`` (channels before time, causal_conv1d's ``conv_state`` layout): the convolution
+    of ``[window, x]`` without padding, ``T`` outputs."""
+    weight_C1K, bias_C = _conv_params(conv)
+    full_BCL = torch.cat([window_BCW.to(x_BTC.dtype), x_BTC.transpose(1, 2)], dim=-1)
+    y_BCT = F.conv1d(full_BCL, weight_C1K.to(x_BTC.dtype),
+                     None if bias_C is None else bias_C.to(x_BTC.dtype),
+                     groups=weight_C1K.shape[0])
+    return F.silu(y_BCT.transpose(1, 2))
+
+
+def keep_window(window_BCW: torch.Tensor, x_BTC: torch.Tensor, doc_ids_BT: torch.Tensor | None,
+                fresh: bool) -> None:
+    """Write the last ``W`` conv inputs into ``window`` (in place): of ``[window, x]``, or of
+    ``[0, x]`` when ``fresh``. With ``doc_ids`` only the last document's inputs count (earlier
+    ones, e.g. left padding, read as 0, as the convolution itself reads them)."""
+    w = window_BCW.shape[-1]
+    if w == 0:
+        return
+    x_BCT = x_BTC.transpose(1, 2)
+    if doc_ids_BT is not None:
+        x_BCT = x_BCT * (doc_ids_BT == doc_ids_BT[:, -1:])[:, None, :].to(x_BCT.dtype)
+    prev_BCW = torch.zeros_like(window_BCW) if fresh else window_BCW
+    full_BCL = torch.cat([prev_BCW, x_BCT.to(window_BCW.dtype)], dim=-1)
+    window_BCW.copy_(full_BCL[..., full_BCL.shape[-1] - w:])

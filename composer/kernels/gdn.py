@@ -188,6 +188,27 @@ def gdn_recurrent_ref(
     return o
 
 
+def gdn_step(q_B1GK: torch.Tensor, k_B1GK: torch.Tensor, v_B1HV: torch.Tensor,
+             g_B1H: torch.Tensor, beta_B1H: torch.Tensor, state_BHKV: torch.Tensor,
+             scale: float | None = None) -> torch.Tensor:
+    """One step of the recurrence (a decoded token), updating ``state`` in place; the
+    arithmetic of :func:`gdn_recurrent_ref` (fla's ``fused_recurrent_gated_delta_rule`` would
+    take this layout on CUDA). Returns ``o [B, 1, H, V]`` in the state's dtype (>= fp32)."""
+    G, K = q_B1GK.shape[2], q_B1GK.shape[3]
+    H = v_B1HV.shape[2]
+    dtype = torch.promote_types(_compute_dtype(v_B1HV.dtype), state_BHKV.dtype)
+    scale = K ** -0.5 if scale is None else scale
+    q_BHK = q_B1GK[:, 0].to(dtype).repeat_interleave(H // G, dim=1) * scale
+    k_BHK = k_B1GK[:, 0].to(dtype).repeat_interleave(H // G, dim=1)
+    v_BHV, g_BH, beta_BH = v_B1HV[:, 0].to(dtype), g_B1H[:, 0].to(dtype), beta_B1H[:, 0].to(dtype)
+    S = torch.exp(g_BH)[..., None, None] * state_BHKV.to(dtype)
+    pred_BHV = torch.einsum("bhkv,bhk->bhv", S, k_BHK)
+    u_BHV = beta_BH[..., None] * (v_BHV - pred_BHV)
+    S = S + k_BHK[..., None] * u_BHV[:, :, None, :]
+    state_BHKV.copy_(S)
+    return torch.einsum("bhkv,bhk->bhv", S, q_BHK)[:, None]
+
+
 # ---------------------------------------------------------------- the fla kernel on CUDA
 
 

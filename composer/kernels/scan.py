@@ -127,3 +127,36 @@ def select_scan(x_BTHP: torch.Tensor) -> Callable[..., ScanOut]:
 def mamba_scan(x_BTHP: torch.Tensor, *args, **kwargs) -> ScanOut:
     """The mixer's hook: the scan that :func:`select_scan` picks for ``x``, called."""
     return select_scan(x_BTHP)(x_BTHP, *args, **kwargs)
+
+
+def ssd_step(x_B1HP: torch.Tensor, dt_B1H: torch.Tensor, A_H: torch.Tensor,
+             B_B1GN: torch.Tensor, C_B1GN: torch.Tensor, state_BHPN: torch.Tensor, *,
+             D_H: torch.Tensor | None = None, dt_bias_H: torch.Tensor | None = None,
+             dt_softplus: bool = False, dt_limit: tuple[float, float] = NO_LIMIT) -> torch.Tensor:
+    """One step of the SSD recurrence (a decoded token), updating ``state`` in place:
+
+        dt = clamp(softplus?(dt + dt_bias), dt_limit)
+        state = exp(dt * A) * state + dt * x ⊗ B,    y = state · C + D * x
+
+    the arithmetic of :func:`ssd_scan_torch` (mamba_ssm's ``selective_state_update``, the
+    kernel that would take this layout on CUDA). Returns ``y [B, 1, H, P]`` in
+    ``promote(x.dtype, fp32)``."""
+    dtype = torch.promote_types(_compute_dtype(x_B1HP), state_BHPN.dtype)
+    x_BHP = x_B1HP[:, 0].to(dtype)
+    dt_BH = dt_B1H[:, 0].to(torch.promote_types(dt_B1H.dtype, torch.float32))
+    if dt_bias_H is not None:
+        dt_BH = dt_BH + dt_bias_H
+    if dt_softplus:
+        dt_BH = F.softplus(dt_BH)
+    dt_BH = dt_BH.clamp(min=dt_limit[0], max=dt_limit[1]).to(dtype)
+    heads_per_group = x_BHP.shape[1] // B_B1GN.shape[2]
+    B_BHN = B_B1GN[:, 0].to(dtype).repeat_interleave(heads_per_group, dim=1)
+    C_BHN = C_B1GN[:, 0].to(dtype).repeat_interleave(heads_per_group, dim=1)
+    decay_BH = torch.exp(dt_BH * A_H.to(dtype))
+    new_BHPN = (state_BHPN.to(dtype) * decay_BH[..., None, None]
+                + (dt_BH[..., None] * x_BHP)[..., None] * B_BHN[:, :, None, :])
+    state_BHPN.copy_(new_BHPN)
+    y_BHP = (new_BHPN * C_BHN[:, :, None, :]).sum(-1)
+    if D_H is not None:
+        y_BHP = y_BHP + D_H.to(dtype)[:, None] * x_BHP
+    return y_BHP[:, None]

@@ -1,0 +1,160 @@
+"""``generate``: prefill once, then one token per step from the inference cache.
+
+The prompt runs through the model once (the chunked scans, returning their final states; the
+attention keys and values written to a preallocated cache), then each step feeds the last token
+only: attention reads the cache, Mamba-2 and gated-delta-net layers take one step of their
+recurrence (:mod:`composer.blocks.cache`). ``use_cache=False`` recomputes the whole sequence at
+every step instead (the reference the cached path is tested against, and the fallback for a
+user mixer without a cache).
+
+Choosing the next token from the last logits ``z`` (``[B, vocab]``): ``temperature == 0`` is
+greedy (``argmax``); otherwise ``z / temperature``, then ``top_k`` keeps the ``k`` largest,
+``top_p`` the smallest set of most likely tokens whose probability reaches ``p`` (nucleus
+sampling, Holtzman et al. 2020; the most likely token always stays), and a token is drawn from
+the softmax with a generator seeded by ``seed`` (reproducible; without a seed, torch's global
+generator).
+
+Batches of prompts of different lengths are left-padded with ``attention_mask`` (1 for prompt
+tokens): each row's positions, attention and recurrent states are those of its prompt alone.
+A row that emits an ``eos_token_id`` is finished: later positions hold ``pad_token_id`` (default:
+the first eos id), and generation stops when every row is finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from composer.blocks.model import HybridModel
+
+
+def _check(input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None,
+           temperature: float, top_k: int | None, top_p: float | None, vocab: int) -> None:
+    if input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(f"input_ids must be integer token ids shaped (batch, length), got "
+                         f"{input_ids.dtype} {tuple(input_ids.shape)}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"empty prompt: input_ids has shape {tuple(input_ids.shape)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"token id {hi if hi >= vocab else lo} is outside the model's "
+                         f"vocabulary [0, {vocab})")
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must be shaped like input_ids "
+                             f"{tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
+        mask = attention_mask.bool()
+        if not bool(mask.any(1).all()):
+            raise ValueError("attention_mask: a row has no prompt tokens (all padding)")
+        if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+            raise ValueError("attention_mask must be left padding: 0s, then 1s, in each row")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def filter_logits(logits_BV: torch.Tensor, top_k: int | None = None,
+                  top_p: float | None = None) -> torch.Tensor:
+    """``logits`` with the tokens outside the top ``k`` and outside the nucleus ``p`` at
+    ``-inf`` (module docstring)."""
+    if top_k is not None and top_k < logits_BV.shape[-1]:
+        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
+        probs_BV = sorted_BV.softmax(-1)
+        # drop a token when the ones more likely than it already reach p (the first stays)
+        drop_BV = probs_BV.cumsum(-1) - probs_BV >= top_p
+        logits_BV = logits_BV.masked_fill(drop_BV.scatter(-1, order_BV, drop_BV),
+                                          float("-inf"))
+    return logits_BV
+
+
+def next_token(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token of each row ``[B]`` from the last logits (module docstring)."""
+    if temperature == 0.0:
+        return logits_BV.argmax(-1)
+    logits_BV = filter_logits(logits_BV.float() / temperature, top_k, top_p)
+    return torch.multinomial(logits_BV.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def _eos_ids(eos_token_id: int | Sequence[int] | None, device: torch.device) -> torch.Tensor:
+    if eos_token_id is None:
+        return torch.empty(0, dtype=torch.long, device=device)
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *,
+             attention_mask: torch.Tensor | None = None, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+             seed: int | None = None, on_token: Callable[[torch.Tensor], None] | None = None,
+             use_cache: bool = True) -> torch.Tensor:
+    """Continue each row of ``input_ids`` ``(B, T)`` by up to ``max_new_tokens`` tokens;
+    returns ``(B, T + n)`` token ids, ``n <= max_new_tokens`` (fewer when every row ended with
+    an eos). ``on_token`` gets each new column ``(B,)`` as it is produced (streaming). See the
+    module docstring for sampling, padding and eos."""
+    _check(input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p,
+           model.config.vocab_size)
+    device = model.embed.weight.device
+    ids_BT = input_ids.to(device)
+    mask_BT = None if attention_mask is None else attention_mask.to(device).bool()
+    if mask_BT is not None and bool(mask_BT.all()):
+        mask_BT = None
+    eos_E = _eos_ids(eos_token_id, device)
+    pad = pad_token_id if pad_token_id is not None else (int(eos_E[0]) if len(eos_E) else 0)
+    generator = None
+    if seed is not None and temperature > 0:
+        generator = torch.Generator(device).manual_seed(seed)
+    b = ids_BT.shape[0]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            columns = []
+            done_B = torch.zeros(b, dtype=torch.bool, device=device)
+            if use_cache:
+                cache = model.new_cache(b, ids_BT.shape[1] + max_new_tokens)
+                logits_BV = model.forward_cached(ids_BT, cache, attention_mask=mask_BT)
+            else:
+                logits_BV = _full_forward(model, ids_BT, mask_BT)
+            for step in range(max_new_tokens):
+                token_B = next_token(logits_BV, temperature, top_k, top_p, generator)
+                token_B = token_B.masked_fill(done_B, pad)
+                columns.append(token_B)
+                if on_token is not None:
+                    on_token(token_B)
+                if len(eos_E):
+                    done_B = done_B | torch.isin(token_B, eos_E)
+                    if bool(done_B.all()):
+                        break
+                if step + 1 == max_new_tokens:
+                    break
+                if use_cache:
+                    logits_BV = model.forward_cached(token_B[:, None], cache)
+                else:
+                    ids_so_far = torch.cat([ids_BT, torch.stack(columns, 1)], 1)
+                    mask_so_far = None if mask_BT is None else F.pad(mask_BT, (0, len(columns)),
+                                                                     value=True)
+                    logits_BV = _full_forward(model, ids_so_far, mask_so_far)
+            return torch.cat([ids_BT, torch.stack(columns, 1)], 1)
+    finally:
+        model.train(was_training)
+
+
+def _full_forward(model: HybridModel, ids_BT: torch.Tensor,
+                  mask_BT: torch.Tensor | None) -> torch.Tensor:
+    """Last-position logits of the whole sequence; left padding is an earlier document."""
+    doc_ids = None if mask_BT is None else mask_BT.long()
+    return model(ids_BT, doc_ids=doc_ids)[:, -1]
