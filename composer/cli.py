@@ -465,6 +465,10 @@ def make_parser() -> Parser:
     ex.add_argument("--json", action="store_true", help="one line of JSON on stdout")
     ex.set_defaults(func=cmd_export)
 
+    from composer.inference.cli import add_parser as add_generate
+
+    add_generate(sub)
+
     zoo = sub.add_parser("zoo", help="list and show model presets")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True, parser_class=Parser)
     zl = zoo_sub.add_parser("list", help="list presets")

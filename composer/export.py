@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from composer.blocks.plan import named_state
 from composer.checkpoint import CONFIG_FILE, DEFAULT_MAX_SHARD
 from composer.config import ConfigError, ModelConfig
+from composer.data.tokenizer import TOKENIZER_DIR
 from composer.parallel.checkpoint import is_training_checkpoint, latest_step
 from composer.specs.builder import build_model, write_portable
 from composer.specs.init import stored_as
@@ -31,7 +32,8 @@ def export(run: str | Path, out: str | Path, force: bool = False,
            max_shard_bytes: int = DEFAULT_MAX_SHARD,
            progress: Callable[[int], None] | None = None) -> Path:
     """Write the newest step of the training checkpoint folder ``run`` as a portable checkpoint
-    at ``out`` (``config.yaml`` + ``model.safetensors``, sharded with an index when large)."""
+    at ``out`` (``config.yaml`` + ``model.safetensors``, sharded with an index when large), with
+    the run's ``tokenizer/`` when it has one."""
     run = Path(run)
     if not is_training_checkpoint(run):
         raise ConfigError(f"{run}: not a training checkpoint folder (no 'latest' file); "
@@ -70,4 +72,5 @@ def export(run: str | Path, out: str | Path, force: bool = False,
                 yield k, t
             group, size = [], 0
 
-    return write_portable(out, cfg, plan, tensors(), force, max_shard_bytes)
+    extra = {TOKENIZER_DIR: run / TOKENIZER_DIR} if (run / TOKENIZER_DIR).is_dir() else None
+    return write_portable(out, cfg, plan, tensors(), force, max_shard_bytes, extra_dirs=extra)

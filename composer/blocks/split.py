@@ -102,6 +102,13 @@ class SplitLinear(SplitParams):
         super().__init__(sizes, (d_in,), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d_in = x.shape[-1]
+        if not torch.is_grad_enabled() and x.numel() < d_in * d_in:
+            # Few tokens (decoding): fusing the weights would copy all of them for every call;
+            # one product per part reads each once and concatenates small outputs instead.
+            biases = self.biases() or [None] * len(self.parts)
+            return torch.cat([F.linear(x, w, b) for w, b in zip(self.weights(), biases,
+                                                                 strict=True)], dim=-1)
         return F.linear(x, self.fused_weight(), self.fused_bias())
 
 

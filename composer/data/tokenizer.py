@@ -1,11 +1,15 @@
-"""Tokenizers for data preparation: a built-in byte tokenizer and Hugging Face ``tokenizers``.
+"""Tokenizers for data and generation: a built-in byte tokenizer and Hugging Face ``tokenizers``.
 
-Only what turning text into a dataset needs: ``encode``, ``decode``, the vocabulary size (it
-picks the token dtype) and the end-of-document id. ``tokenizers`` is optional and imported on
-first use, so the byte tokenizer, and reading datasets, work without it.
+Data needs ``encode`` (no special tokens), ``decode``, the vocabulary size (it picks the token
+dtype) and the end-of-document id. Generation also needs ``encode_prompt`` (the tokenizer's
+post-processor applied, e.g. Llama-3's BOS, as ``transformers`` encodes a prompt) and
+``apply_chat_template`` (the ``chat_template`` rendered as ``transformers`` renders it).
+``tokenizers`` is optional and imported on first use, so the byte tokenizer, and reading
+datasets, work without it; ``jinja2`` likewise, for chat templates only.
 
 A prepared dataset carries its tokenizer's files in ``PREFIX.tokenizer/`` (:func:`save_tokenizer`),
-so ``load_tokenizer(PREFIX)`` later decodes it with exactly the vocabulary it was made with.
+so ``load_tokenizer(PREFIX)`` later decodes it with exactly the vocabulary it was made with; a
+training run and its export carry them in ``tokenizer/`` (:data:`TOKENIZER_DIR`).
 """
 
 from __future__ import annotations
@@ -14,12 +18,20 @@ import json
 import os
 import shutil
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from composer.data.indexed import DataError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+TOKENIZER_DIR = "tokenizer"
+"""The subfolder of a training run (``composer train --save``) and of its export that holds the
+tokenizer of the data it was trained on."""
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
+"""The special tokens a chat template sees by name (``transformers``' ``special_tokens_map``)."""
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 BYTE_MARKER = {"composer_tokenizer": "byte"}
 
@@ -46,6 +58,14 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A generation prompt: the bytes (there are no special tokens to add)."""
+        return self.encode(text)
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        raise DataError("tokenizer byte: the byte tokenizer has no chat template")
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids if int(i) != self.eod]
@@ -111,9 +131,98 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A generation prompt: the post-processor adds what the model expects around it (the
+        BOS of Llama-3), as ``transformers``' ``tokenizer(text)`` does."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids if int(i) != self.eod],
                                 skip_special_tokens=False)
+
+    def _config(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins
+            path = self.folder / name
+            if path.is_file():
+                loaded = json.loads(path.read_text(encoding="utf-8"))
+                merged.update(loaded if isinstance(loaded, dict) else {})
+        return merged
+
+    def chat_template(self) -> str:
+        """``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template`` (a string,
+        or a list of named templates of which ``default`` is taken)."""
+        if (self.folder / "chat_template.jinja").is_file():
+            return (self.folder / "chat_template.jinja").read_text(encoding="utf-8")
+        template = self._config().get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if not isinstance(template, str) or not template:
+            raise DataError(f"tokenizer {self.name}: no chat template (neither "
+                            "chat_template.jinja nor a chat_template in tokenizer_config.json)")
+        return template
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """The chat template rendered over ``messages`` as ``transformers``'
+        ``apply_chat_template(messages, tokenize=False)`` renders it: a sandboxed Jinja2
+        environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``,
+        ``strftime_now``, and the special tokens by name. Encode the result with
+        :meth:`encode` (the template already holds the special tokens)."""
+        config = self._config()
+        tokens = {}
+        for key in SPECIAL_TOKEN_NAMES:
+            value = config.get(key)
+            if isinstance(value, dict):  # an AddedToken saved as a dict
+                value = value.get("content")
+            if isinstance(value, str):
+                tokens[key] = value
+        template = _jinja_environment().from_string(self.chat_template())
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **tokens)
+        except Exception as e:  # a template's raise_exception, or a broken template
+            raise DataError(f"tokenizer {self.name}: the chat template failed "
+                            f"({_one_line(e)})") from None
+
+
+def _jinja_environment() -> Any:
+    """The sandbox ``transformers`` renders chat templates in (``chat_template_utils``), with
+    the ``{% generation %}`` tag rendering its body unchanged."""
+    try:
+        import jinja2
+        from jinja2.ext import Extension
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise DataError("chat templates need jinja2 (pip install jinja2)") from None
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def _one_line(e: BaseException) -> str:

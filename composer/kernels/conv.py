@@ -125,6 +125,11 @@ def conv_continue(x_BTC: torch.Tensor, conv: nn.Module, window_BCW: torch.Tensor
     of ``[window, x]`` without padding, ``T`` outputs."""
     weight_C1K, bias_C = _conv_params(conv)
     full_BCL = torch.cat([window_BCW.to(x_BTC.dtype), x_BTC.transpose(1, 2)], dim=-1)
+    if x_BTC.shape[1] == 1:  # one decoding step: a dot product per channel (no conv setup)
+        y_BC = (full_BCL * weight_C1K[:, 0].to(x_BTC.dtype)).sum(-1)
+        if bias_C is not None:
+            y_BC = y_BC + bias_C.to(x_BTC.dtype)
+        return F.silu(y_BC)[:, None]
     y_BCT = F.conv1d(full_BCL, weight_C1K.to(x_BTC.dtype),
                      None if bias_C is None else bias_C.to(x_BTC.dtype),
                      groups=weight_C1K.shape[0])

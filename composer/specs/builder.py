@@ -12,7 +12,8 @@ Portable checkpoints (``config.yaml`` + ``model.safetensors``) are written and r
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import shutil
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -159,14 +160,19 @@ def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
 def write_portable(folder: str | Path, cfg: ModelConfig,
                    tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
                    read: Iterator[tuple[str, torch.Tensor]], force: bool = False,
-                   max_shard_bytes: int = DEFAULT_MAX_SHARD, family: str | None = None) -> Path:
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD, family: str | None = None,
+                   extra_dirs: Mapping[str, Path] | None = None) -> Path:
     """Write a portable checkpoint atomically: ``tensors`` is the plan (name, dtype, shape) and
     ``read`` yields the tensors in that order, one at a time (bounded memory). ``family`` (a
-    zoo preset's) is recorded in ``origin.json``, so ``to-hf`` writes that family's class."""
+    zoo preset's) is recorded in ``origin.json``, so ``to-hf`` writes that family's class.
+    ``extra_dirs`` (name -> folder) are copied in under those names before the checkpoint is
+    published (a training run's ``tokenizer/``)."""
     folder = Path(folder)
     plan = [PlannedTensor(name, DTYPE_NAMES[dtype], tuple(shape)) for name, dtype, shape in tensors]
     with atomic_folder(folder, force) as tmp:
         cfg.save(tmp / CONFIG_FILE)
+        for name, src in (extra_dirs or {}).items():
+            shutil.copytree(src, tmp / name)
         if family:
             (tmp / ORIGIN_FILE).write_text(json.dumps({"family": family}) + "\n")
         writer = ShardedWriter(tmp, plan, max_shard_bytes)  # keeps the plan's order

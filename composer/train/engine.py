@@ -194,6 +194,30 @@ def open_data(recipe: Recipe, cfg: ModelConfig) -> tuple[Batches, Batches | None
     return _indexed(recipe, cfg, [(1.0, str(BUILTIN))], recipe.split or BUILTIN_SPLIT)
 
 
+def data_tokenizer(recipe: Recipe) -> Path | None:
+    """The tokenizer folder of the training data: ``PREFIX.tokenizer/`` of the first dataset of
+    ``--data`` (or of the built-in corpus, without ``--data`` and ``--tokens``); None for token
+    arrays, or a dataset prepared without one."""
+    from composer.data.blend import parse_blend
+    from composer.data.corpus import BUILTIN
+
+    if recipe.tokens is not None:
+        return None
+    prefix = parse_blend(recipe.data)[0][1] if recipe.data is not None else str(BUILTIN)
+    folder = Path(f"{prefix}.tokenizer")
+    return folder if folder.is_dir() else None
+
+
+def save_data_tokenizer(recipe: Recipe) -> None:
+    """Copy the data's tokenizer into ``SAVE/tokenizer/``, so that ``composer generate SAVE``
+    (and the export) encode and decode text with the vocabulary the model learnt."""
+    from composer.data.tokenizer import TOKENIZER_DIR, load_tokenizer, save_tokenizer
+
+    folder = data_tokenizer(recipe)
+    if folder is not None:
+        save_tokenizer(load_tokenizer(str(folder)), Path(recipe.save) / TOKENIZER_DIR)
+
+
 def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run, int]:
     """Build the run; returns it and the last step to take."""
     from composer.run import build_sharded
@@ -254,6 +278,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         if is_rank0():
             Path(recipe.save).mkdir(parents=True, exist_ok=True)
             recipe.write(Path(recipe.save) / RECIPE_FILE)
+            save_data_tokenizer(recipe)
     last = recipe.steps if recipe.exit_at_step is None else min(recipe.steps, recipe.exit_at_step)
     run.log = MetricsLog(recipe.log_dir or recipe.save, is_rank0(), last, run.start_step, quiet,
                          recipe.tensorboard)

@@ -155,7 +155,8 @@ def test_hub_download_asks_only_for_tokenizer_files(tmp_path, monkeypatch):
     tok = load_tokenizer("org/tiny")
     assert (tok.name, calls) == ("org/tiny", [("org/tiny", ["tokenizer.json",
                                                             "tokenizer_config.json",
-                                                            "special_tokens_map.json"])])
+                                                            "special_tokens_map.json",
+                                                            "chat_template.jinja"])])
 
 
 def _offline(*args, **kwargs):
