@@ -92,11 +92,31 @@ def print_stats(info: dict[str, Any]) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+    if info.get("stages"):
+        print(f"\npipeline stages (--pp {info['pp']}; rank r holds stages r, r + pp, ...)")
+        print(f"{'stage':>5} {'rank':>4} {'layers':>9} {'params':>9} {'FLOPs/token':>12}  pattern")
+        for st in info["stages"]:
+            first, last = st["first_layer"], st["first_layer"] + len(st["layers"]) - 1
+            print(f"{st['stage']:>5} {st['rank']:>4} {f'{first}-{last}':>9} "
+                  f"{_human(st['n_params']):>9} {_human(st['flops_per_token']):>12}  "
+                  f"{st['layers']}")
+
+
+def stages_dict(cfg: ModelConfig, pp: int, seq_len: int) -> list[dict[str, Any]]:
+    from composer.specs.stages import split_stages
+
+    return [{"stage": st.index, "rank": st.index % pp, "layers": st.pattern,
+             "first_layer": st.layers[0], "n_params": st.n_params,
+             "flops_per_token": st.flops_per_token}
+            for st in split_stages(cfg, pp, seq_len)]
 
 
 def cmd_build(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     info = stats_dict(cfg, args.seq_len)
+    if args.pp is not None:
+        info["pp"] = args.pp
+        info["stages"] = stages_dict(cfg, args.pp, args.seq_len)
     if args.out:
         from composer.specs.builder import build_model, save
         from composer.zoo import get_preset
@@ -218,7 +238,7 @@ def _layout(args: argparse.Namespace):
     return ParallelConfig(tp=args.tp, ep=args.ep, dp=args.dp, dp_mode=args.dp_mode,
                           sequence_parallel=not args.no_sequence_parallel,
                           activation_checkpointing=args.activation_checkpointing,
-                          compile=args.compile)
+                          compile=args.compile, pp=args.pp)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -360,6 +380,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages: the "
+                                                      "pattern's '|' segments, or balanced)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides dp)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: the rest)")
     p.add_argument("--dp-mode", choices=("shard", "replicate"), default="shard",
@@ -386,6 +408,8 @@ def make_parser() -> Parser:
                        help="override a config field, e.g. attention.n_heads=8 (repeatable)")
     build.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
     build.add_argument("--seq-len", type=int, default=4096, help="sequence length for FLOPs")
+    build.add_argument("--pp", type=int, default=None,
+                       help="print the split into pipeline stages for N ranks")
     build.add_argument("--out", help="materialise and write a portable checkpoint here")
     build.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
     build.add_argument("--json", action="store_true", help="one line of JSON on stdout")

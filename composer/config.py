@@ -188,6 +188,15 @@ class MoEConfig:
 
 
 @dataclass
+class MTPConfig:
+    """Multi-token prediction (the pattern's ``/`` parts; :mod:`composer.blocks.mtp`)."""
+
+    loss_weight: float = 0.1
+    """``w`` in ``loss = ce + aux + (w / D) * sum_k ce_k`` over the ``D`` depths (DeepSeek-V3's
+    lambda; Megatron's ``mtp_loss_scaling_factor``, default 0.1)."""
+
+
+@dataclass
 class ModelConfig:
     pattern: str = "M-M*-ME"
     d_model: int = 256
@@ -213,6 +222,8 @@ class ModelConfig:
     moe: MoEConfig | None = field(default_factory=MoEConfig)
     mla: MLAConfig | None = None
     gdn: GDNConfig | None = None
+    mtp: MTPConfig | None = field(default_factory=MTPConfig)
+    """Read only when the pattern has multi-token-prediction parts (``"main/mtp"``)."""
     extra_sections: dict[str, Any] = field(default_factory=dict, repr=False)
     """Sections of user-registered kinds, by name (also reachable as attributes)."""
 
@@ -249,7 +260,7 @@ class ModelConfig:
         so that two configs that build the same model compare equal."""
         pattern = self.parsed
         used = {SYMBOL_NEEDS[s] for s in pattern.layers + "".join(pattern.mtp)
-                if s in SYMBOL_NEEDS}
+                if s in SYMBOL_NEEDS} | ({"mtp"} if pattern.mtp else set())
         out = ModelConfig.from_dict(self.to_dict())
         out.pattern = pattern.format()
         for section in BUILTIN_SECTIONS:
@@ -276,7 +287,7 @@ class ModelConfig:
         return cls.from_dict(data)
 
 
-BUILTIN_SECTIONS = ("attention", "mamba", "mlp", "moe", "mla", "gdn")
+BUILTIN_SECTIONS = ("attention", "mamba", "mlp", "moe", "mla", "gdn", "mtp")
 SUBCONFIGS: dict[str, type] = {"rope_scaling": RopeScaling}
 """Nested configs that are not sections (sections are in :data:`SECTIONS`)."""
 SYMBOL_NEEDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "+": "mla", "G": "gdn"}
@@ -511,6 +522,9 @@ def validate(cfg: ModelConfig) -> None:
         if section and getattr(cfg, section) is None:
             raise ConfigError(
                 f"pattern symbol {sym!r} needs the '{section}' section, which is None")
+    if pattern.mtp and cfg.mtp is None:
+        raise ConfigError(f"the multi-token-prediction parts ('/{pattern.mtp[0]}') need the "
+                          "'mtp' section, which is None")
     for name, section in SECTIONS.items():
         value = cfg.section(name)
         if value is not None and section.validate is not None:
@@ -599,12 +613,18 @@ def _validate_gdn(d: GDNConfig, cfg: ModelConfig) -> None:
         raise ConfigError(f"gdn.a_init_range {list(d.a_init_range)} must be positive, increasing")
 
 
+def _validate_mtp(m: MTPConfig, cfg: ModelConfig) -> None:
+    if not m.loss_weight >= 0:
+        raise ConfigError(f"mtp.loss_weight must be >= 0, got {m.loss_weight}")
+
+
 register_section("attention", AttentionConfig, _validate_attention)
 register_section("mamba", MambaConfig, _validate_mamba)
 register_section("mlp", MLPConfig, _validate_mlp)
 register_section("moe", MoEConfig, _validate_moe)
 register_section("mla", MLAConfig, _validate_mla)
 register_section("gdn", GDNConfig, _validate_gdn)
+register_section("mtp", MTPConfig, _validate_mtp)
 
 
 def config_diff(a: ModelConfig, b: ModelConfig) -> str | None:

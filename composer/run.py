@@ -31,7 +31,7 @@ from composer.specs.builder import (
     check_model,
     open_portable,
 )
-from composer.specs.init import init_weights, load_weights
+from composer.specs.init import check_source, init_weights, load_weights
 
 
 def load_tokens(path: str | Path, seq_len: int | None) -> list[np.ndarray]:
@@ -109,19 +109,30 @@ def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,
     ``transform`` changes the model on meta before it is parallelised (float8 linears)."""
     check_buildable(cfg)
     check_model(dims, cfg)
-    model = build_model(cfg, device="meta")
+    pipeline = None
+    if dims.pp > 1:  # this rank's stages only (composer.parallel.pipeline)
+        from composer.parallel.pipeline import Pipeline
+        from composer.specs.stages import build_pipeline_model
+
+        if tensors is not None:
+            check_source(build_model(cfg, device="meta"), tensors)
+        model, groups = build_pipeline_model(cfg, dims)
+        pipeline = Pipeline(model, dims, groups)
+    else:
+        model = build_model(cfg, device="meta")
     if dtype is not None:
         cast_model(model, dtype)
     elif tensors is not None:
         adopt_dtypes(model, tensors)
     if transform is not None:
         transform(model)
-    parallelize(model, dims)
+    parallelize(model, dims, roots=None if pipeline is None else pipeline.views)
     model.to_empty(device=dims.device)
     if tensors is not None:
-        load_weights(model, tensors)
+        load_weights(model, tensors, strict=pipeline is None)
     elif seed is not None:
         init_weights(model, seed)
+    model.pipeline = pipeline
     return model
 
 
@@ -155,8 +166,11 @@ def evaluate(model: HybridModel, dims: ParallelDims, rows: list[np.ndarray],
             n = int((docs[:, 1:] == docs[:, :-1]).sum())
         if n == 0:
             return
-        out = model(ids, ids, **kwargs)
-        ce = (out.loss - out.aux_loss).double()
+        if getattr(model, "pipeline", None) is not None:  # every pipeline rank gets the loss
+            ce = model.pipeline.loss(ids, kwargs.get("doc_ids"))[0]
+        else:
+            out = model(ids, ids, **kwargs)
+            ce = (out.loss - out.aux_loss - out.mtp_loss).double()
         totals[0] += ce * (n * weight)
         totals[1] += n * weight
 

@@ -73,13 +73,35 @@ class TrainResult:
     step: int
 
 
+def _backward(model: torch.nn.Module, dims, ids: torch.Tensor, global_rows: int) -> torch.Tensor:
+    """Backward of the mean loss of a global batch (``ids`` this rank's rows); returns this
+    rank's mean loss. Through the pipeline when the model has one (``pp`` micro-batches)."""
+    from composer.parallel.data import finish_grads
+
+    pipeline = getattr(model, "pipeline", None)
+    if pipeline is None:
+        out = model(ids, ids)
+        out.loss.backward()
+        finish_grads(model, dims)
+        return out.loss
+    if pipeline.n_micro is None:
+        pipeline.configure("interleaved-1f1b" if len(pipeline.groups) > dims.pp else "1f1b",
+                           dims.pp)
+    n_global = global_rows * (ids.shape[1] - 1)
+    ce, aux, mtp = pipeline.train_step(ids, None, dims.dp / n_global)
+    finish_grads(model, dims)
+    pipeline.sync_tied()
+    total = torch.stack([ce, aux + mtp]).to(torch.float64)
+    torch.distributed.all_reduce(total, group=dims.pp_mesh.get_group())
+    return total[0] / (ids.shape[0] * (ids.shape[1] - 1)) + total[1]
+
+
 def adamw_steps(model: torch.nn.Module, dims, opt: torch.optim.Optimizer,
                 rows: list[np.ndarray], steps: int, batch_size: int, seed: int,
                 start_step: int = 0, on_step=None) -> TrainResult:
     """Plain AdamW steps at a constant learning rate on a layout-independent sequence of global
     batches (no accumulation, clipping or schedule): the minimal loop that layout-parity tests
     of the parallel code run in any dtype. ``composer.train`` is the training engine."""
-    from composer.parallel.data import finish_grads
     from composer.run import _dp_sum
 
     assert len({len(r) for r in rows}) == 1 and batch_size % dims.dp == 0
@@ -94,12 +116,10 @@ def adamw_steps(model: torch.nn.Module, dims, opt: torch.optim.Optimizer,
         batch = order[step * batch_size:(step + 1) * batch_size]
         local = batch[dims.dp_rank() * share:(dims.dp_rank() + 1) * share]
         ids = torch.from_numpy(data[local]).long().to(dims.device, non_blocking=True)
-        out = model(ids, ids)
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        finish_grads(model, dims)
+        loss = _backward(model, dims, ids, batch_size)
         opt.step()
-        loss = _dp_sum(out.loss.detach().double().reshape(1), dims) / dims.dp
+        loss = _dp_sum(loss.detach().double().reshape(1), dims) / dims.dp
         losses.append(float(loss))
         if on_step is not None:
             on_step(step + 1, losses[-1])
@@ -112,7 +132,6 @@ def layout_case(layout: dict, cfg_dict: dict, data: np.ndarray, fp64: bool = Fal
     one process): the eval loss, the gradients of one global batch (gathered whole) and the
     weights after ``steps`` plain AdamW steps, for a model built shard-local with seed 7."""
     from composer.config import ModelConfig
-    from composer.parallel.data import finish_grads
     from composer.parallel.mesh import ParallelConfig, build_parallel_dims
     from composer.run import build_sharded, evaluate
 
@@ -127,8 +146,7 @@ def layout_case(layout: dict, cfg_dict: dict, data: np.ndarray, fp64: bool = Fal
     share = len(rows) // dims.dp
     mine = torch.from_numpy(data[dims.dp_rank() * share:(dims.dp_rank() + 1) * share]).long()
     model.train()
-    model(mine, mine).loss.backward()
-    finish_grads(model, dims)
+    _backward(model, dims, mine, len(rows))
     grads = {k: whole(p.grad).clone() for k, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     result = adamw_steps(model, dims, opt, rows, steps, batch_size=4, seed=3)

@@ -6,8 +6,10 @@ bias, expert groups, a routed scaling factor and one shared expert.
 Shared (HF ``config.json`` of each id): hidden 7168, 61 layers, q rank 1536, kv rank 512, head
 widths 128 (nope) + 64 (rope) and 128 (value), dense FFN 18432, expert FFN 2048, 8 routed experts
 per token, RMSNorm eps 1e-6, YaRN RoPE with ``mscale = mscale_all_dim = 1``, untied embeddings.
-Not modelled: the MTP module (``model.layers.61.*``, ``num_nextn_predict_layers: 1`` for
-DeepSeek-V3), which transformers does not build either.
+The presets leave out DeepSeek-V3's MTP module (``model.layers.61.*``,
+``num_nextn_predict_layers: 1``; transformers' ``DeepseekV3ForCausalLM`` does not build it):
+append ``/+E`` to the pattern to build it (:mod:`composer.blocks.mtp`); a converted checkpoint
+that holds it gets it (:mod:`composer.convert.deepseek`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ Numbers from the HF ``config.json`` of each id:
   (top-8) and a 512-wide shared expert, vocabulary 248320, untied.
 
 All ship one multi-token-prediction layer (``mtp.*``) that transformers does not build; these
-presets leave it out (a converted checkpoint keeps it aside: :mod:`composer.convert.qwen3_next`).
+presets leave it out (append ``/*E``, ``/*-`` for Qwen3.5 dense, to build it); a converted
+checkpoint whose config declares it gets it (:mod:`composer.convert.qwen3_next`).
 """
 
 from __future__ import annotations

@@ -16,13 +16,19 @@ and state restart: each document gives what it gives alone), and nothing is pred
 boundary: the label of each document's first token, the target of the previous document's last
 position, is ignored here, so any readout (the vocabulary-parallel one too) gets masked labels.
 
+Multi-token prediction (the pattern's ``/`` parts, :mod:`composer.blocks.mtp`): with labels,
+``mtp.{d}.*`` run after the trunk on its normalised output, with this model's embedding and head,
+and ``ModelOutput.loss = ce + aux_loss + mtp_loss`` (``ce``: the main next-token cross-entropy,
+``aux_loss``: the MoE load-balancing losses of every layer, MTP layers included, ``mtp_loss``:
+``(w / D) * sum_k ce_k``). Without labels, and in decoding, the MTP modules never run.
+
 Decoding (:mod:`composer.blocks.cache`, :func:`composer.generate`): ``new_cache`` allocates each
 layer's state, ``forward_cached`` runs new tokens against it and returns their logits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +37,7 @@ from torch import nn
 
 from composer.blocks.cache import InferenceCache
 from composer.blocks.loss import IGNORE_INDEX, linear_cross_entropy
+from composer.blocks.mtp import MTPDepth, MultiTokenPrediction
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Init, Normal
 from composer.config import ModelConfig
@@ -50,10 +57,24 @@ def mask_doc_boundaries(labels_BT: torch.Tensor, doc_ids_BT: torch.Tensor) -> to
 
 @dataclass
 class ModelOutput:
+    """``loss = ce + aux_loss + mtp_loss``, ``ce`` being the main next-token cross-entropy
+    (``loss - aux_loss - mtp_loss``)."""
+
     loss: torch.Tensor
     logits: torch.Tensor | None
     """Only with ``return_logits=True``."""
     aux_loss: torch.Tensor
+    """Sum of the MoE load-balancing losses (MTP layers' too), already weighted."""
+    mtp_loss: torch.Tensor | None = None
+    """The weighted multi-token-prediction term ``(w / D) * sum_k ce_k``; always a tensor once
+    built (zero without MTP parts)."""
+    mtp_losses: tuple[torch.Tensor, ...] = ()
+    """Each depth's unweighted mean cross-entropy ``ce_k`` (detached; NaN for a depth without a
+    target)."""
+
+    def __post_init__(self) -> None:
+        if self.mtp_loss is None:
+            self.mtp_loss = torch.zeros_like(self.aux_loss)
 
 
 class Readout(nn.Module):
@@ -85,6 +106,16 @@ class Readout(nn.Module):
         return loss, logits_BTV
 
 
+def named_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every residual block of a :class:`HybridModel` (or of a module holding its ``layers`` and
+    ``mtp``: a pipeline stage) with its state-dict prefix, in the order they run: the main layers
+    (``layers.{i}``), then each MTP depth's (``mtp.{d}.layers.{j}``)."""
+    out = [(f"layers.{key}", layer) for key, layer in module.layers.items()]
+    for d, depth in enumerate(getattr(module, "mtp", None) or ()):
+        out += [(f"mtp.{d}.layers.{j}", layer) for j, layer in depth.layers.items()]
+    return out
+
+
 def _set_zero_centered(model: nn.Module, flag: bool) -> None:
     """Apply ``ModelConfig.norm_zero_centered`` to every RMSNorm (layer, final and qk-norms)."""
     for module in model.modules():
@@ -96,9 +127,11 @@ def _set_zero_centered(model: nn.Module, flag: bool) -> None:
 
 class HybridModel(nn.Module):
     """Keys: ``embed.weight``, ``layers.{i}.*``, ``final_norm.weight``, ``lm_head.weight``
-    (absent when ``tie_embeddings``)."""
+    (absent when ``tie_embeddings``), ``mtp.{d}.*`` (with MTP parts; :mod:`composer.blocks.mtp`).
+    """
 
-    def __init__(self, cfg: ModelConfig, layers: Mapping[int, nn.Module]) -> None:
+    def __init__(self, cfg: ModelConfig, layers: Mapping[int, nn.Module],
+                 mtp_layers: Sequence[Mapping[int, nn.Module]] = ()) -> None:
         super().__init__()
         self.config = cfg
         # _weight skips nn.Embedding's own init (the builder initialises); on the meta device
@@ -107,10 +140,18 @@ class HybridModel(nn.Module):
                                   _weight=torch.empty(cfg.vocab_size, cfg.d_model))
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        _set_zero_centered(self, cfg.norm_zero_centered)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.mtp = MultiTokenPrediction(cfg, [MTPDepth(cfg, part) for part in mtp_layers]) \
+            if mtp_layers else None
+        _set_zero_centered(self, cfg.norm_zero_centered)
         self.readout = Readout(cfg.logits_scaling)
+
+    def named_layers(self) -> list[tuple[str, nn.Module]]:
+        return named_layers(self)
+
+    def all_layers(self) -> list[nn.Module]:
+        return [layer for _, layer in named_layers(self)]
 
     def init_rules(self) -> dict[str, Init]:
         return {"embed.weight": Normal(self.config.init_std),
@@ -119,11 +160,16 @@ class HybridModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
 
-    def hidden_states(self, input_ids: torch.Tensor, *,
-                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding of ``input_ids`` (``(B, T)``), times ``embedding_multiplier``."""
         x_BTD = self.embed(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x_BTD = x_BTD * self.config.embedding_multiplier
+        return x_BTD
+
+    def hidden_states(self, input_ids: torch.Tensor, *,
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x_BTD = self.embed_tokens(input_ids)
         for layer in self.layers.values():
             x_BTD = layer(x_BTD) if doc_ids is None else layer(x_BTD, doc_ids=doc_ids)
         return self.final_norm(x_BTD)
@@ -139,14 +185,26 @@ class HybridModel(nn.Module):
                 raise ValueError(f"doc_ids must be integers shaped like input_ids "
                                  f"{tuple(input_ids.shape)}, got {doc_ids.dtype} "
                                  f"{tuple(doc_ids.shape)}")
-            if labels is not None:
-                labels = mask_doc_boundaries(labels, doc_ids)
         h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids)
-        loss, logits = self.readout(h_BTD, self.output_weight(), labels, return_logits)
+        main_labels = labels if labels is None or doc_ids is None else \
+            mask_doc_boundaries(labels, doc_ids)
+        loss, logits = self.readout(h_BTD, self.output_weight(), main_labels, return_logits)
         if labels is None:
             return logits
-        aux = self.aux_loss(loss)
-        return ModelOutput(loss=loss + aux, logits=logits, aux_loss=aux)
+        mtp, mtp_losses = self.mtp_loss(h_BTD, input_ids, labels, doc_ids=doc_ids)
+        aux = self.aux_loss(loss)  # after the MTP depths: their MoE layers count too
+        return ModelOutput(loss=loss + aux + mtp, logits=logits, aux_loss=aux, mtp_loss=mtp,
+                           mtp_losses=mtp_losses)
+
+    def mtp_loss(self, h_BTD: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, *,
+                 doc_ids: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The weighted MTP term and each depth's cross-entropy from the trunk's normalised
+        output ``h_BTD`` (:mod:`composer.blocks.mtp`); zero and ``()`` without MTP parts."""
+        if self.mtp is None:
+            return h_BTD.new_zeros((), dtype=torch.float32), ()
+        return self.mtp(h_BTD, input_ids, labels, embed=self.embed_tokens, readout=self.readout,
+                        weight_VD=self.output_weight(), doc_ids=doc_ids)
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | None = None,
                   dtype: torch.dtype | None = None) -> InferenceCache:
@@ -174,9 +232,7 @@ class HybridModel(nn.Module):
         fills): ``(B, vocab)`` for the last position, or ``(B, T, vocab)`` without
         ``last_only``. ``attention_mask`` (first call only): left padding, 0 for padding."""
         ctx = cache.advance(input_ids.shape[1], attention_mask)
-        x_BTD = self.embed(input_ids)
-        if self.config.embedding_multiplier != 1.0:
-            x_BTD = x_BTD * self.config.embedding_multiplier
+        x_BTD = self.embed_tokens(input_ids)
         for key, layer in self.layers.items():
             x_BTD = layer.forward_cached(x_BTD, cache.layers.get(int(key)), ctx)
         if last_only:
@@ -185,9 +241,10 @@ class HybridModel(nn.Module):
         return logits[:, -1] if last_only else logits
 
     def aux_loss(self, like: torch.Tensor) -> torch.Tensor:
-        """Sum of the auxiliary losses the mixers stored during the last forward."""
+        """Sum of the auxiliary losses the mixers stored during the last forward (the MTP
+        depths' layers included)."""
         total = like.new_zeros((), dtype=torch.float32)
-        for layer in self.layers.values():
+        for layer in self.all_layers():
             aux = getattr(layer.mixer, "aux_loss", None)
             if aux is not None:
                 total = total + aux

@@ -161,6 +161,16 @@ class TokenSum(nn.Module):
         return x
 
 
+class SequenceChunk(nn.Module):
+    """The identity on one device. It marks a per-position tensor ``(B, T, ...)`` that a block
+    combines with the residual stream outside its mixer (multi-token prediction's keep mask):
+    under sequence parallelism the residual stream is cut over ``T``, and the parallel layer
+    replaces this by the same cut of the tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
 # ---------------------------------------------------------------- layout rules
 
 

@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,10 +42,10 @@ class SplitParams(nn.Module):
 
     def fused_weight(self) -> torch.Tensor:
         """The fused weight: the parts' rows, in part order."""
-        return torch.cat(self.weights(), dim=0)
+        return _fused(self.weights())
 
     def fused_bias(self) -> torch.Tensor | None:
-        return torch.cat(self.biases(), dim=0) if self.has_bias else None
+        return _fused(self.biases()) if self.has_bias else None
 
     def stored_as(self, name: str) -> tuple[str, int]:
         """Where parameter ``name`` (``weight_<part>``) lives in the state dict: the fused key
@@ -95,6 +96,52 @@ class SplitParams(nn.Module):
                                    and k not in expected and "." not in k[len(prefix):])
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _adjacent(parts: list[torch.Tensor]) -> bool:
+    """The parts are consecutive contiguous blocks of one storage (fused already)."""
+    first = parts[0]
+    base = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in parts:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device
+                or t.untyped_storage().data_ptr() != base or t.storage_offset() != offset):
+            return False
+        offset += t.numel()
+    return True
+
+
+def _fused(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``cat(parts)``; without autograd, a view instead of a copy.
+
+    Inference (decoding: one token per call) would otherwise copy every fused weight at every
+    step. Without grad, in a single process, plain parameters on a real device are moved once
+    into one buffer, each part a block of it (the same Parameter objects, so optimizers and
+    state dicts are unaffected), and the fused tensor is a view of that buffer. Anything that
+    needs gradients, and any process of a parallel run, takes the copy.
+    """
+    if torch.is_grad_enabled() or len(parts) == 1 or dist.is_initialized():
+        # under any parallel layout the parameters' storage belongs to the wrappers (FSDP's
+        # unsharded buffers, tensor-parallel shadows): never re-pointed
+        return torch.cat(parts, dim=0)
+    if not _adjacent(parts):
+        if not all(type(t) is nn.Parameter and t.device.type != "meta" for t in parts):
+            return torch.cat(parts, dim=0)
+        with torch.inference_mode(False):  # a normal buffer, usable for training later
+            buffer = torch.cat([t.detach() for t in parts], dim=0)
+        for t, piece in zip(parts, buffer.split([t.shape[0] for t in parts]), strict=True):
+            t.data = piece
+    first = parts[0]
+    shape = (sum(t.shape[0] for t in parts), *first.shape[1:])
+    return first.detach().as_strided(shape, _contiguous_strides(shape), first.storage_offset())
+
+
 class SplitLinear(SplitParams):
     """``y = x W^T + b`` with ``W`` the row-concatenation of the parts."""
 
@@ -102,13 +149,6 @@ class SplitLinear(SplitParams):
         super().__init__(sizes, (d_in,), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d_in = x.shape[-1]
-        if not torch.is_grad_enabled() and x.numel() < d_in * d_in:
-            # Few tokens (decoding): fusing the weights would copy all of them for every call;
-            # one product per part reads each once and concatenates small outputs instead.
-            biases = self.biases() or [None] * len(self.parts)
-            return torch.cat([F.linear(x, w, b) for w, b in zip(self.weights(), biases,
-                                                                 strict=True)], dim=-1)
         return F.linear(x, self.fused_weight(), self.fused_bias())
 
 

@@ -26,6 +26,7 @@ def compile_layers(model: nn.Module, **options: Any) -> nn.Module:
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):
         raise TypeError("compile_layers expects a HybridModel (a model with a `layers` ModuleDict)")
-    for layer in layers.values():
+    every = model.all_layers() if hasattr(model, "all_layers") else layers.values()
+    for layer in every:  # a HybridModel's MTP depths' layers too
         layer.compile(**options)
     return model

@@ -201,12 +201,19 @@ def gdn_step(q_B1GK: torch.Tensor, k_B1GK: torch.Tensor, v_B1HV: torch.Tensor,
     q_BHK = q_B1GK[:, 0].to(dtype).repeat_interleave(H // G, dim=1) * scale
     k_BHK = k_B1GK[:, 0].to(dtype).repeat_interleave(H // G, dim=1)
     v_BHV, g_BH, beta_BH = v_B1HV[:, 0].to(dtype), g_B1H[:, 0].to(dtype), beta_B1H[:, 0].to(dtype)
-    S = torch.exp(g_BH)[..., None, None] * state_BHKV.to(dtype)
-    pred_BHV = torch.einsum("bhkv,bhk->bhv", S, k_BHK)
+    b, _, K, V = state_BHKV.shape
+    if state_BHKV.dtype == dtype and state_BHKV.is_contiguous():
+        S = state_BHKV  # updated in place
+    else:
+        S = state_BHKV.to(dtype).contiguous()
+    S.mul_(torch.exp(g_BH)[..., None, None])
+    flat = S.view(b * H, K, V)
+    pred_BHV = torch.bmm(k_BHK.reshape(b * H, 1, K), flat).view(b, H, V)
     u_BHV = beta_BH[..., None] * (v_BHV - pred_BHV)
-    S = S + k_BHK[..., None] * u_BHV[:, :, None, :]
-    state_BHKV.copy_(S)
-    return torch.einsum("bhkv,bhk->bhv", S, q_BHK)[:, None]
+    flat.baddbmm_(k_BHK.reshape(b * H, K, 1), u_BHV.reshape(b * H, 1, V))
+    if S is not state_BHKV:
+        state_BHKV.copy_(S)
+    return torch.bmm(q_BHK.reshape(b * H, 1, K), flat).view(b, 1, H, V)
 
 
 # ---------------------------------------------------------------- the fla kernel on CUDA

@@ -153,10 +153,17 @@ def ssd_step(x_B1HP: torch.Tensor, dt_B1H: torch.Tensor, A_H: torch.Tensor,
     B_BHN = B_B1GN[:, 0].to(dtype).repeat_interleave(heads_per_group, dim=1)
     C_BHN = C_B1GN[:, 0].to(dtype).repeat_interleave(heads_per_group, dim=1)
     decay_BH = torch.exp(dt_BH * A_H.to(dtype))
-    new_BHPN = (state_BHPN.to(dtype) * decay_BH[..., None, None]
-                + (dt_BH[..., None] * x_BHP)[..., None] * B_BHN[:, :, None, :])
-    state_BHPN.copy_(new_BHPN)
-    y_BHP = (new_BHPN * C_BHN[:, :, None, :]).sum(-1)
+    b, h, p, n = state_BHPN.shape
+    if state_BHPN.dtype == dtype and state_BHPN.is_contiguous():
+        state = state_BHPN  # updated in place: decay, then the rank-1 write (one baddbmm)
+    else:
+        state = state_BHPN.to(dtype).contiguous()
+    state.mul_(decay_BH[..., None, None])
+    flat = state.view(b * h, p, n)
+    flat.baddbmm_((dt_BH[..., None] * x_BHP).reshape(b * h, p, 1), B_BHN.reshape(b * h, 1, n))
+    y_BHP = torch.bmm(flat, C_BHN.reshape(b * h, n, 1)).view(b, h, p)
+    if state is not state_BHPN:
+        state_BHPN.copy_(state)
     if D_H is not None:
         y_BHP = y_BHP + D_H.to(dtype)[:, None] * x_BHP
     return y_BHP[:, None]

@@ -2,8 +2,9 @@
 FSDP2 ``fully_shard`` (``--dp-mode shard``) or its replicating twin ``replicate``
 (``--dp-mode replicate``: DDP semantics on the same machinery).
 
-Every layer and then the root are wrapped over the ``dp`` mesh dimension; the sharded mode also
-prefetches the neighbouring layer's parameters (forward and backward) so gathers overlap compute.
+Every layer (MTP depths' too) and then the root are wrapped over the ``dp`` mesh dimension; the
+sharded mode also prefetches the neighbouring layer's parameters (forward and backward) so
+gathers overlap compute.
 Under expert parallelism the routed experts are left out (already split over ep; their replicas
 over ``dp_outer`` are reduced by :func:`finish_grads`, in buckets): an expert on an ep rank
 receives tokens from every rank of its ep group, so its gradient sums ep ranks' mean losses and
@@ -17,6 +18,7 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from composer.blocks.model import named_layers
 from composer.parallel.comm import all_reduce_coalesced
 from composer.parallel.mesh import ParallelDims
 from composer.parallel.tensor import expert_params, local_grad, reduce_tp_grads
@@ -36,26 +38,32 @@ def mixed_precision(dims: ParallelDims) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:
-    layers = list(model.layers.values())
+def apply_fsdp(model: nn.Module, dims: ParallelDims,
+               roots: list[nn.Module] | None = None) -> None:
+    """Each layer its own FSDP2 unit, then the root(s) (``model``, or a pipeline rank's stages:
+    each stage a root over its layers and its embedding / norm / head)."""
     mp = mixed_precision(dims)
-    for layer in layers:
-        fully_shard(layer, mesh=dims.dp_mesh, ignored_params=_experts_apart(layer, dims),
-                    mp_policy=mp)
-    fully_shard(model, mesh=dims.dp_mesh, mp_policy=mp)
-    for i, layer in enumerate(layers):
-        if i + 1 < len(layers):
-            layer.set_modules_to_forward_prefetch([layers[i + 1]])
-        if i > 0:
-            layer.set_modules_to_backward_prefetch([layers[i - 1]])
+    for root in roots or [model]:
+        layers = [layer for _, layer in named_layers(root)]  # MTP depths' last, as they run
+        for layer in layers:
+            fully_shard(layer, mesh=dims.dp_mesh, ignored_params=_experts_apart(layer, dims),
+                        mp_policy=mp)
+        fully_shard(root, mesh=dims.dp_mesh, mp_policy=mp)
+        for i, layer in enumerate(layers):
+            if i + 1 < len(layers):
+                layer.set_modules_to_forward_prefetch([layers[i + 1]])
+            if i > 0:
+                layer.set_modules_to_backward_prefetch([layers[i - 1]])
 
 
-def apply_replicate(model: nn.Module, dims: ParallelDims) -> None:
+def apply_replicate(model: nn.Module, dims: ParallelDims,
+                    roots: list[nn.Module] | None = None) -> None:
     mp = mixed_precision(dims)
-    for layer in model.layers.values():
-        replicate(layer, mesh=dims.dp_mesh, ignored_params=_experts_apart(layer, dims),
-                  mp_policy=mp)
-    replicate(model, mesh=dims.dp_mesh, mp_policy=mp)
+    for root in roots or [model]:
+        for _, layer in named_layers(root):
+            replicate(layer, mesh=dims.dp_mesh, ignored_params=_experts_apart(layer, dims),
+                      mp_policy=mp)
+        replicate(root, mesh=dims.dp_mesh, mp_policy=mp)
 
 
 def finish_grads(model: nn.Module, dims: ParallelDims) -> None:
@@ -64,6 +72,6 @@ def finish_grads(model: nn.Module, dims: ParallelDims) -> None:
     reduce_tp_grads(model, dims.tp_context)
     if dims.dp == 1 or dims.ep == 1:
         return
-    grads = [local_grad(p) for layer in model.layers.values()
+    grads = [local_grad(p) for layer in model.all_layers()
              for p in expert_params(layer.mixer) if p.grad is not None]
     all_reduce_coalesced(grads, dims.mesh["dp_outer"].get_group(), scale=1.0 / dims.dp)

@@ -25,17 +25,21 @@ def _pieces(p: torch.Tensor) -> int:
     return math.prod(mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_shard())
 
 
-def grad_norm(model: nn.Module, device: torch.device) -> torch.Tensor:
+def grad_norm(model: nn.Module, device: torch.device, pp: int = 1,
+              tied: tuple[str, ...] = ()) -> torch.Tensor:
     """The L2 norm of all gradients, as on one process (an fp32 0-dim tensor on ``device``;
-    no host synchronisation)."""
+    no host synchronisation). Under pipeline parallelism (``pp > 1``) a rank holds its stages'
+    parameters only, so each is held by ``world / pp`` ranks, and the ``tied`` ones (an
+    embedding on the first and the last stage) by twice as many."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     grads, weights = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.grad is None:
             continue
         g = p.grad
         grads.append((g.to_local() if isinstance(g, DTensor) else g).float())
-        weights.append(_pieces(p) / world)
+        copies = 2 if pp > 1 and name in tied else 1
+        weights.append(_pieces(p) * pp / (world * copies))
     if not grads:
         return torch.zeros((), device=device)
     sq = torch.stack(torch._foreach_norm(grads)).double().square()

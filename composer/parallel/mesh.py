@@ -3,11 +3,13 @@
 ``world = pp * dp * cp * tp``; ``dp`` fills whatever the other sizes leave. Experts are spread over
 the data-parallel ranks (``ep`` divides ``dp * cp``, as in Megatron-Core and torchtitan): the dp
 dimension is split into ``dp_outer x ep`` so that ``mesh["ep"]`` holds the ranks that share one
-batch of routed tokens and ``mesh["dp_outer"]`` the replicas of one expert. Pipeline and context
-parallelism are reserved: their sizes exist and must be 1 for now.
+batch of routed tokens and ``mesh["dp_outer"]`` the replicas of one expert. Pipeline
+parallelism (``pp``) is the outermost dimension (:mod:`composer.parallel.pipeline`); context
+parallelism is reserved (its size must be 1 for now).
 
-Mesh dimensions (always all present, sizes may be 1): ``("dp_outer", "ep", "tp")``, plus the
-flattened ``"dp"`` (= dp_outer x ep) used by data parallelism for non-expert parameters.
+Mesh dimensions (always all present, sizes may be 1): ``("dp_outer", "ep", "tp")``, with
+``"pp"`` in front when ``pp > 1``, plus the flattened ``"dp"`` (= dp_outer x ep) used by data
+parallelism for non-expert parameters.
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ class ParallelDims:
     precision: str = "fp32"
     tp_context: Any = None
     """The tensor-parallel state once applied (``composer.parallel.tensor.TPContext``)."""
+    pp: int = 1
+    pp_mesh: DeviceMesh | None = None
+    tied_group: Any = None
+    """With ``pp > 1``: this rank and its counterpart on the other end of the pipeline (the
+    first and last pipeline ranks at the same dp / tp position), which hold the two copies of
+    tied embeddings; None elsewhere."""
 
     @property
     def dp_outer(self) -> int:
@@ -85,6 +93,9 @@ class ParallelDims:
     def tp_rank(self) -> int:
         return self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
 
+    def pp_rank(self) -> int:
+        return self.pp_mesh.get_local_rank() if self.pp_mesh is not None else 0
+
 
 def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
     """Check sizes against the world; one-line :class:`LayoutError` otherwise."""
@@ -93,9 +104,8 @@ def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
     for name in ("tp", "ep", "pp", "cp"):
         if getattr(pc, name) < 1:
             raise LayoutError(f"--{name} must be >= 1, got {getattr(pc, name)}")
-    if pc.pp != 1 or pc.cp != 1:
-        raise LayoutError("pipeline (--pp) and context (--cp) parallelism are not built yet; "
-                          "use 1")
+    if pc.cp != 1:
+        raise LayoutError("context parallelism (--cp) is not built yet; use 1")
     fixed = pc.tp * pc.pp * pc.cp
     if world_size % fixed:
         raise LayoutError(f"world size {world_size} is not a multiple of tp*pp*cp = {fixed}")
@@ -109,7 +119,7 @@ def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
     return ParallelDims(tp=pc.tp, ep=pc.ep, dp=dp, dp_mode=pc.dp_mode,
                         sequence_parallel=pc.sequence_parallel, world_size=world_size,
                         ac="full" if pc.activation_checkpointing else pc.ac,
-                        compile=pc.compile, precision=pc.precision)
+                        compile=pc.compile, precision=pc.precision, pp=pc.pp)
 
 
 def check_layout(dims: ParallelDims, rules: Iterable[LayoutRule]) -> None:
@@ -151,8 +161,27 @@ def build_parallel_dims(pc: ParallelConfig, device: str | torch.device | None = 
         if (dims.device.type == "cuda") != (dist.get_backend() == "nccl"):
             raise LayoutError(f"device {dims.device} does not match the process group's "
                               f"{dist.get_backend()} backend (NCCL for CUDA, gloo for the CPU)")
-        mesh = init_device_mesh(dims.device.type, (dims.dp_outer, dims.ep, dims.tp),
-                                mesh_dim_names=("dp_outer", "ep", "tp"))
+        if dims.pp > 1:
+            mesh = init_device_mesh(dims.device.type, (dims.pp, dims.dp_outer, dims.ep, dims.tp),
+                                    mesh_dim_names=("pp", "dp_outer", "ep", "tp"))
+            dims.pp_mesh = mesh["pp"]
+            dims.tied_group = _tied_group(mesh, dims.pp)
+        else:
+            mesh = init_device_mesh(dims.device.type, (dims.dp_outer, dims.ep, dims.tp),
+                                    mesh_dim_names=("dp_outer", "ep", "tp"))
         dims.dp_mesh = mesh["dp_outer", "ep"]._flatten("dp")
         dims.mesh = mesh
     return dims
+
+
+def _tied_group(mesh: DeviceMesh, pp: int) -> Any:
+    """Every rank creates every (first, last) pipeline pair's group, in the same order; returns
+    this rank's, or None when it is in the middle of the pipeline."""
+    ranks = mesh.mesh.reshape(pp, -1)
+    mine = None
+    for col in range(ranks.shape[1]):
+        pair = [int(ranks[0, col]), int(ranks[pp - 1, col])]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine

@@ -31,7 +31,7 @@ from composer.parallel.tensor import TPContext, apply_tp
 
 def _moes(model: nn.Module) -> list[nn.Module]:
     out = []
-    for layer in model.layers.values():
+    for layer in model.all_layers():  # the MTP depths' layers too
         plan = layer.mixer.parallel_plan() if hasattr(layer.mixer, "parallel_plan") else None
         if plan is not None and plan.experts is not None:
             out.append(layer.mixer)
@@ -58,11 +58,15 @@ def apply_ac(model: nn.Module, mode: str) -> None:
     kwargs = {}
     if mode == "selective":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
-    for layer in model.layers.values():
+    for layer in model.all_layers():  # the MTP depths' layers too
         checkpoint(layer, **kwargs)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims,
+                roots: list[nn.Module] | None = None) -> nn.Module:
+    """Apply the layout (module docstring). ``roots``: the modules whose forward runs (a
+    pipeline rank's stages, :mod:`composer.parallel.pipeline`); data parallelism wraps each as
+    its own root instead of ``model``."""
     if dims.mesh is not None and dims.tp > 1:
         tp_mesh = dims.mesh["tp"]
         dims.tp_context = TPContext(mesh=tp_mesh, group=tp_mesh.get_group(), size=dims.tp,
@@ -85,5 +89,5 @@ def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
 
         compile_layers(model)
     if dims.dp > 1:
-        (apply_fsdp if dims.dp_mode == "shard" else apply_replicate)(model, dims)
+        (apply_fsdp if dims.dp_mode == "shard" else apply_replicate)(model, dims, roots)
     return model

@@ -13,7 +13,8 @@ with explicit collectives around each mixer:
     leave a mixer     reduce-scatter over T (SP)    | all-reduce (no SP)
 
 Module swaps that live here: row-parallel linears (bias added on one rank), head-selecting
-linears (fewer kv heads than ranks); and from ``vocab.py`` the vocabulary-parallel embedding and
+linears (fewer kv heads than ranks), the sequence cut of multi-token prediction's keep mask
+(:class:`SequenceChunkTP`); and from ``vocab.py`` the vocabulary-parallel embedding and
 readout (head + loss, never gathering the logits for the loss). Replicated weights whose
 per-rank gradients are partial sums (norms under SP, qk-norms, the router, replicated kv
 projections, row-parallel biases) are recorded and summed over ``tp`` by
@@ -32,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from composer.blocks.plan import ParallelPlan
+from composer.blocks.plan import ParallelPlan, SequenceChunk
 from composer.parallel.comm import all_gather, all_reduce_coalesced, reduce_scatter
 from composer.parallel.vocab import VocabParallelEmbedding, VocabParallelReadout
 
@@ -246,12 +247,34 @@ def _mixer_leave(tp: TPContext):
     return lambda module, args, out: tp.leave(out)
 
 
+class SequenceChunkTP(SequenceChunk):
+    """:class:`~composer.blocks.plan.SequenceChunk` under tp: this rank's chunk of ``T`` when
+    the forward runs sequence parallel (the residual stream's cut), else the whole tensor."""
+
+    tp: TPContext
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        return x.chunk(tp.size, dim=1)[tp.rank] if tp.last_sp else x
+
+
+def apply_mtp_tp(depth: nn.Module, tp: TPContext) -> None:
+    """An MTP depth's glue (:mod:`composer.blocks.mtp`; its layers are ordinary layers): the
+    norms and ``proj`` are token-wise on the residual stream as it is, so replicated, their
+    gradients partial sums under SP; the keep mask is cut over ``T`` like the stream."""
+    for norm in (depth.norm_h, depth.norm_e, depth.final_norm):
+        distribute_param(norm, "weight", tp.mesh, [Replicate()], grad=PARTIAL_IF_SP)
+    distribute_param(depth.proj, "weight", tp.mesh, [Replicate()], grad=PARTIAL_IF_SP)
+    depth.keep.__class__ = SequenceChunkTP
+    depth.keep.tp = tp
+
+
 def apply_tp(model: nn.Module, tp: TPContext) -> None:
     """Shard every layer's mixer by the plans its modules declare, the norms replicated, the
     embedding and head split by vocabulary; record which gradients need a ``tp`` sum."""
     from composer.parallel.mesh import LayoutError
 
-    for layer in model.layers.values():
+    for layer in model.all_layers():  # the MTP depths' layers too
         distribute_param(layer.norm, "weight", tp.mesh, [Replicate()], grad=PARTIAL_IF_SP)
         mixer = layer.mixer
         if not hasattr(mixer, "parallel_plan"):
@@ -267,13 +290,19 @@ def apply_tp(model: nn.Module, tp: TPContext) -> None:
                                   f"{name!r} is not in its parallel plan; use --tp 1")
         mixer.register_forward_pre_hook(_mixer_enter(tp))
         mixer.register_forward_hook(_mixer_leave(tp))
-    distribute_param(model.final_norm, "weight", tp.mesh, [Replicate()], grad=PARTIAL_IF_SP)
-    distribute_param(model.embed, "weight", tp.mesh, [Shard(0)])
-    model.embed.__class__ = VocabParallelEmbedding
-    model.embed.tp = tp
-    model.embed._composer_local_views = True  # it reads its shard itself
-    if not model.config.tie_embeddings:
+    # a pipeline stage may hold no embedding, final norm or head (composer.parallel.pipeline)
+    if model.final_norm is not None:
+        distribute_param(model.final_norm, "weight", tp.mesh, [Replicate()],
+                         grad=PARTIAL_IF_SP)
+    if model.embed is not None:
+        distribute_param(model.embed, "weight", tp.mesh, [Shard(0)])
+        model.embed.__class__ = VocabParallelEmbedding
+        model.embed.tp = tp
+        model.embed._composer_local_views = True  # it reads its shard itself
+    if not model.config.tie_embeddings and getattr(model, "lm_head", None) is not None:
         distribute_param(model.lm_head, "weight", tp.mesh, [Shard(0)])
+    for depth in getattr(model, "mtp", None) or ():
+        apply_mtp_tp(depth, tp)
     model.readout.__class__ = VocabParallelReadout
     model.readout.tp = tp
     install_all_local_views(model)

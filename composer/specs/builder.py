@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +33,7 @@ from composer.checkpoint import (
     atomic_folder,
     tensor_bytes,
 )
-from composer.config import ConfigError, ModelConfig
+from composer.config import ModelConfig
 from composer.specs.init import init_weights, load_weights, stored_dtypes
 from composer.specs.registry import REGISTRY, build_layer, layer_kind, layout_rules
 
@@ -42,23 +42,31 @@ if TYPE_CHECKING:
 
 
 def check_buildable(cfg: ModelConfig) -> None:
-    """Validate ``cfg`` and check that every symbol of its pattern has a block."""
+    """Validate ``cfg`` and check that every symbol of its pattern (MTP parts too) has a block."""
     cfg.validate()
     pattern = cfg.parsed
-    for sym in dict.fromkeys(pattern.layers):
+    for sym in dict.fromkeys(pattern.layers + "".join(pattern.mtp)):
         layer_kind(sym)
-    if pattern.mtp:
-        raise ConfigError(f"multi-token-prediction parts ('/{pattern.mtp[0]}') are parsed but not "
-                          "built yet; remove them from the pattern to build the main model")
+
+
+def mtp_layer_idx(cfg: ModelConfig, depth: int, j: int) -> int:
+    """The ``layer_idx`` of layer ``j`` of MTP depth ``depth`` (0-based): the main numbering
+    continued (:mod:`composer.blocks.mtp`)."""
+    pattern = cfg.parsed
+    return pattern.n_layers + depth * len(pattern.mtp[0]) + j
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0,
                 dtype: torch.dtype | None = None) -> HybridModel:
-    """Build ``cfg``; on ``device="meta"`` no memory is allocated and nothing is initialised."""
+    """Build ``cfg``; on ``device="meta"`` no memory is allocated and nothing is initialised.
+    Each ``/`` part of the pattern is one multi-token-prediction depth (``mtp.{d}``)."""
     check_buildable(cfg)
+    pattern = cfg.parsed
     with torch.device("meta"):
-        layers = {i: build_layer(cfg, i, sym) for i, sym in enumerate(cfg.parsed.layers)}
-        model = HybridModel(cfg, layers)
+        layers = {i: build_layer(cfg, i, sym) for i, sym in enumerate(pattern.layers)}
+        mtp = [{j: build_layer(cfg, mtp_layer_idx(cfg, d, j), sym) for j, sym in enumerate(part)}
+               for d, part in enumerate(pattern.mtp)]
+        model = HybridModel(cfg, layers, mtp)
     if torch.device(device).type == "meta":
         return model
     model.to_empty(device=device)
@@ -79,9 +87,9 @@ def check_model(dims: ParallelDims, cfg: ModelConfig) -> None:
 def fp32_names(model: HybridModel) -> set[str]:
     """Names of parameters and buffers that stay fp32 whatever the model dtype (A_log, router)."""
     names = set()
-    for prefix, layer in model.layers.items():
+    for prefix, layer in model.named_layers():
         for name in getattr(layer.mixer, "keep_fp32", ()):
-            names.add(f"layers.{prefix}.mixer.{name}")
+            names.add(f"{prefix}.mixer.{name}")
     return names
 
 
@@ -108,9 +116,12 @@ class ModelStats:
     n_params: int
     n_active_params: int
     flops_per_token: int
-    """Training FLOPs per token (forward + backward = 3x forward) at ``seq_len``."""
+    """Training FLOPs per token (forward + backward = 3x forward) at ``seq_len``, MTP included."""
     forward_flops_per_token: int
     seq_len: int
+    mtp_forward_flops_per_token: list[int] = field(default_factory=list)
+    """Forward FLOPs per token of each MTP depth (in ``forward_flops_per_token`` too): its
+    projection, its layers and its pass through the shared head."""
 
     @property
     def bf16_bytes(self) -> int:
@@ -126,22 +137,29 @@ def _inactive_expert_params(mixer: torch.nn.Module, cfg: ModelConfig) -> int:
 
 
 def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
-    """Parameter counts (shared tensors once), active parameters and FLOPs per token."""
+    """Parameter counts (shared tensors once), active parameters and FLOPs per token. Each MTP
+    depth is one ``params_by_kind`` entry (``"MTP depth 1 (*E)"``: its projection, norms and
+    layers; the head and embedding are the main model's) and adds its FLOPs to the totals."""
     cfg = model.config
     pattern = cfg.parsed
     by_kind: dict[str, int] = {"embedding": model.embed.weight.numel()}
-    inactive = 0
+    inactive = sum(_inactive_expert_params(layer.mixer, cfg) for layer in model.all_layers())
     for layer in model.layers.values():
         name = f"{layer.symbol} {REGISTRY[layer.symbol].name}"
         by_kind[name] = by_kind.get(name, 0) + sum(p.numel() for p in layer.parameters())
-        inactive += _inactive_expert_params(layer.mixer, cfg)
     by_kind["final norm"] = model.final_norm.weight.numel()
     if not cfg.tie_embeddings:
         by_kind["lm head"] = model.lm_head.weight.numel()
+    for d, depth in enumerate(model.mtp or ()):
+        by_kind[f"MTP depth {d + 1} ({pattern.mtp[d]})"] = sum(p.numel()
+                                                               for p in depth.parameters())
     total = sum(p.numel() for p in model.parameters())
     assert total == sum(by_kind.values()), "parameter accounting out of step with the model"
-    forward = 2 * cfg.d_model * cfg.vocab_size
-    forward += sum(REGISTRY[s].flops_per_token(cfg, seq_len) for s in pattern.layers)
+    head = 2 * cfg.d_model * cfg.vocab_size
+    mtp = [2 * (2 * cfg.d_model) * cfg.d_model + head
+           + sum(REGISTRY[s].flops_per_token(cfg, seq_len) for s in part) for part in pattern.mtp]
+    forward = head + sum(REGISTRY[s].flops_per_token(cfg, seq_len) for s in pattern.layers)
+    forward += sum(mtp)
     return ModelStats(
         n_layers=pattern.n_layers,
         layer_counts=dict(pattern.counts()),
@@ -151,6 +169,7 @@ def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
         flops_per_token=3 * forward,
         forward_flops_per_token=forward,
         seq_len=seq_len,
+        mtp_forward_flops_per_token=mtp,
     )
 
 

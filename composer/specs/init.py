@@ -229,13 +229,30 @@ def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, source: TensorSource) -> None:
+def load_weights(model: nn.Module, source: TensorSource, strict: bool = True) -> None:
     """Fill every tensor of ``model`` (its local shard) from a portable checkpoint: strict (every
-    key of the checkpoint used, every tensor found, shapes equal to the config's)."""
+    key of the checkpoint used, every tensor found, shapes equal to the config's). A pipeline
+    stage's pruned model reads its own tensors only (``strict=False``; the whole model is
+    checked with :func:`check_source` first)."""
+    check_source(model, source, strict)
+    for name, t in named_state(model):
+        key, row = stored_as(model, name)
+        offsets, sizes = local_region(t)
+        out = local_tensor(t)
+        if t.ndim:
+            offsets = (offsets[0] + row, *offsets[1:])
+        got = read_region(source, key, offsets, sizes, out)
+        if got is not out:
+            out.copy_(got)
+
+
+def check_source(model: nn.Module, source: TensorSource, strict: bool = True) -> None:
+    """Every tensor of ``model`` is in ``source`` with its shape; with ``strict`` every tensor of
+    ``source`` is one of ``model``'s."""
     expected = checkpoint_shapes(model)
     where = source.folder
     unexpected = sorted(set(source.tensors) - set(expected))
-    if unexpected:
+    if unexpected and strict:
         raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} for this config")
     missing = sorted(set(expected) - set(source.tensors))
     if missing:
@@ -246,15 +263,6 @@ def load_weights(model: nn.Module, source: TensorSource) -> None:
             raise CheckpointError(f"{where}: tensor {key!r} has shape "
                                   f"{list(source.tensors[key].shape)}, the config needs "
                                   f"{list(shape)}")
-    for name, t in named_state(model):
-        key, row = stored_as(model, name)
-        offsets, sizes = local_region(t)
-        out = local_tensor(t)
-        if t.ndim:
-            offsets = (offsets[0] + row, *offsets[1:])
-        got = read_region(source, key, offsets, sizes, out)
-        if got is not out:
-            out.copy_(got)
 
 
 def stored_dtypes(model: nn.Module, source: TensorSource) -> dict[str, torch.dtype]:

@@ -154,9 +154,10 @@ def build_layer(cfg: ModelConfig, layer_idx: int, symbol: str, backend: str = "t
 
 
 def layout_rules(cfg: ModelConfig) -> list[LayoutRule]:
-    """Every divisibility rule of the kinds the pattern uses."""
+    """Every divisibility rule of the kinds the pattern uses (its MTP parts too)."""
+    pattern = cfg.parsed
     rules: list[LayoutRule] = []
-    for symbol in dict.fromkeys(cfg.parsed.layers):
+    for symbol in dict.fromkeys(pattern.layers + "".join(pattern.mtp)):
         rules += layer_kind(symbol).layout_rules(cfg)
     return rules
 

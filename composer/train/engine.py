@@ -230,7 +230,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         cfg, tensors = _model_config(recipe)
     pc = ParallelConfig(tp=recipe.tp, ep=recipe.ep, dp=recipe.dp, dp_mode=recipe.dp_mode,
                         sequence_parallel=recipe.sequence_parallel, ac=recipe.ac,
-                        compile=recipe.compile)
+                        compile=recipe.compile, pp=recipe.pp)
     try:
         dims = build_parallel_dims(pc, recipe.device)
     except LayoutError as exc:
@@ -241,6 +241,12 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     precision = _precision(recipe, dims.device)
     dims.precision = "bf16" if precision in ("bf16", "fp8") else "fp32"
     micro = _check(recipe, dims.dp)
+    schedule = None
+    if dims.pp > 1:  # the stage split, the schedule and the micro-batch count, before any work
+        from composer.specs.stages import check_pipeline
+
+        _, schedule = check_pipeline(cfg, dims.pp, recipe.pp_schedule,
+                                     recipe.global_batch_size // (micro * dims.dp))
     batches, valid, seq_len = open_data(recipe, cfg)
     if recipe.eval_every and valid is None:
         raise ConfigError("--eval-every needs validation data: an indexed dataset (--data) "
@@ -253,6 +259,8 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     finally:
         if tensors is not None:
             tensors.close()
+    if model.pipeline is not None:
+        model.pipeline.configure(schedule, recipe.global_batch_size // (micro * dims.dp))
     opt = build_optimizers(model, recipe.optimizer, recipe.lr, recipe.weight_decay,
                            (recipe.adam_beta1, recipe.adam_beta2), recipe.adam_eps)
     run = Run(recipe=recipe, model=model, dims=dims, optimizers=opt,

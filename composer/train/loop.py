@@ -37,6 +37,7 @@ from composer.blocks.model import HybridModel
 from composer.parallel.data import finish_grads
 from composer.parallel.grads import clip_grads, grad_norm
 from composer.parallel.mesh import ParallelDims
+from composer.parallel.pipeline import embed_on_last
 from composer.train.data import Batches, Micro
 from composer.train.metrics import MetricsLog, max_memory_bytes, peak_flops
 from composer.train.optim import Optimizers
@@ -145,9 +146,10 @@ def _dp_total(run: Run, n_local: int) -> torch.Tensor:
     return total
 
 
-def accumulate(run: Run) -> tuple[torch.Tensor, torch.Tensor, int]:
+def accumulate(run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Forward and backward over this rank's micro-batches of the next global batch; returns
-    the summed token cross-entropy, the mean aux loss and the predicted tokens (this rank's)."""
+    the summed token cross-entropy, the mean aux loss, the mean (weighted) multi-token-prediction
+    loss and the predicted tokens (this rank's)."""
     dims = run.dims
     isolated = run.recipe.document_isolation
     micro = run.batches.local(run.consumed, dims.dp, dims.dp_rank(), run.micro_batch)
@@ -156,15 +158,44 @@ def accumulate(run: Run) -> tuple[torch.Tensor, torch.Tensor, int]:
         n_global = _dp_total(run, sum(counts))
     else:
         n_global = float(run.recipe.global_batch_size * (run.seq_len - 1))
+    pipeline = getattr(run.model, "pipeline", None)
+    if pipeline is not None:  # the schedule runs the micro-batches (composer.parallel.pipeline)
+        ids = torch.from_numpy(np.concatenate([mb.ids for mb in micro])).long().to(dims.device)
+        docs = None
+        if isolated and micro[0].doc_ids is not None:
+            docs = torch.from_numpy(np.concatenate([mb.doc_ids for mb in micro])).to(dims.device)
+        run.batch_device = ids.device
+        with _autocast(run):
+            ce_sum, aux, mtp = pipeline.train_step(ids, docs, dims.dp / float(n_global))
+        return ce_sum, aux, mtp, sum(counts)
     ce_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
     aux_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
+    mtp_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
     for mb, n in zip(micro, counts, strict=True):
         out = _forward(run, mb)
-        ce = out.loss - out.aux_loss if n else out.aux_loss * 0.0  # no target: NaN mean
-        (ce * (n * dims.dp / n_global) + out.aux_loss / len(micro)).backward()
+        # loss = ce + aux + mtp: the main cross-entropy is weighted by its tokens, the
+        # per-micro-batch means (load balancing, multi-token prediction) averaged
+        extra = out.aux_loss + out.mtp_loss
+        ce = out.loss - extra if n else out.aux_loss * 0.0  # no target: NaN mean
+        (ce * (n * dims.dp / n_global) + extra / len(micro)).backward()
         ce_sum += ce.detach().double() * n
         aux_sum += out.aux_loss.detach().double()
-    return ce_sum, aux_sum / len(micro), sum(counts)
+        mtp_sum += out.mtp_loss.detach().double()
+    return ce_sum, aux_sum / len(micro), mtp_sum / len(micro), sum(counts)
+
+
+def _eval_ce(run: Run, micro: Micro) -> torch.Tensor:
+    """A micro-batch's mean cross-entropy (fp64), through the pipeline when there is one."""
+    pipeline = getattr(run.model, "pipeline", None)
+    if pipeline is None:
+        out = _forward(run, micro)
+        return (out.loss - out.aux_loss - out.mtp_loss).double()
+    ids = torch.from_numpy(micro.ids).long().to(run.dims.device)
+    docs = None
+    if run.recipe.document_isolation and micro.doc_ids is not None:
+        docs = torch.from_numpy(micro.doc_ids).to(run.dims.device)
+    with _autocast(run):
+        return pipeline.loss(ids, docs)[0]
 
 
 @torch.no_grad()
@@ -179,11 +210,11 @@ def validate(run: Run) -> float:
                                   run.micro_batch):
             n = n_targets(mb, r.document_isolation)
             if n:
-                out = _forward(run, mb)
-                totals[0] += (out.loss - out.aux_loss).double() * n
+                ce = _eval_ce(run, mb)
+                totals[0] += ce * n
                 totals[1] += n
     run.model.train()
-    totals /= dims.tp  # tensor-parallel ranks hold the same numbers
+    totals /= dims.tp * dims.pp  # tensor- and pipeline-parallel ranks hold the same numbers
     if dist.is_initialized():
         dist.all_reduce(totals)
     return float(totals[0] / totals[1])
@@ -213,17 +244,20 @@ def save(run: Run, step: int) -> None:
     run.saver.save(step, run.model, run.optimizers.opts, state)
 
 
-def _reduce_stats(run: Run, ce_sum: torch.Tensor, aux: torch.Tensor, n: int,
-                  stop: bool) -> tuple[float, float, bool]:
-    """One all-reduce: the global mean loss, the mean aux loss, and whether any rank stops."""
+def _reduce_stats(run: Run, ce_sum: torch.Tensor, aux: torch.Tensor, mtp: torch.Tensor, n: int,
+                  stop: bool) -> tuple[float, float, float, bool]:
+    """One all-reduce: the global mean loss, the mean aux and MTP losses, and whether any rank
+    stops."""
     dims = run.dims
-    extra = torch.tensor([float(stop), float(n) / dims.tp], dtype=torch.float64,
+    # n: every tp and pp rank counts the same tokens; the loss comes from the last stage only
+    extra = torch.tensor([float(stop), float(n) / (dims.tp * dims.pp)], dtype=torch.float64,
                          device=dims.device)
-    stats = torch.cat([torch.stack([ce_sum / dims.tp, aux / (dims.tp * dims.dp)]), extra])
+    stats = torch.cat([torch.stack([ce_sum / dims.tp, aux / (dims.tp * dims.dp),
+                                    mtp / (dims.tp * dims.dp)]), extra])
     if dist.is_initialized():
         dist.all_reduce(stats)
-    loss, aux_mean, stops, tokens = stats.tolist()
-    return loss / max(tokens, 1.0), aux_mean, stops > 0
+    loss, aux_mean, mtp_mean, stops, tokens = stats.tolist()
+    return loss / max(tokens, 1.0), aux_mean, mtp_mean, stops > 0
 
 
 @dataclass
@@ -234,6 +268,9 @@ class StepStats:
     grad_norm: float
     stop: bool
     """Some rank was asked to stop (every rank learns it in the same all-reduce)."""
+    mtp_loss: float = 0.0
+    """The weighted multi-token-prediction term (``(w / D) * sum_k ce_k``), mean over
+    micro-batches and data-parallel ranks; ``loss`` is the main cross-entropy alone."""
 
     @property
     def finite(self) -> bool:
@@ -245,11 +282,16 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
     r = run.recipe
     lr = run.schedule(step)
     run.optimizers.set_lr(lr)
-    ce_sum, aux, n = accumulate(run)
+    ce_sum, aux, mtp, n = accumulate(run)
     finish_grads(run.model, run.dims)
-    norm_t = grad_norm(run.model, run.dims.device)
-    loss, aux_mean, stop = _reduce_stats(run, ce_sum, aux, n, stop_requested)
-    stats = StepStats(lr, loss, aux_mean, float(norm_t), stop)
+    pipeline = getattr(run.model, "pipeline", None)
+    tied: tuple[str, ...] = ()
+    if pipeline is not None:
+        pipeline.sync_tied()
+        tied = ("embed.weight",) if embed_on_last(run.model) else ()
+    norm_t = grad_norm(run.model, run.dims.device, run.dims.pp, tied)
+    loss, aux_mean, mtp_mean, stop = _reduce_stats(run, ce_sum, aux, mtp, n, stop_requested)
+    stats = StepStats(lr, loss, aux_mean, float(norm_t), stop, mtp_mean)
     if stats.finite:
         if r.grad_clip > 0:
             clip_grads(run.model, norm_t, r.grad_clip)
@@ -274,6 +316,8 @@ def _row(run: Run, step: int, s: StepStats, tokens_per_s: float,
            "batch_device": str(run.batch_device)}
     if s.aux_loss:
         row["aux_loss"] = s.aux_loss
+    if s.mtp_loss:
+        row["mtp_loss"] = s.mtp_loss
     return row
 
 

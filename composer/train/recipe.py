@@ -65,6 +65,8 @@ class Recipe:
     dp: int | None = None
     dp_mode: str = "shard"
     sequence_parallel: bool = True
+    pp: int = 1
+    pp_schedule: str | None = None
     compile: bool = False
     save: str | None = None
     save_every: int = 0
@@ -92,7 +94,8 @@ class Recipe:
 FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
 CHOICES = {"schedule": ("constant", "cosine", "linear", "wsd"), "optimizer": ("adamw", "muon"),
            "precision": ("fp32", "bf16", "fp8"), "ac": ("none", "full", "selective"),
-           "dp_mode": ("shard", "replicate"), "device": ("auto", "cpu", "cuda")}
+           "dp_mode": ("shard", "replicate"), "device": ("auto", "cpu", "cuda"),
+           "pp_schedule": ("gpipe", "1f1b", "interleaved-1f1b")}
 
 
 def _coerce(name: str, value: Any, where: str) -> Any:
@@ -213,6 +216,8 @@ HELP = {
     "tp": "tensor-parallel size", "ep": "expert-parallel size (divides dp)",
     "dp": "data-parallel size (default: the rest of the world)",
     "dp_mode": "FSDP2 sharding (default) or replication",
+    "pp": "pipeline-parallel size: the pattern's '|' segments, or balanced stages",
+    "pp_schedule": "gpipe, 1f1b (default) or interleaved-1f1b (default with virtual stages)",
     "compile": "torch.compile every layer",
     "save": "the run folder for checkpoints (resumes from it when it has one)",
     "save_every": "save every N steps (default: only at the end)",

@@ -110,12 +110,14 @@ def test_cast_keeps_fp32_tensors():
     assert model(torch.randint(0, 97, (1, 5))).dtype == torch.bfloat16
 
 
-def test_unbuilt_symbols_and_mtp_are_refused():
-    with pytest.raises(ConfigError, match=r"pattern symbol 'D' \(sparse attention\) is "
-                                          "recognised but not built yet; built symbols: M \\* - E"):
-        build_model(tiny("MD"), device="meta")
-    with pytest.raises(ConfigError, match="multi-token-prediction parts"):
-        build_model(tiny("M*/*E"), device="meta")
+def test_unbuilt_symbols_are_refused_in_mtp_parts_too():
+    for pattern in ("MD", "M*/*D"):
+        with pytest.raises(ConfigError, match=r"pattern symbol 'D' \(sparse attention\) is "
+                           "recognised but not built yet; built symbols: M \\* - E"):
+            build_model(tiny(pattern), device="meta")
+    with pytest.raises(ConfigError, match=r"^the multi-token-prediction parts \('/\*E'\) need "
+                       "the 'mtp' section, which is None$"):
+        build_model(tiny("M*/*E", mtp=None), device="meta")
 
 
 def test_meta_build_and_counts():

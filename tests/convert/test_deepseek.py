@@ -1,5 +1,6 @@
 """DeepSeek-V3 (MLA + dense / sigmoid-routed MoE): HF -> composer -> HF, logits and bytes; the
-interleaved RoPE rows are permuted on import and restored exactly on export. DeepSeek-V3.2: the
+interleaved RoPE rows are permuted on import and restored exactly on export; MTP layers inside
+the model (bit-exact round trip, loss against the checkpoint's tensors). DeepSeek-V3.2: the
 same up to index_topk tokens, its DSA indexer tensors kept aside byte for byte, longer sequences
 refused."""
 
@@ -53,7 +54,121 @@ def test_deepseek_v3_plain_rope_all_moe(check_family, randomize):
     assert cfg.mla.rope_scaling is None and not cfg.moe.renormalize
 
 
-def test_mtp_weights_are_kept_aside_and_written_back(tmp_path, randomize):
+def mtp_checkpoint(folder, n_mtp: int, randomize, dtype=torch.float32):
+    """A tiny DeepSeek-V3 checkpoint with ``n_mtp`` MTP layers as the Hub stores them
+    (``model.layers.{3 + d}.*``, per-expert MoE, copies of the embedding and head): transformers'
+    ``save_pretrained`` writes none, so its ``MtpModel`` (random weights) provides them. Returns
+    the HF main model, the MtpModel and the tensors written."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**tiny(num_nextn_predict_layers=n_mtp)))
+    randomize(model, seed=2)
+    mtp = MtpModel(model, n_mtp)
+    randomize(mtp.layers, seed=3)  # not the embedding and head: they are the main model's
+    model.save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    for d, layer in enumerate(mtp.layers):
+        hf = f"model.layers.{3 + d}"
+        for name, t in layer.state_dict().items():
+            name = name.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
+            if name.endswith("experts.gate_up_proj"):
+                for e in range(t.shape[0]):
+                    weights[f"{hf}.mlp.experts.{e}.gate_proj.weight"] = t[e, :16].clone()
+                    weights[f"{hf}.mlp.experts.{e}.up_proj.weight"] = t[e, 16:].clone()
+            elif name.endswith("experts.down_proj"):
+                for e in range(t.shape[0]):
+                    weights[f"{hf}.mlp.experts.{e}.down_proj.weight"] = t[e].clone()
+            else:
+                weights[f"{hf}.{name}"] = t.clone()
+        weights[f"{hf}.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+        weights[f"{hf}.shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    weights = {k: v.to(dtype) if v.is_floating_point() and not k.endswith(
+        ("gate.weight", "e_score_correction_bias")) else v for k, v in weights.items()}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return model, mtp, weights
+
+
+@pytest.mark.parametrize("n_mtp,dtype", [(1, torch.float32), (2, torch.float32),
+                                         (1, torch.bfloat16)], ids=["D1", "D2", "D1-bf16"])
+def test_mtp_layers_round_trip_inside_the_model(tmp_path, randomize, n_mtp, dtype):
+    from composer.convert import from_hf, to_hf
+    from composer.testing import assert_same_tensors, read_all
+
+    _, _, weights = mtp_checkpoint(tmp_path / "hf", n_mtp, randomize, dtype)
+    cfg = from_hf(tmp_path / "hf", tmp_path / "ours")
+    assert cfg.pattern == "+-+E+E" + "/+E" * n_mtp
+    assert not (tmp_path / "ours" / "hf" / "aside").exists()  # nothing kept aside
+    ours = read_all(tmp_path / "ours")
+    assert not any("embed_tokens" in k or "shared_head" in k for k in ours)  # copies consumed
+    for d in range(n_mtp):
+        eh = weights[f"model.layers.{3 + d}.eh_proj.weight"]  # [e; h] on disk, [h; e] ours
+        assert torch.equal(ours[f"mtp.{d}.proj.weight"], torch.cat([eh[:, 32:], eh[:, :32]], 1))
+        assert torch.equal(ours[f"mtp.{d}.layers.1.mixer.experts.up_proj"][3],
+                           weights[f"model.layers.{3 + d}.mlp.experts.3.up_proj.weight"])
+    to_hf(tmp_path / "ours", tmp_path / "back")
+    assert_same_tensors(tmp_path / "hf", tmp_path / "back")  # the copies written again
+    import json
+    assert json.loads((tmp_path / "back" / "config.json").read_text())[
+        "num_nextn_predict_layers"] == n_mtp
+
+
+def test_mtp_loss_equals_a_reference_from_the_hf_tensors(tmp_path, randomize):
+    """Our MTP loss on the converted model against the formula written out on the checkpoint's
+    own tensors, ``eh_proj`` applied to ``[enorm(e); hnorm(h)]`` as stored, transformers'
+    decoder layer for the block."""
+    import composer
+
+    model, mtp, w = mtp_checkpoint(tmp_path / "hf", 2, randomize)
+    from composer.convert import from_hf
+
+    from_hf(tmp_path / "hf", tmp_path / "ours")
+    ours = composer.load(tmp_path / "ours")
+    ids = torch.randint(0, 97, (2, 15), generator=torch.Generator().manual_seed(4))
+    T = ids.shape[1]
+
+    def rms(x, weight):
+        return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    model.eval()
+    assert model.config._attn_implementation == "sdpa"  # no mask: causal
+    with torch.no_grad():
+        out = ours(ids, ids)
+        h = model(ids, output_hidden_states=True).hidden_states[-1]  # after model.norm
+        ces = []
+        for k in (1, 2):
+            hf, n = f"model.layers.{2 + k}", T - k
+            e = w["model.embed_tokens.weight"][ids[:, k:]]  # token t + k at position t
+            u = torch.cat([rms(e, w[f"{hf}.enorm.weight"]), rms(h[:, :n], w[f"{hf}.hnorm.weight"])],
+                          -1) @ w[f"{hf}.eh_proj.weight"].T
+            pos = torch.arange(n)[None]
+            x = mtp.layers[k - 1].mtp_block(
+                u, position_ids=pos, position_embeddings=model.model.rotary_emb(u, pos))
+            h = rms(x, w[f"{hf}.shared_head.norm.weight"])
+            logp = torch.log_softmax(h @ w["lm_head.weight"].T, -1)[:, :T - k - 1]
+            ces.append(-logp.gather(-1, ids[:, k + 1:, None]).mean())
+    for got, want in zip(out.mtp_losses, ces, strict=True):
+        assert abs(got - want) < 1e-5 * want
+    assert abs(out.mtp_loss - 0.1 / 2 * (ces[0] + ces[1])) < 1e-5 * out.mtp_loss
+
+
+def test_an_mtp_copy_of_the_head_that_differs_is_refused(tmp_path, randomize):
+    from safetensors.torch import save_file
+
+    from composer.checkpoint import CheckpointError
+    from composer.convert import from_hf
+
+    _, _, weights = mtp_checkpoint(tmp_path / "hf", 1, randomize)
+    weights["model.layers.3.shared_head.head.weight"][5, 7] += 1.0
+    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"^model.layers.3.shared_head.head.weight differs "
+                       r"from lm_head.weight; the model shares one lm_head.weight and cannot "
+                       r"hold a different copy$"):
+        from_hf(tmp_path / "hf", tmp_path / "ours")
+
+
+def test_incomplete_mtp_layer_is_kept_aside_and_written_back(tmp_path, randomize):
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -63,9 +178,9 @@ def test_mtp_weights_are_kept_aside_and_written_back(tmp_path, randomize):
     randomize(model)
     model.save_pretrained(tmp_path / "hf")
     weights = load_file(tmp_path / "hf" / "model.safetensors")
-    weights["model.layers.3.eh_proj.weight"] = torch.randn(32, 64)
+    weights["model.layers.3.eh_proj.weight"] = torch.randn(32, 64)  # the rest of it missing
     save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
-    from_hf(tmp_path / "hf", tmp_path / "ours")
+    assert from_hf(tmp_path / "hf", tmp_path / "ours").pattern == "+-+E+E"  # no MTP part
     to_hf(tmp_path / "ours", tmp_path / "back")
     back = load_file(tmp_path / "back" / "model.safetensors")
     assert set(back) == set(weights)
@@ -138,3 +253,31 @@ def test_deepseek_v32_refusals():
     cfg = adapter.config_from_hf(tiny_v32())
     with pytest.raises(ConfigError, match="source checkpoint"):
         adapter.config_to_hf(cfg, {})
+
+
+def test_a_built_model_with_mtp_exports_and_comes_back(tmp_path):
+    """A model built here (no HF source) with an MTP part: written as DeepseekV3 with
+    num_nextn_predict_layers, the layer's embedding and head copies, and read back the same."""
+    import json
+
+    import composer
+    from composer.convert import from_hf, to_hf
+    from composer.testing import read_all
+    from composer.zoo import get_preset
+
+    cfg = get_preset("deepseek-v3-debug").config()
+    cfg.pattern += "/+E"
+    model = composer.build_model(cfg, seed=3)
+    composer.save(model, tmp_path / "built", family="deepseek-v3")
+    to_hf(tmp_path / "built", tmp_path / "hf")
+    hf = read_all(tmp_path / "hf")
+    n = cfg.parsed.n_layers // 2
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())[
+        "num_nextn_predict_layers"] == 1
+    assert torch.equal(hf[f"model.layers.{n}.embed_tokens.weight"], hf["model.embed_tokens.weight"])
+    assert torch.equal(hf[f"model.layers.{n}.shared_head.head.weight"], hf["lm_head.weight"])
+    back = from_hf(tmp_path / "hf", tmp_path / "ours")
+    assert back.canonical() == cfg.canonical()
+    ours, built = read_all(tmp_path / "ours"), read_all(tmp_path / "built")
+    assert ours.keys() == built.keys()
+    assert all(torch.equal(ours[k], built[k]) for k in built)

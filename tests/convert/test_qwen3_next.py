@@ -1,7 +1,8 @@
 """Qwen3-Next (Qwen3NextForCausalLM), Qwen3.5 (Qwen3_5ForCausalLM) and Qwen3.5-MoE
 (Qwen3_5MoeForCausalLM): HF -> composer -> HF on logits and bytes (fp32 and bf16), the config
-forms, the MTP tensors kept aside, refusals; and the family's block options (attention output
-gate, zero-centred RMSNorm, gated shared expert) against plain math in fp64."""
+forms, the MTP module inside the model (or kept aside when the config has none), refusals; and
+the family's block options (attention output gate, zero-centred RMSNorm, gated shared expert)
+against plain math in fp64."""
 
 import importlib.util
 import json
@@ -110,6 +111,106 @@ def test_qwen3_next_mtp_kept_aside(tmp_path, randomize):
     for k, v in {**tensors, **mtp}.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k].view(torch.uint8),
                                                         v.view(torch.uint8)), k
+
+
+def qwen3_next_with_mtp(folder, randomize, dtype=torch.float32):
+    """A tiny Qwen3-Next checkpoint with its MTP module as the Hub stores it (``mtp.fc``, the
+    two pre-fc norms, ``mtp.layers.0`` a full-attention MoE decoder layer with per-expert
+    weights, ``mtp.norm``; ``mtp_num_hidden_layers: 1``). transformers builds no MTP module:
+    its decoder layer (random weights) provides the layer. Returns the model, that layer and
+    the tensors written."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
+
+    model = qwen3_next(randomize, seed=53)
+    layer = Qwen3NextDecoderLayer(model.config, 3).eval()  # layer 3: full attention, MoE
+    return model, layer, save_with_mtp(folder, model, layer, randomize, dtype)
+
+
+def save_with_mtp(folder, model, layer, randomize, dtype=torch.float32):
+    """Save ``model`` with ``layer`` (random weights) as its ``mtp.layers.0``; returns the
+    tensors written."""
+    randomize(layer, seed=54)
+    model.save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = 0.3 * torch.randn(32, generator=g)
+    tensors["mtp.fc.weight"] = 0.2 * torch.randn(32, 64, generator=g)
+    for name, t in layer.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(t.shape[0]):
+                tensors[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = t[e, :16].clone()
+                tensors[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = t[e, 16:].clone()
+        elif name.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                tensors[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = t[e].clone()
+        else:
+            tensors[f"mtp.layers.0.{name}"] = t.clone()
+    tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    hf = json.loads((folder / "config.json").read_text())
+    hf.update(mtp_num_hidden_layers=1, dtype=str(dtype).removeprefix("torch."))
+    (folder / "config.json").write_text(json.dumps(hf))
+    return tensors
+
+
+def test_qwen3_5_mtp_round_trips_inside_the_model(tmp_path, randomize):
+    """Qwen3.5 dense: the MTP layer is full attention with a dense SwiGLU (``/*-``)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    from composer.testing import assert_same_tensors
+
+    model = qwen3_5(randomize, seed=55)
+    save_with_mtp(tmp_path / "hf", model, Qwen3_5DecoderLayer(model.config, 3), randomize)
+    assert from_hf(tmp_path / "hf", tmp_path / "ours").pattern == "G-G-G-*-/*-"
+    to_hf(tmp_path / "ours", tmp_path / "back")
+    assert_same_tensors(tmp_path / "hf", tmp_path / "back")
+    same_config(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_qwen3_next_mtp_round_trips_inside_the_model(tmp_path, randomize, dtype):
+    from composer.testing import assert_same_tensors, read_all
+
+    _, _, tensors = qwen3_next_with_mtp(tmp_path / "hf", randomize, dtype)
+    cfg = from_hf(tmp_path / "hf", tmp_path / "ours")
+    assert cfg.pattern == "GEGEGE*E/*E"
+    assert not (tmp_path / "ours" / "hf" / "aside").exists()
+    ours = read_all(tmp_path / "ours")
+    fc = tensors["mtp.fc.weight"]  # [e; h] on disk, [h; e] ours
+    assert torch.equal(ours["mtp.0.proj.weight"], torch.cat([fc[:, 32:], fc[:, :32]], 1))
+    assert torch.equal(ours["mtp.0.norm_e.weight"], tensors["mtp.pre_fc_norm_embedding.weight"])
+    to_hf(tmp_path / "ours", tmp_path / "back")
+    assert_same_tensors(tmp_path / "hf", tmp_path / "back")
+    same_config(tmp_path)
+
+
+def test_qwen3_next_mtp_loss_equals_a_reference_from_the_hf_tensors(tmp_path, randomize):
+    """The formula on the checkpoint's tensors: ``mtp.fc`` on ``[norm_e(e); norm_h(h)]`` as
+    stored, zero-centred norms, transformers' decoder layer for the block."""
+    model, layer, w = qwen3_next_with_mtp(tmp_path / "hf", randomize)
+    from_hf(tmp_path / "hf", tmp_path / "ours")
+    ours = composer.load(tmp_path / "ours")
+    ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(6))
+    n = ids.shape[1] - 1
+
+    def rms(x, weight):  # zero-centred
+        return (1 + weight) * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    assert model.config._attn_implementation == "sdpa"  # no mask: causal
+    with torch.no_grad():
+        out = ours(ids, ids)
+        h = model(ids, output_hidden_states=True).hidden_states[-1]  # after model.norm
+        e = w["model.embed_tokens.weight"][ids[:, 1:]]
+        u = torch.cat([rms(e, w["mtp.pre_fc_norm_embedding.weight"]),
+                       rms(h[:, :n], w["mtp.pre_fc_norm_hidden.weight"])], -1) @ w[
+            "mtp.fc.weight"].T
+        pos = torch.arange(n)[None]
+        x = layer(u, position_embeddings=model.model.rotary_emb(u, pos), position_ids=pos)
+        logp = torch.log_softmax(rms(x, w["mtp.norm.weight"]) @ w["lm_head.weight"].T, -1)
+        want = -logp[:, :n - 1].gather(-1, ids[:, 2:, None]).mean()
+    assert abs(out.mtp_losses[0] - want) < 1e-5 * want
+    assert abs(out.mtp_loss - 0.1 * want) < 1e-5 * out.mtp_loss
 
 
 def test_qwen3_next_hub_config_form(tmp_path, randomize):

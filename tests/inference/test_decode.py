@@ -238,3 +238,29 @@ def test_mla_max_dense_len_holds_while_decoding() -> None:
     assert composer.generate(model, ids, 3).shape == (1, 7)
     with pytest.raises(ValueError, match="max_dense_len=6"):
         composer.generate(model, ids, 4)
+
+
+def test_fused_weights_are_views_without_grad_and_training_still_works() -> None:
+    """Decoding fuses a split projection's parts into one buffer once (a view per call, no
+    copy); the parameters stay the same objects, so a later training step still works."""
+    model = tiny("M*")
+    proj = model.layers["0"].mixer.in_proj
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(2))
+    expected = model(ids)
+    composer.generate(model, ids, 3)
+    with torch.no_grad():
+        fused = proj.fused_weight()
+        assert fused.data_ptr() == proj.weight_z.data_ptr()  # a view, not a copy
+        assert rel_err(model(ids), expected) == 0.0
+    assert list(model.parameters()) == params
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.train()
+    model(ids, ids).loss.backward()
+    assert proj.weight_x.grad is not None
+    opt.step()
+    with torch.no_grad():  # the step moved the parts, and the fused view sees it
+        assert not torch.equal(proj.fused_weight(), before["layers.0.mixer.in_proj.weight"])
+        assert torch.equal(proj.fused_weight(), torch.cat(proj.weights()))

@@ -33,7 +33,7 @@ from composer.checkpoint import (
     check_destination,
 )
 from composer.config import ConfigError, ModelConfig, config_diff
-from composer.convert.base import Adapter, encode_floats, load_hf_config
+from composer.convert.base import Adapter, encode_floats, load_hf_config, without_mtp
 from composer.convert.plan import (
     Link,
     Piece,
@@ -146,6 +146,34 @@ def _lm_head_tied(source: Any, links: list[Link], cfg: ModelConfig) -> set[str]:
     return {"lm_head.weight"}
 
 
+def _mtp_if_present(adapter: Adapter, cfg: ModelConfig, names: set[str]) -> ModelConfig:
+    """``cfg`` as the config says it (MTP parts included) if the checkpoint holds every tensor
+    those parts map (in either expert layout), else without them: a config that declares MTP
+    layers the checkpoint lacks (or holds only in part) builds the main model, and whatever MTP
+    tensors there are go aside (:meth:`Adapter.aside`)."""
+    if not cfg.parsed.mtp:
+        return cfg
+    main = without_mtp(cfg)
+    for fused in (False, True) if cfg.moe else (False,):
+        need = {link.hf for link in adapter.links(cfg, fused) + adapter.copy_links(cfg)}
+        need -= {link.hf for link in adapter.links(main, fused)}
+        if need <= names:
+            return cfg
+    return main
+
+
+def _check_copies(source: Any, links: list[Link], copies: list[Link]) -> set[str]:
+    """The HF copies of our tensors (:meth:`Adapter.copy_links`), each checked byte for byte
+    against the HF tensor its original comes from; returns their names (consumed)."""
+    origin = {link.ours: link.hf for link in links if link.ours_idx == () and link.hf_idx == ()}
+    for copy in copies:
+        original = origin[copy.ours]
+        if not _same_bytes(source, copy.hf, original):
+            raise CheckpointError(f"{copy.hf} differs from {original}; the model shares one "
+                                  f"{copy.ours} and cannot hold a different copy")
+    return {copy.hf for copy in copies}
+
+
 def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
             force: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD,
             progress: Progress | None = None) -> ModelConfig:
@@ -169,12 +197,15 @@ def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
                                   "under two names")
         canonical[key] = name
     source = source.renamed({v: k for k, v in canonical.items()})
-    aside = sorted(n for n in canonical if adapter.aside(n, hf_cfg))
+    cfg = _mtp_if_present(adapter, cfg, set(canonical))
+    fused, links = _choose_layout(adapter, cfg, set(canonical))
+    copies = _check_copies(source, links, adapter.copy_links(cfg))
+    used = {link.hf for link in links} | copies
+    aside = sorted(n for n in canonical if n not in used and adapter.aside(n, hf_cfg))
     kept = set(aside)
-    fused, links = _choose_layout(adapter, cfg, set(canonical) - kept)
     tied_ignored = _lm_head_tied(source, links, cfg)
     check_coverage(links, "hf", canonical, lambda n: n in tied_ignored or n in kept or
-                   adapter.ignored(n, hf_cfg), str(folder))
+                   n in copies or adapter.ignored(n, hf_cfg), str(folder))
     meta = build_model(cfg, device="meta")
     our_shapes = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
     check_coverage(links, "ours", our_shapes, lambda n: False, "our model")
@@ -219,6 +250,8 @@ def round_trip_problem(adapter: Adapter, cfg: ModelConfig, base: dict[str, Any])
         back = adapter.config_from_hf(adapter.config_to_hf(cfg, base))
     except ConfigError as exc:
         return str(exc)
+    if not cfg.parsed.mtp:  # declared MTP layers without their tensors are not built on import
+        back = without_mtp(back)
     diff = config_diff(cfg.canonical(), back.canonical())
     return f"the HF config would change {diff}" if diff else None
 
@@ -283,7 +316,7 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
     source = TensorSource(folder)
     fused = info.get("fused_experts", adapter.save_fused_experts) if not architecture \
         else adapter.save_fused_experts
-    links = adapter.links(cfg, fused_experts=fused)
+    links = adapter.links(cfg, fused_experts=fused) + adapter.copy_links(cfg)
     check_coverage(links, "ours", source.names(), lambda n: False, str(folder))
     our_shapes = {n: tuple(i.shape) for n, i in source.tensors.items()}
     parts: dict[str, list] = {}

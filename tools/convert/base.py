@@ -9,6 +9,7 @@ tensors: the engine in :mod:`composer.convert.plan` does the streaming.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import json
 import math
 import re
@@ -54,13 +55,35 @@ class Adapter(abc.ABC):
         return name.endswith("rotary_emb.inv_freq")
 
     def aside(self, name: str, hf: dict[str, Any]) -> bool:
-        """Source tensors kept aside as they are (multi-token-prediction layers no block of ours
-        reads yet): stored byte for byte in the checkpoint's ``hf/aside/`` and written back on
-        export, never dropped."""
+        """Source tensors kept aside as they are (e.g. multi-token-prediction layers the config
+        does not build): stored byte for byte in the checkpoint's ``hf/aside/`` and written
+        back on export, never dropped. A tensor some link reads is never kept aside."""
         return False
+
+    def copy_links(self, cfg: ModelConfig) -> list[Link]:
+        """HF tensors that are stored copies of one of our tensors (DeepSeek's MTP layer holds
+        the embedding and the head again): on import each must equal, byte for byte, the HF
+        tensor our tensor comes from, and is consumed; on export it is written again."""
+        return []
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def without_mtp(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with the multi-token-prediction parts of its pattern removed."""
+    return dataclasses.replace(cfg, pattern="|".join(cfg.parsed.segments))
+
+
+def swapped_halves_links(ours: str, hf: str, rows: int, half: int) -> list[Link]:
+    """Our ``[rows, 2 * half]`` tensor whose column halves HF stores the other way round (MTP's
+    projection: ours ``[h; e]``, the checkpoints' ``[e; h]``): row by row, each half from the
+    other; a byte permutation, exact both ways."""
+    links = []
+    for r in range(rows):
+        links += [Link(ours, hf, (r, (0, half)), (r, (half, 2 * half))),
+                  Link(ours, hf, (r, (half, 2 * half)), (r, (0, half)))]
+    return links
 
 
 def is_mtp_tensor(name: str, n_layers: int) -> bool:

@@ -12,8 +12,16 @@ transformers de-interleaves at run time). Ours are rotate-half, so the links gat
 one by one (``x0 y0 x1 y1 ...`` -> ``x0 x1 ... y0 y1 ...``) on import and scatter them back on
 export: a byte permutation, exact both ways.
 
-Multi-token-prediction weights (``model.layers.{num_hidden_layers}.*``) are kept aside byte for
-byte (``hf/aside/``) and written back on export (no block of ours reads them yet). FP8
+Multi-token prediction (:mod:`composer.blocks.mtp`): ``num_nextn_predict_layers = D`` adds
+``D`` parts ``/+E`` to the pattern (an MTP layer is always MLA + MoE, as transformers builds
+it). Depth ``d`` is the HF layer ``L = num_hidden_layers + d``: ``enorm`` <-> ``mtp.{d}.norm_e``,
+``hnorm`` <-> ``norm_h``, ``eh_proj`` <-> ``proj`` (columns ``[e; h]`` on disk, ``[h; e]`` ours:
+the halves are swapped row by row, a byte permutation), ``shared_head.norm`` <-> ``final_norm``,
+the decoder layer <-> ``mtp.{d}.layers.{0,1}`` as a main layer. The layer's ``embed_tokens`` and
+``shared_head.head`` are copies of the model's embedding and head: on import each must equal
+them byte for byte and is consumed, on export it is written again (:meth:`copy_links`). A
+checkpoint whose config declares MTP layers without holding all their tensors converts without
+them: what it holds is kept aside byte for byte (``hf/aside/``) and written back on export. FP8
 checkpoints (``weight_scale_inv``) are refused: dequantize to bf16 first.
 
 DeepSeek-V3.2 (``DeepseekV32ForCausalLM``, :class:`DeepseekV32Adapter`) is the same model plus a
@@ -49,6 +57,7 @@ from composer.convert.base import (
     layer_pattern_error,
     require,
     rope_parameters,
+    swapped_halves_links,
 )
 from composer.convert.decoder import expert_links
 from composer.convert.plan import Link
@@ -172,8 +181,9 @@ class DeepseekV3Adapter(Adapter):
                               "top-k (what transformers runs)")
         n_layers = require(hf, "num_hidden_layers")
         k = min(int(hf.get("first_k_dense_replace") or 0), n_layers)
+        n_mtp = int(hf.get("num_nextn_predict_layers") or 0)
         moe = None
-        if k < n_layers:
+        if k < n_layers or n_mtp:
             n_experts, n_groups = require(hf, "n_routed_experts"), int(hf.get("n_group") or 1)
             if n_experts // n_groups < 2:
                 raise ConfigError(f"transformers' DeepseekV3 router scores each expert group by "
@@ -195,7 +205,8 @@ class DeepseekV3Adapter(Adapter):
             mlp = MLPConfig(d_ff=require(hf, "intermediate_size"),
                             activation=gated_activation(hf.get("hidden_act", "silu")))
         return ModelConfig(
-            pattern="+-" * k + "+E" * (n_layers - k), d_model=require(hf, "hidden_size"),
+            pattern="+-" * k + "+E" * (n_layers - k) + "/+E" * n_mtp,
+            d_model=require(hf, "hidden_size"),
             vocab_size=require(hf, "vocab_size"),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -213,12 +224,23 @@ class DeepseekV3Adapter(Adapter):
                                       "first_k_dense_replace dense ones) followed by '+E' layers")
         return sparse
 
+    def mtp_depths(self, cfg: ModelConfig) -> int:
+        """The number of MTP layers; raises unless every MTP part is ``+E``."""
+        parts = cfg.parsed.mtp
+        if parts and parts[0] != "+E":
+            raise layer_pattern_error(self.family, cfg.pattern, "its MTP layers are '+E' "
+                                      "(MLA + MoE), one part per layer")
+        return len(parts)
+
     def config_to_hf(self, cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
         sparse = self.layer_kinds(cfg)
+        n_mtp = self.mtp_depths(cfg)
         out = common_to_hf(cfg, base, self.architectures[0], self.model_type)
         k = sparse.count(False)
+        # without MTP parts keep the source's count (its MTP tensors come back from hf/aside/)
         out.update(num_hidden_layers=len(sparse), first_k_dense_replace=k,
-                   rms_norm_eps=cfg.norm_eps)
+                   rms_norm_eps=cfg.norm_eps, num_nextn_predict_layers=n_mtp or
+                   base.get("num_nextn_predict_layers", 0))
         mla_to_hf(cfg.mla, out)
         act = None
         if k:
@@ -226,7 +248,7 @@ class DeepseekV3Adapter(Adapter):
                 raise ConfigError("DeepseekV3's dense MLP is gated and has no bias")
             act = GATED_TO_HF_ACT[cfg.mlp.activation]
             out.update(intermediate_size=cfg.mlp.d_ff, hidden_act=act)
-        if k < len(sparse):
+        if k < len(sparse) or n_mtp:
             self._moe_to_hf(cfg.moe, act, out)
         for key in ("dtype", "torch_dtype"):
             out.pop(key, None)
@@ -259,33 +281,55 @@ class DeepseekV3Adapter(Adapter):
     def aside(self, name: str, hf: dict[str, Any]) -> bool:
         return is_mtp_tensor(name, require(hf, "num_hidden_layers"))
 
+    def layer_links(self, cfg: ModelConfig, a: str, m: str, hf: str, is_sparse: bool,
+                    fused_experts: bool) -> list[Link]:
+        """One HF decoder layer ``hf`` as our attention layer ``a`` and feed-forward ``m``."""
+        links = [Link(f"{a}.norm.weight", f"{hf}.input_layernorm.weight"),
+                 Link(f"{m}.norm.weight", f"{hf}.post_attention_layernorm.weight")]
+        links += mla_links(f"{a}.mixer", f"{hf}.self_attn", cfg.mla)
+        if not is_sparse:
+            return links + gated_mlp_links(f"{m}.mixer", f"{hf}.mlp", False)
+        moe, ours = cfg.moe, f"{m}.mixer"
+        links += [Link(f"{ours}.router.weight", f"{hf}.mlp.gate.weight"),
+                  Link(f"{ours}.router.score_bias", f"{hf}.mlp.gate.e_score_correction_bias")]
+        links += gated_mlp_links(f"{ours}.shared_experts", f"{hf}.mlp.shared_experts", False)
+        return links + expert_links(ours, f"{hf}.mlp", moe.n_experts, moe.d_ff, fused_experts,
+                                    {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+
     def links(self, cfg: ModelConfig, fused_experts: bool) -> list[Link]:
         links = [Link("embed.weight", "model.embed_tokens.weight"),
                  Link("final_norm.weight", "model.norm.weight")]
         if not cfg.tie_embeddings:
             links.append(Link("lm_head.weight", "lm_head.weight"))
-        for i, is_sparse in enumerate(self.layer_kinds(cfg)):
-            hf, a, m = f"model.layers.{i}", f"layers.{2 * i}", f"layers.{2 * i + 1}"
-            links.append(Link(f"{a}.norm.weight", f"{hf}.input_layernorm.weight"))
-            links.append(Link(f"{m}.norm.weight", f"{hf}.post_attention_layernorm.weight"))
-            links += mla_links(f"{a}.mixer", f"{hf}.self_attn", cfg.mla)
-            if not is_sparse:
-                links += gated_mlp_links(f"{m}.mixer", f"{hf}.mlp", False)
-                continue
-            moe, ours = cfg.moe, f"{m}.mixer"
-            links += [Link(f"{ours}.router.weight", f"{hf}.mlp.gate.weight"),
-                      Link(f"{ours}.router.score_bias", f"{hf}.mlp.gate.e_score_correction_bias")]
-            links += gated_mlp_links(f"{ours}.shared_experts", f"{hf}.mlp.shared_experts", False)
-            links += expert_links(ours, f"{hf}.mlp", moe.n_experts, moe.d_ff, fused_experts,
-                                  {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+        kinds = self.layer_kinds(cfg)
+        for i, is_sparse in enumerate(kinds):
+            links += self.layer_links(cfg, f"layers.{2 * i}", f"layers.{2 * i + 1}",
+                                      f"model.layers.{i}", is_sparse, fused_experts)
+        d_model = cfg.d_model
+        for d in range(self.mtp_depths(cfg)):
+            ours, hf = f"mtp.{d}", f"model.layers.{len(kinds) + d}"
+            links += [Link(f"{ours}.norm_e.weight", f"{hf}.enorm.weight"),
+                      Link(f"{ours}.norm_h.weight", f"{hf}.hnorm.weight"),
+                      Link(f"{ours}.final_norm.weight", f"{hf}.shared_head.norm.weight")]
+            links += swapped_halves_links(f"{ours}.proj.weight", f"{hf}.eh_proj.weight",
+                                          d_model, d_model)
+            links += self.layer_links(cfg, f"{ours}.layers.0", f"{ours}.layers.1", hf, True,
+                                      fused_experts)
         return links
+
+    def copy_links(self, cfg: ModelConfig) -> list[Link]:
+        head = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
+        n = cfg.parsed.n_layers // 2
+        return [link for d in range(self.mtp_depths(cfg)) for link in (
+            Link("embed.weight", f"model.layers.{n + d}.embed_tokens.weight"),
+            Link(head, f"model.layers.{n + d}.shared_head.head.weight"))]
 
 
 class DeepseekV32Adapter(DeepseekV3Adapter):
     """DeepSeek-V3.2: V3's MLA + MoE with a DSA indexer (kept aside; see the module docstring).
     Per-layer ``mlp_layer_types`` (``dense`` / ``sparse``) in any order; ``layer_types`` must be
     all ``indexed_attention``; ``index_n_heads`` / ``index_head_dim`` come back from the source
-    config on export."""
+    config on export. Its MTP layers are not built: kept aside byte for byte."""
 
     family = "deepseek-v3.2"
     architectures = ("DeepseekV32ForCausalLM",)
@@ -313,6 +357,7 @@ class DeepseekV32Adapter(DeepseekV3Adapter):
         k = n_layers if n_dense == n_layers else 0 if n_dense == 0 else 1
         v3 = {key: v for key, v in hf.items() if key != "rope_interleave"}  # always interleaved
         v3["first_k_dense_replace"] = k
+        v3["num_nextn_predict_layers"] = 0  # its MTP layers (with their indexer) are kept aside
         cfg = super().config_from_hf(v3)
         pattern = "".join("+-" if t == "dense" else "+E" for t in mlp_types)
         return dataclasses.replace(cfg, pattern=pattern,

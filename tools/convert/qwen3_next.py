@@ -22,8 +22,16 @@ grouped per key head (``[G, 2K + 2RV, D]``) and ``in_proj_ba`` (``[G, 2R, D]``);
 rows are a contiguous range, so the split is a list of row-range links, bit-exact both ways.
 Qwen3.5 stores ``in_proj_qkv`` (``[q; k; v]`` rows), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
 
-Multi-token prediction: the checkpoints' ``mtp.*`` tensors (which transformers ignores) are kept
-aside byte for byte (:meth:`Adapter.aside`) and written back on export.
+Multi-token prediction (:mod:`composer.blocks.mtp`; transformers ignores these tensors, vLLM's
+``qwen3_next_mtp`` reads them): ``mtp_num_hidden_layers: 1`` (or ``num_nextn_predict_layers``)
+adds one depth ``/*E`` (``/*-`` when HF layer 0's feed-forward is dense: vLLM picks the MTP
+layer's kind by index 0), full attention as the main layers have it: ``mtp.fc`` <-> ``mtp.0.proj``
+(columns ``[e; h]`` on disk, ``[h; e]`` ours, the halves swapped row by row),
+``mtp.pre_fc_norm_embedding`` <-> ``norm_e``, ``mtp.pre_fc_norm_hidden`` <-> ``norm_h``,
+``mtp.norm`` <-> ``final_norm``, ``mtp.layers.0.*`` <-> ``mtp.0.layers.{0,1}`` as a main layer;
+the norms are zero-centred like the others. More than one MTP layer (vLLM shares one ``fc``
+among them), ``mtp_use_dedicated_embeddings``, or a checkpoint without the tensors: the
+``mtp.*`` tensors are kept aside byte for byte (:meth:`Adapter.aside`) and written back.
 
 Qwen3.5's Hub checkpoints are vision-language models (``Qwen3_5ForConditionalGeneration``,
 ``model.language_model.*``); these adapters read the text-only classes.
@@ -46,6 +54,7 @@ from composer.convert.base import (
     layer_pattern_error,
     require,
     rope_parameters,
+    swapped_halves_links,
 )
 from composer.convert.decoder import expert_links
 from composer.convert.glm4_moe import _rotary_fraction, _rotary_to_hf
@@ -117,12 +126,26 @@ class Qwen3NextAdapter(Adapter):
             renormalize=bool(h.get("norm_topk_prob", True)),
             aux_loss_coeff=float(h["router_aux_loss_coef"]))
 
+    def mtp_key(self, h: dict[str, Any]) -> str:
+        return "num_nextn_predict_layers" if "num_nextn_predict_layers" in h \
+            else "mtp_num_hidden_layers"
+
+    def mtp_ffn(self, h: dict[str, Any]) -> str | None:
+        """The MTP layer's feed-forward symbol, or None when no depth is built."""
+        if int(h.get(self.mtp_key(h)) or 0) != 1 or h.get("mtp_use_dedicated_embeddings"):
+            return None
+        return "E" if self.has_moe and self.is_sparse(h, 0) else "-"
+
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         h = self._hf(hf)
         types = self.layer_types(h)
         sparse = [self.has_moe and self.is_sparse(h, i) for i in range(len(types))]
         pattern = "".join(MIXERS[t] + ("E" if s else "-") for t, s in zip(types, sparse,
                                                                          strict=True))
+        mtp_ffn = self.mtp_ffn(h)
+        if mtp_ffn is not None:
+            pattern += "/*" + mtp_ffn
+            sparse.append(mtp_ffn == "E")
         attention = dataclasses.replace(
             attention_from_hf(h, qk_norm=True), output_gate=True,
             rotary_fraction=_rotary_fraction(h, ROTARY_DEFAULT))
@@ -154,14 +177,15 @@ class Qwen3NextAdapter(Adapter):
         return [(p[0], p[1]) for p in pairs]
 
     def _check(self, cfg: ModelConfig, kinds: list[tuple[str, str]]) -> None:
-        if cfg.parsed.mtp:
-            raise layer_pattern_error(self.family, cfg.pattern,
-                                      "multi-token-prediction parts are not supported yet")
+        mtp = cfg.parsed.mtp
+        if mtp and (len(mtp) > 1 or mtp[0] != "*" + kinds[0][1]):
+            raise layer_pattern_error(self.family, cfg.pattern, "its one MTP layer is full "
+                                      f"attention and layer 0's feed-forward: '/*{kinds[0][1]}'")
         problems = []
         if not cfg.norm_zero_centered:
             problems.append("norm_zero_centered=true")
         a, g = cfg.attention, cfg.gdn
-        if any(m == "*" for m, _ in kinds):
+        if any(m == "*" for m, _ in kinds) or mtp:
             if not (a.output_gate and a.qk_norm and a.qk_norm_scope == "head"):
                 problems.append("attention.output_gate=true, qk_norm=true, qk_norm_scope='head'")
             if a.position != "rope" or a.rope_scaling is not None or a.softmax_scale is not None:
@@ -207,6 +231,8 @@ class Qwen3NextAdapter(Adapter):
                        linear_num_key_heads=g.n_kv_heads or g.n_heads,
                        linear_key_head_dim=g.d_head_k, linear_value_head_dim=g.d_head_v,
                        linear_conv_kernel_dim=g.d_conv)
+        if cfg.parsed.mtp:  # without, the source's count stays (its tensors kept aside)
+            out[self.mtp_key(base)] = 1
         dense = [i for i, (_, f) in enumerate(kinds) if f == "-"]
         if dense:
             out["intermediate_size"] = cfg.mlp.d_ff
@@ -260,31 +286,42 @@ class Qwen3NextAdapter(Adapter):
                                   ((grp * 2 * R + offset, grp * 2 * R + offset + R),)))
         return links
 
+    def layer_links(self, cfg: ModelConfig, a: str, m: str, hf: str, mixer: str, ffn: str,
+                    fused_experts: bool) -> list[Link]:
+        """One HF decoder layer ``hf`` as our token mixer ``a`` and feed-forward ``m``."""
+        links = [Link(f"{a}.norm.weight", f"{hf}.input_layernorm.weight"),
+                 Link(f"{m}.norm.weight", f"{hf}.post_attention_layernorm.weight")]
+        if mixer == "G":
+            links += self.gdn_links(f"{a}.mixer", f"{hf}.linear_attn", cfg.gdn)
+        else:
+            links += attention_links(f"{a}.mixer", f"{hf}.self_attn", cfg.attention)
+        if ffn != "E":
+            return links + gated_mlp_links(f"{m}.mixer", f"{hf}.mlp", False)
+        moe = cfg.moe
+        links += [Link(f"{m}.mixer.router.weight", f"{hf}.mlp.gate.weight"),
+                  Link(f"{m}.mixer.shared_expert_gate.weight",
+                       f"{hf}.mlp.shared_expert_gate.weight")]
+        links += gated_mlp_links(f"{m}.mixer.shared_experts", f"{hf}.mlp.shared_expert", False)
+        return links + expert_links(f"{m}.mixer", f"{hf}.mlp", moe.n_experts, moe.d_ff,
+                                    fused_experts, {"gate": "gate_proj", "up": "up_proj",
+                                                    "down": "down_proj"})
+
     def links(self, cfg: ModelConfig, fused_experts: bool) -> list[Link]:
         links = [Link("embed.weight", "model.embed_tokens.weight"),
                  Link("final_norm.weight", "model.norm.weight")]
         if not cfg.tie_embeddings:
             links.append(Link("lm_head.weight", "lm_head.weight"))
         for i, (mixer, ffn) in enumerate(self.layer_kinds(cfg)):
-            hf, a, m = f"model.layers.{i}", f"layers.{2 * i}", f"layers.{2 * i + 1}"
-            links.append(Link(f"{a}.norm.weight", f"{hf}.input_layernorm.weight"))
-            links.append(Link(f"{m}.norm.weight", f"{hf}.post_attention_layernorm.weight"))
-            if mixer == "G":
-                links += self.gdn_links(f"{a}.mixer", f"{hf}.linear_attn", cfg.gdn)
-            else:
-                links += attention_links(f"{a}.mixer", f"{hf}.self_attn", cfg.attention)
-            if ffn == "E":
-                moe = cfg.moe
-                links += [Link(f"{m}.mixer.router.weight", f"{hf}.mlp.gate.weight"),
-                          Link(f"{m}.mixer.shared_expert_gate.weight",
-                               f"{hf}.mlp.shared_expert_gate.weight")]
-                links += gated_mlp_links(f"{m}.mixer.shared_experts", f"{hf}.mlp.shared_expert",
-                                         False)
-                links += expert_links(f"{m}.mixer", f"{hf}.mlp", moe.n_experts, moe.d_ff,
-                                      fused_experts, {"gate": "gate_proj", "up": "up_proj",
-                                                      "down": "down_proj"})
-            else:
-                links += gated_mlp_links(f"{m}.mixer", f"{hf}.mlp", False)
+            links += self.layer_links(cfg, f"layers.{2 * i}", f"layers.{2 * i + 1}",
+                                      f"model.layers.{i}", mixer, ffn, fused_experts)
+        for part in cfg.parsed.mtp:  # one at most (_check)
+            links += [Link("mtp.0.norm_e.weight", "mtp.pre_fc_norm_embedding.weight"),
+                      Link("mtp.0.norm_h.weight", "mtp.pre_fc_norm_hidden.weight"),
+                      Link("mtp.0.final_norm.weight", "mtp.norm.weight")]
+            links += swapped_halves_links("mtp.0.proj.weight", "mtp.fc.weight", cfg.d_model,
+                                          cfg.d_model)
+            links += self.layer_links(cfg, "mtp.0.layers.0", "mtp.0.layers.1", "mtp.layers.0",
+                                      part[0], part[1], fused_experts)
         return links
 
 

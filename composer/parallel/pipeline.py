@@ -1,0 +1,334 @@
+"""Pipeline parallelism: the layers cut into stages, on ``torch.distributed.pipelining``.
+
+Stages. With ``|`` in the pattern the segments are the stages, ``pp x V`` of them (``V >= 1``
+virtual stages per rank); without, the layers are cut into ``pp`` contiguous stages that balance
+forward FLOPs per token (:func:`split_stages`; the LM head counts on the last stage). Stage ``s``
+lives on pipeline rank ``s % pp`` (rank ``r`` holds ``r, r + pp, ...``: the interleaved layout).
+The embedding sits on the first stage; the final norm, the head, the loss (and multi-token
+prediction) on the last; with tied embeddings the last stage holds a copy of the embedding, and
+the two copies' gradients are summed after every backward (they start equal and stay equal).
+
+Each rank builds only its stages: the model is built on the meta device, pruned to the rank's
+layers (:func:`prune`), and parallelised and materialised as without pipelining. Layers keep
+their global index (``layers.7.*``), so every key is the same at any pp size and checkpoints
+reshard between them. The rank's pruned model is what the optimizer, the gradient norm and the
+checkpoints see; each stage is a :class:`StageView` of it (shared modules), the module that
+``PipelineStage`` runs and data parallelism wraps as its own root.
+
+Losses. The last stage's loss function returns each micro-batch's cross-entropy (a mean over its
+``n_i`` predicted tokens) times ``n_i * dp / N``: summed over micro-batches and averaged over dp
+that is the mean over every predicted token of the global batch, as without pipelining
+(:mod:`composer.train.loop`). MoE load-balancing losses stay on the stage that computes them:
+:class:`AttachAux` makes each layer's output carry its aux loss into the backward with the
+weight ``1 / micro-batches``, as ``aux / k`` does without pipelining.
+
+Schedules: ``gpipe``, ``1f1b`` (default for ``V = 1``) and ``interleaved-1f1b`` (``V > 1``);
+the engine's micro-batches are the schedule's, and there must be at least ``pp`` of them.
+Evaluation runs the stages forward only, the whole batch at once (:meth:`Pipeline.loss`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from composer.blocks.loss import IGNORE_INDEX
+from composer.blocks.model import HybridModel, mask_doc_boundaries, shift_labels
+from composer.parallel.mesh import ParallelDims
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+# ---------------------------------------------------------------- this rank's stages
+
+
+def rank_stages(n_stages: int, pp: int, pp_rank: int) -> list[int]:
+    return list(range(pp_rank, n_stages, pp))
+
+
+def embed_on_last(model: HybridModel) -> bool:
+    """The last stage holds a copy of the embedding: as the head (tied), or for multi-token
+    prediction's shifted tokens."""
+    return model.config.tie_embeddings or bool(model.config.parsed.mtp)  # (pruned or not)
+
+
+def prune(model: HybridModel, groups: list[tuple[int, ...]], stages: list[int]) -> None:
+    """Keep (on meta) only what ``stages`` need: their layers, the embedding on the first stage
+    (and the last with tied weights), the final norm, head and MTP on the last."""
+    keep = {i for s in stages for i in groups[s]}
+    for key in list(model.layers.keys()):
+        if int(key) not in keep:
+            del model.layers[key]
+    first, last = 0 in stages, len(groups) - 1 in stages
+    if not (first or (last and embed_on_last(model))):
+        model.embed = None
+    if not last:
+        model.final_norm = None
+        if hasattr(model, "lm_head"):
+            model.lm_head = None
+        if getattr(model, "mtp", None) is not None:
+            model.mtp = None
+
+
+class AttachAux(torch.autograd.Function):
+    """Identity on ``x`` whose backward also sends ``scale`` into ``aux`` (a 0-dim loss computed
+    beside ``x``): the aux loss's gradient without it being part of the pipelined output
+    (Megatron-Core's ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.aux_shape, ctx.aux_dtype = scale, aux.shape, aux.dtype
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        aux_grad = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device)
+        return grad, aux_grad, None
+
+
+class StageView(nn.Module):
+    """One stage over the rank's pruned model (shared modules): ids -> hidden on the first
+    stage, hidden -> hidden after. The last stage, given ``labels`` (unshifted, as the model's
+    forward takes them), returns its micro-batch's weighted loss ``ce * n * loss_scale`` (``n``
+    its predicted tokens) and logs ``ce * n``: the norm, head and loss run inside the stage, so
+    data parallelism's root gathers their weights around it."""
+
+    def __init__(self, model: HybridModel, layers: tuple[int, ...], first: bool,
+                 last: bool) -> None:
+        super().__init__()
+        self.config = model.config
+        self.first, self.last = first, last
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+        if first or (last and embed_on_last(model)):
+            self.embed = model.embed
+        if last:
+            self.final_norm = model.final_norm
+            if not model.config.tie_embeddings:
+                self.lm_head = model.lm_head
+            if getattr(model, "mtp", None) is not None:
+                self.mtp = model.mtp
+            self.readout = model.readout
+        self.aux_scale = 1.0
+        self.loss_scale = 1.0
+        self.aux_log: list[torch.Tensor] = []
+        self.ce_log: list[torch.Tensor] = []
+        self.mtp_log: list[torch.Tensor] = []
+        self.mtp_aux_log: list[torch.Tensor] = []
+        self.tp: Any = None
+        """The tensor-parallel context (set once the layout is applied)."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.tp is not None and not self.first and labels is not None:
+            # The embedding decides sequence parallelism on the first stage; later stages get
+            # its sequence-sharded hidden states and must know (the readout gathers them).
+            self.tp.last_sp = self.tp.sp_active(labels.shape[1])
+        if self.first:
+            x = self._embed_tokens(x)
+        aux_total = None
+        for layer in self.layers.values():
+            x = layer(x) if doc_ids is None else layer(x, doc_ids=doc_ids)
+            aux = getattr(layer.mixer, "aux_loss", None)
+            if aux is not None and torch.is_grad_enabled():
+                x = AttachAux.apply(x, aux, self.aux_scale)
+            if aux is not None:
+                aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+        if aux_total is not None:
+            self.aux_log.append(aux_total.double())
+        if not self.last or labels is None:
+            return x
+        weight = self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
+        h = self.final_norm(x)
+        main = labels if doc_ids is None else mask_doc_boundaries(labels, doc_ids)
+        ce, _ = self.readout(h, weight, main)
+        n = (shift_labels(main) != IGNORE_INDEX).sum()
+        ce = torch.where(n > 0, ce, torch.zeros_like(ce))  # no target: a NaN mean
+        self.ce_log.append(ce.detach().double() * n)
+        loss = ce * (n.to(ce.dtype) * self.loss_scale)
+        if getattr(self, "mtp", None) is None:
+            return loss
+        # multi-token prediction on the trunk's normalised output (labels are the input ids);
+        # its loss and its MoE layers' are per-micro-batch means, weighted as the aux losses
+        mtp, _ = self.mtp(h, labels, labels, embed=self._embed_tokens, readout=self.readout,
+                          weight_VD=weight, doc_ids=doc_ids)
+        aux = [layer.mixer.aux_loss for depth in self.mtp for layer in depth.layers.values()
+               if getattr(layer.mixer, "aux_loss", None) is not None]
+        extra = mtp + sum(aux) if aux else mtp
+        self.mtp_log.append(mtp.detach().double())
+        if aux:
+            self.mtp_aux_log.append(sum(a.detach().double() for a in aux))
+        return loss + extra * self.aux_scale
+
+    def _embed_tokens(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        x_BTD = self.embed(ids_BT)
+        if self.config.embedding_multiplier != 1.0:
+            x_BTD = x_BTD * self.config.embedding_multiplier
+        return x_BTD
+
+
+# ---------------------------------------------------------------- the runtime
+
+
+class Pipeline:
+    """This rank's stages, their schedule, and the forward-only path for evaluation."""
+
+    def __init__(self, model: HybridModel, dims: ParallelDims, groups: list[tuple[int, ...]],
+                 schedule: str | None = None, n_micro: int | None = None) -> None:
+        self.model, self.dims, self.groups = model, dims, groups
+        self.n_stages = len(groups)
+        self.stage_ids = rank_stages(self.n_stages, dims.pp, dims.pp_rank())
+        self.views = [StageView(model, groups[s], s == 0, s == self.n_stages - 1)
+                      for s in self.stage_ids]
+        self.schedule_name = schedule
+        self.n_micro = n_micro
+        self._schedule = None
+        self._shape: tuple[int, ...] | None = None
+
+    def _attach_tp(self) -> None:
+        for view in self.views:
+            view.tp = self.dims.tp_context
+
+    def configure(self, schedule: str, n_micro: int) -> None:
+        """The schedule and the micro-batches per step (the engine's, checked by
+        :func:`check_pipeline`)."""
+        self.schedule_name, self.n_micro, self._schedule = schedule, n_micro, None
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    @staticmethod
+    def _loss_fn(loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss  # the last stage computed it (StageView.forward)
+
+    # ------------------------------------------------------------ training
+
+    def _build_schedule(self) -> Any:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        group = self.dims.pp_mesh.get_group()
+        stages = [PipelineStage(view, s, self.n_stages, self.dims.device, group=group)
+                  for view, s in zip(self.views, self.stage_ids, strict=True)]
+        kw = dict(loss_fn=self._loss_fn, scale_grads=False)
+        if self.schedule_name == "interleaved-1f1b":
+            return ScheduleInterleaved1F1B(stages, self.n_micro, **kw)
+        cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
+        return cls(stages[0], self.n_micro, **kw)
+
+    def train_step(self, ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of this rank's rows (``n_micro`` micro-batches of them) through
+        the pipeline; returns the summed token cross-entropy (on the last stage; 0 elsewhere)
+        and the mean aux loss of this rank's stages. ``scale`` is ``dp / N``."""
+        if self._schedule is None or self._shape != tuple(ids_BT.shape):
+            # the stages learn the shapes they exchange on their first step: a new batch shape
+            # needs a new schedule
+            self._schedule, self._shape = self._build_schedule(), tuple(ids_BT.shape)
+        self._attach_tp()
+        for view in self.views:
+            view.aux_scale, view.loss_scale = 1.0 / self.n_micro, scale
+            view.aux_log.clear()
+            view.ce_log.clear()
+            view.mtp_log.clear()
+            view.mtp_aux_log.clear()
+        labels = ids_BT  # the last stage masks document boundaries (doc_ids reach every stage)
+        kwargs = {"labels": labels}
+        if doc_ids_BT is not None:
+            kwargs["doc_ids"] = doc_ids_BT
+        args = (ids_BT,) if self.has_first else ()
+        target = labels if self.has_last else None
+        self._schedule.step(*args, target=target, return_outputs=False, **kwargs)
+        device = self.dims.device
+        # the last n_micro entries: the schedule's first step also runs each stage once on
+        # placeholder tensors to learn the shapes it sends (metadata inference)
+        k = self.n_micro
+        ce_terms = [c for v in self.views for c in v.ce_log[-k:]]
+        mtp_terms = [c for v in self.views for c in v.mtp_log[-k:]]
+        aux_terms = [a for v in self.views for a in v.aux_log[-k:] + v.mtp_aux_log[-k:]]
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        ce = torch.stack(ce_terms).sum() if ce_terms else zero
+        aux = torch.stack(aux_terms).sum() / self.n_micro if aux_terms else zero
+        mtp = torch.stack(mtp_terms).sum() / self.n_micro if mtp_terms else zero
+        return ce, aux, mtp
+
+    def sync_tied(self) -> None:
+        """Sum the gradients of the two copies of the embedding (first and last stage; tied
+        weights, or multi-token prediction)."""
+        if not embed_on_last(self.model) or self.dims.tied_group is None:
+            return
+        if not (self.has_first or self.has_last):
+            return
+        weight = self.model.embed.weight
+        if weight.grad is None:  # both ends must take part (a copy no loss reached: zeros)
+            weight.grad = torch.zeros_like(weight)
+        g = weight.grad
+        local = g.to_local() if hasattr(g, "to_local") else g
+        dist.all_reduce(local, group=self.dims.tied_group)
+
+    # ------------------------------------------------------------ forward only
+
+    @torch.no_grad()
+    def loss(self, ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean cross-entropy (and the aux loss sum) of the whole batch, stage after stage,
+        on every pipeline rank."""
+        group = self.dims.pp_mesh.get_group()
+        pp = self.dims.pp
+        self._attach_tp()
+        x = None
+        labels = ids_BT if doc_ids_BT is None else mask_doc_boundaries(ids_BT, doc_ids_BT)
+        out = torch.zeros(2, dtype=torch.float64, device=self.dims.device)
+        for s in range(self.n_stages):
+            if s % pp != self.dims.pp_rank():
+                continue
+            view = self.views[self.stage_ids.index(s)]
+            if s == 0:
+                x = ids_BT
+            else:
+                x = _recv(dist.get_global_rank(group, (s - 1) % pp), group, self.dims.device)
+            view.aux_log.clear()
+            view.loss_scale, view.aux_scale = 1.0, 0.0  # the main cross-entropy only
+            x = view(x, ids_BT, doc_ids_BT)
+            out[1] += sum(view.aux_log) if view.aux_log else 0.0
+            if s + 1 < self.n_stages:
+                _send(x, dist.get_global_rank(group, (s + 1) % pp), group)
+        if self.has_last:
+            n = (shift_labels(labels) != IGNORE_INDEX).sum()
+            out[0] = x.double() / n.clamp(min=1)
+        dist.all_reduce(out, group=group)  # the loss from the last stage, aux from all
+        return out[0], out[1]
+
+
+def _send(x: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    meta = torch.tensor([x.dim(), *x.shape, _DTYPES.index(x.dtype)], dtype=torch.long,
+                        device=x.device)
+    dist.send(torch.tensor([meta.numel()], dtype=torch.long, device=x.device), dst, group=group)
+    dist.send(meta, dst, group=group)
+    dist.send(x.contiguous(), dst, group=group)
+
+
+def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    n = torch.zeros(1, dtype=torch.long, device=device)
+    dist.recv(n, src, group=group)
+    meta = torch.zeros(int(n), dtype=torch.long, device=device)
+    dist.recv(meta, src, group=group)
+    ndim = int(meta[0])
+    shape, dtype = meta[1:1 + ndim].tolist(), _DTYPES[int(meta[1 + ndim])]
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, src, group=group)
+    return x
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
