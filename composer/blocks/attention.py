@@ -201,7 +201,7 @@ class Attention(nn.Module):
         mask = attention_mask(ctx)
         with sdpa_context(q_BHTE):
             o_BHTE = F.scaled_dot_product_attention(
-                q_BHTE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=mask is None,
+                q_BHTE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=mask is None and ctx.start == 0,
                 scale=self.scale, enable_gqa=q_BHTE.shape[1] != k_BKSE.shape[1])
         return self._output(o_BHTE, gate_BTX)
 

@@ -85,6 +85,8 @@ class StepContext:
     """``[B, start + T]``: the slot holds a real token (not padding)."""
     doc_ids_BT: torch.Tensor | None = None
     """A first call with padding: 0 for padding, 1 for the prompt (isolation); else None."""
+    padded: bool = False
+    """Some slot of the cache holds padding (set by the first call)."""
 
     @property
     def end(self) -> int:
@@ -102,6 +104,8 @@ class InferenceCache:
     """``[B, max_len]`` bool: slot holds a real token (filled as tokens are written)."""
     length: int = 0
     """Slots filled (the same for every row: rows are left-padded)."""
+    padded: bool = False
+    """The prompt had padding (some slots are not real tokens)."""
     next_pos_B: torch.Tensor = field(default=None)  # type: ignore[assignment]
     """Position of each row's next token (its real tokens so far)."""
 
@@ -119,8 +123,12 @@ class InferenceCache:
                              f"{self.max_len}")
         device = self.real_BS.device
         doc_ids = None
-        if real_BT is None:
-            real_BT = torch.ones(self.batch, n_new, dtype=torch.bool, device=device)
+        if real_BT is None:  # every new token is real: positions count on (no host sync)
+            pos_BT = self.next_pos_B[:, None] + torch.arange(n_new, device=device)
+            self.real_BS[:, start:end] = True
+            self.next_pos_B = self.next_pos_B + n_new
+            self.length = end
+            return StepContext(start, pos_BT, self.real_BS[:, :end], None, self.padded)
         else:
             real_BT = real_BT.to(device=device, dtype=torch.bool)
             if not bool(real_BT.all()):
@@ -130,20 +138,23 @@ class InferenceCache:
                     raise ValueError("attention_mask must be left padding: 0s, then 1s, in "
                                      "each row")
                 doc_ids = real_BT.long()
+                self.padded = True
         pos_BT = self.next_pos_B[:, None] + real_BT.long().cumsum(1) - 1
         pos_BT = pos_BT.clamp(min=0)  # padding slots: position 0 (never attended to)
         self.real_BS[:, start:end] = real_BT
         self.next_pos_B = self.next_pos_B + real_BT.long().sum(1)
         self.length = end
-        return StepContext(start, pos_BT, self.real_BS[:, :end], doc_ids)
+        return StepContext(start, pos_BT, self.real_BS[:, :end], doc_ids, self.padded)
 
 
 def attention_mask(ctx: StepContext) -> torch.Tensor | None:
     """``[B, 1, T, start + T]`` bool mask for the new queries over all slots so far, or None
-    when plain causal attention is exact (a first call without padding). A query sees earlier
-    or same slots of its own kind (real or padding): padding queries see padding (never NaN),
-    real ones see real tokens only."""
-    if ctx.start == 0 and ctx.doc_ids_BT is None:
+    when no mask is needed: a first call without padding (plain causal attention: the caller
+    passes ``is_causal`` when ``start == 0``), or one new token with no padding anywhere (it
+    sees every slot). A query sees earlier or same slots of its own kind (real or padding):
+    padding queries see padding (never NaN), real ones see real tokens only."""
+    t = ctx.pos_BT.shape[1]
+    if not ctx.padded and (ctx.start == 0 or t == 1):
         return None
     s = ctx.end
     device = ctx.real_BS.device

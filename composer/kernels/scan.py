@@ -149,19 +149,19 @@ def ssd_step(x_B1HP: torch.Tensor, dt_B1H: torch.Tensor, A_H: torch.Tensor,
     if dt_softplus:
         dt_BH = F.softplus(dt_BH)
     dt_BH = dt_BH.clamp(min=dt_limit[0], max=dt_limit[1]).to(dtype)
-    heads_per_group = x_BHP.shape[1] // B_B1GN.shape[2]
-    B_BHN = B_B1GN[:, 0].to(dtype).repeat_interleave(heads_per_group, dim=1)
-    C_BHN = C_B1GN[:, 0].to(dtype).repeat_interleave(heads_per_group, dim=1)
-    decay_BH = torch.exp(dt_BH * A_H.to(dtype))
     b, h, p, n = state_BHPN.shape
+    g = B_B1GN.shape[2]
+    decay_BH = torch.exp(dt_BH * A_H.to(dtype))
     if state_BHPN.dtype == dtype and state_BHPN.is_contiguous():
         state = state_BHPN  # updated in place: decay, then the rank-1 write (one baddbmm)
     else:
         state = state_BHPN.to(dtype).contiguous()
     state.mul_(decay_BH[..., None, None])
-    flat = state.view(b * h, p, n)
-    flat.baddbmm_((dt_BH[..., None] * x_BHP).reshape(b * h, p, 1), B_BHN.reshape(b * h, 1, n))
-    y_BHP = torch.bmm(flat, C_BHN.reshape(b * h, n, 1)).view(b, h, p)
+    # a group's heads share B and C: its (heads x P) rows are one matrix of the batched products
+    flat = state.view(b * g, (h // g) * p, n)
+    B_X1N = B_B1GN[:, 0].to(dtype).reshape(b * g, 1, n)
+    flat.baddbmm_((dt_BH[..., None] * x_BHP).reshape(b * g, (h // g) * p, 1), B_X1N)
+    y_BHP = torch.bmm(flat, C_B1GN[:, 0].to(dtype).reshape(b * g, n, 1)).view(b, h, p)
     if state is not state_BHPN:
         state_BHPN.copy_(state)
     if D_H is not None:

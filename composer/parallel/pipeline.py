@@ -2,11 +2,13 @@
 
 Stages. With ``|`` in the pattern the segments are the stages, ``pp x V`` of them (``V >= 1``
 virtual stages per rank); without, the layers are cut into ``pp`` contiguous stages that balance
-forward FLOPs per token (:func:`split_stages`; the LM head counts on the last stage). Stage ``s``
+forward FLOPs per token (:mod:`composer.specs.stages`; the LM head counts on the last stage).
+Stage ``s``
 lives on pipeline rank ``s % pp`` (rank ``r`` holds ``r, r + pp, ...``: the interleaved layout).
 The embedding sits on the first stage; the final norm, the head, the loss (and multi-token
-prediction) on the last; with tied embeddings the last stage holds a copy of the embedding, and
-the two copies' gradients are summed after every backward (they start equal and stay equal).
+prediction) on the last; with tied embeddings or multi-token prediction the last stage holds a
+copy of the embedding, and the two copies' gradients are summed after every backward (they
+start equal and stay equal).
 
 Each rank builds only its stages: the model is built on the meta device, pruned to the rank's
 layers (:func:`prune`), and parallelised and materialised as without pipelining. Layers keep
@@ -15,12 +17,19 @@ reshard between them. The rank's pruned model is what the optimizer, the gradien
 checkpoints see; each stage is a :class:`StageView` of it (shared modules), the module that
 ``PipelineStage`` runs and data parallelism wraps as its own root.
 
-Losses. The last stage's loss function returns each micro-batch's cross-entropy (a mean over its
-``n_i`` predicted tokens) times ``n_i * dp / N``: summed over micro-batches and averaged over dp
-that is the mean over every predicted token of the global batch, as without pipelining
-(:mod:`composer.train.loop`). MoE load-balancing losses stay on the stage that computes them:
+Losses. The last stage computes, inside its forward (so that data parallelism's root has its
+weights gathered), each micro-batch's cross-entropy (a mean over its ``n_i`` predicted tokens)
+times ``n_i * dp / N``: summed over micro-batches and averaged over dp that is the mean over
+every predicted token of the global batch, as without pipelining (:mod:`composer.train.loop`);
+plus the multi-token-prediction term and its layers' aux losses times ``1 / micro-batches``.
+MoE load-balancing losses of earlier layers stay on the stage that computes them:
 :class:`AttachAux` makes each layer's output carry its aux loss into the backward with the
 weight ``1 / micro-batches``, as ``aux / k`` does without pipelining.
+
+The schedule's first step runs every stage once on placeholder tensors to learn the shapes it
+exchanges: the logs keep the last ``n_micro`` entries, and a new batch shape builds a new
+schedule. Under sequence parallelism the later stages are told that their inputs are
+sequence-sharded (the embedding, on the first stage, decides it).
 
 Schedules: ``gpipe``, ``1f1b`` (default for ``V = 1``) and ``interleaved-1f1b`` (``V > 1``);
 the engine's micro-batches are the schedule's, and there must be at least ``pp`` of them.
