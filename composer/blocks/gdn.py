@@ -144,10 +144,10 @@ class GatedDeltaNet(nn.Module):
         qkv_BTX = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1)
         if state is None or fresh:
             conv_BTX = conv_silu(qkv_BTX, self.conv1d, doc_ids)
+            if state is not None:
+                keep_window(state.conv_BXW, qkv_BTX, doc_ids, fresh)
         else:
-            conv_BTX = conv_continue(qkv_BTX, self.conv1d, state.conv_BXW)
-        if state is not None:
-            keep_window(state.conv_BXW, qkv_BTX, doc_ids, fresh)
+            conv_BTX = conv_continue(qkv_BTX, self.conv1d, state.conv_BXW, update=True)
         q_BTX, k_BTX, v_BTX = conv_BTX.split([G * K, G * K, H * V], dim=-1)
         dtype = torch.promote_types(x_BTD.dtype, torch.float32)
         q_BTGK = _l2norm(q_BTX.reshape(b, T, G, K).to(dtype))

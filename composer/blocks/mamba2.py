@@ -153,10 +153,11 @@ class Mamba2Mixer(nn.Module):
         # 2.7% of a layer's train step).
         if state is None or fresh:
             conv_BTX = conv_silu(xBC_BTX, self.conv1d, doc_ids).contiguous()
+            if state is not None:
+                keep_window(state.conv_BXW, xBC_BTX, doc_ids, fresh)
         else:
-            conv_BTX = conv_continue(xBC_BTX, self.conv1d, state.conv_BXW).contiguous()
-        if state is not None:
-            keep_window(state.conv_BXW, xBC_BTX, doc_ids, fresh)
+            conv_BTX = conv_continue(xBC_BTX, self.conv1d, state.conv_BXW,
+                                     update=True).contiguous()
         x_BTE, B_BTF, C_BTF = conv_BTX.split([E, F_, F_], dim=-1)
         # dt = clamp(softplus(dt + dt_bias), dt_limit), then the scan, all in >= fp32 as the
         # mamba_ssm kernel does (it fuses them on CUDA; transformers' torch path does the

@@ -119,12 +119,16 @@ def conv_silu(x_BTC: torch.Tensor, conv: nn.Module,
 
 # ---------------------------------------------------------------- decoding (inference caches)
 
-def conv_continue(x_BTC: torch.Tensor, conv: nn.Module, window_BCW: torch.Tensor) -> torch.Tensor:
+def conv_continue(x_BTC: torch.Tensor, conv: nn.Module, window_BCW: torch.Tensor,
+                  update: bool = False) -> torch.Tensor:
     """``silu(conv(x))`` for tokens that continue a sequence whose last ``K - 1`` inputs are
     ``window`` (channels before time, causal_conv1d's ``conv_state`` layout): the convolution
-    of ``[window, x]`` without padding, ``T`` outputs."""
+    of ``[window, x]`` without padding, ``T`` outputs. ``update``: also move the window on by
+    the new inputs (what :func:`keep_window` does, from the same concatenation)."""
     weight_C1K, bias_C = _conv_params(conv)
     full_BCL = torch.cat([window_BCW.to(x_BTC.dtype), x_BTC.transpose(1, 2)], dim=-1)
+    if update and window_BCW.shape[-1]:
+        window_BCW.copy_(full_BCL[..., full_BCL.shape[-1] - window_BCW.shape[-1]:])
     if x_BTC.shape[1] == 1:  # one decoding step: a dot product per channel (no conv setup)
         y_BC = (full_BCL * weight_C1K[:, 0].to(x_BTC.dtype)).sum(-1)
         if bias_C is not None:

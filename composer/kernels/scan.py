@@ -148,7 +148,9 @@ def ssd_step(x_B1HP: torch.Tensor, dt_B1H: torch.Tensor, A_H: torch.Tensor,
         dt_BH = dt_BH + dt_bias_H
     if dt_softplus:
         dt_BH = F.softplus(dt_BH)
-    dt_BH = dt_BH.clamp(min=dt_limit[0], max=dt_limit[1]).to(dtype)
+    if not dt_softplus or tuple(dt_limit) != NO_LIMIT:  # after softplus (0, inf) is a no-op
+        dt_BH = dt_BH.clamp(min=dt_limit[0], max=dt_limit[1])
+    dt_BH = dt_BH.to(dtype)
     b, h, p, n = state_BHPN.shape
     g = B_B1GN.shape[2]
     decay_BH = torch.exp(dt_BH * A_H.to(dtype))
@@ -165,5 +167,5 @@ def ssd_step(x_B1HP: torch.Tensor, dt_B1H: torch.Tensor, A_H: torch.Tensor,
     if state is not state_BHPN:
         state_BHPN.copy_(state)
     if D_H is not None:
-        y_BHP = y_BHP + D_H.to(dtype)[:, None] * x_BHP
+        y_BHP = torch.addcmul(y_BHP, D_H.to(dtype)[:, None], x_BHP)
     return y_BHP[:, None]
