@@ -106,6 +106,15 @@ class Readout(nn.Module):
         return loss, logits_BTV
 
 
+def embed_tokens(embed: nn.Module, cfg: ModelConfig, input_ids: torch.Tensor) -> torch.Tensor:
+    """The embedding of ``input_ids`` (``(B, T)``), times ``embedding_multiplier`` (the model's
+    and a pipeline stage's input)."""
+    x_BTD = embed(input_ids)
+    if cfg.embedding_multiplier != 1.0:
+        x_BTD = x_BTD * cfg.embedding_multiplier
+    return x_BTD
+
+
 def named_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every residual block of a :class:`HybridModel` (or of a module holding its ``layers`` and
     ``mtp``: a pipeline stage) with its state-dict prefix, in the order they run: the main layers
@@ -161,11 +170,7 @@ class HybridModel(nn.Module):
         return self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The embedding of ``input_ids`` (``(B, T)``), times ``embedding_multiplier``."""
-        x_BTD = self.embed(input_ids)
-        if self.config.embedding_multiplier != 1.0:
-            x_BTD = x_BTD * self.config.embedding_multiplier
-        return x_BTD
+        return embed_tokens(self.embed, self.config, input_ids)
 
     def hidden_states(self, input_ids: torch.Tensor, *,
                       doc_ids: torch.Tensor | None = None) -> torch.Tensor:

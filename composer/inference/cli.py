@@ -41,8 +41,6 @@ from composer.data.tokenizer import TOKENIZER_DIR, ByteTokenizer, HFTokenizer, l
 from composer.parallel.checkpoint import is_training_checkpoint
 
 DEFAULT_MAX_NEW_TOKENS = 128
-HF_DIR = "hf"
-"""A converted checkpoint's copy of its Hugging Face files (``composer.convert.api.HF_DIR``)."""
 EOS_FILES = ("generation_config.json", "config.json")
 
 Tokenizer = ByteTokenizer | HFTokenizer
@@ -132,6 +130,8 @@ def source_kind(source: Path) -> str:
 
 def _metadata_folders(source: Path, kind: str) -> list[Path]:
     """Where a SOURCE keeps its tokenizer and generation files, in the order looked at."""
+    from composer.convert.api import HF_DIR  # a converted checkpoint's Hugging Face files
+
     return [source] if kind == "hf" else [source / TOKENIZER_DIR, source / HF_DIR]
 
 

@@ -48,11 +48,9 @@ def _check(input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.T
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must be shaped like input_ids "
                              f"{tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
-        mask = attention_mask.bool()
-        if not bool(mask.any(1).all()):
+        # (that it is left padding is checked where the cache reads it: InferenceCache.advance)
+        if not bool(attention_mask.bool().any(1).all()):
             raise ValueError("attention_mask: a row has no prompt tokens (all padding)")
-        if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
-            raise ValueError("attention_mask must be left padding: 0s, then 1s, in each row")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:

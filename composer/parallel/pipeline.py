@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from composer.blocks.loss import IGNORE_INDEX
-from composer.blocks.model import HybridModel, mask_doc_boundaries, shift_labels
+from composer.blocks.model import HybridModel, embed_tokens, mask_doc_boundaries, shift_labels
 from composer.parallel.mesh import ParallelDims
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -172,10 +172,7 @@ class StageView(nn.Module):
         return loss + extra * self.aux_scale
 
     def _embed_tokens(self, ids_BT: torch.Tensor) -> torch.Tensor:
-        x_BTD = self.embed(ids_BT)
-        if self.config.embedding_multiplier != 1.0:
-            x_BTD = x_BTD * self.config.embedding_multiplier
-        return x_BTD
+        return embed_tokens(self.embed, self.config, ids_BT)
 
 
 # ---------------------------------------------------------------- the runtime

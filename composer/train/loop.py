@@ -128,13 +128,23 @@ def n_targets(micro: Micro, isolated: bool) -> int:
     return int((micro.doc_ids[:, 1:] == micro.doc_ids[:, :-1]).sum())
 
 
-def _forward(run: Run, micro: Micro):
-    dims = run.dims
-    ids = torch.from_numpy(micro.ids).long().to(dims.device, non_blocking=True)
+def _tensors(run: Run, micro: list[Micro]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The micro-batches' ids (stacked) and, under document isolation, their doc ids, on the
+    device."""
+    device = run.dims.device
+    ids = torch.from_numpy(np.concatenate([mb.ids for mb in micro])).long()
+    ids = ids.to(device, non_blocking=True)
     run.batch_device = ids.device
-    kwargs = {}
-    if run.recipe.document_isolation and micro.doc_ids is not None:
-        kwargs["doc_ids"] = torch.from_numpy(micro.doc_ids).to(dims.device, non_blocking=True)
+    docs = None
+    if run.recipe.document_isolation and micro[0].doc_ids is not None:
+        docs = torch.from_numpy(np.concatenate([mb.doc_ids for mb in micro]))
+        docs = docs.to(device, non_blocking=True)
+    return ids, docs
+
+
+def _forward(run: Run, micro: Micro):
+    ids, docs = _tensors(run, [micro])
+    kwargs = {} if docs is None else {"doc_ids": docs}
     with _autocast(run):
         return run.model(ids, ids, **kwargs)
 
@@ -160,11 +170,7 @@ def accumulate(run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
         n_global = float(run.recipe.global_batch_size * (run.seq_len - 1))
     pipeline = getattr(run.model, "pipeline", None)
     if pipeline is not None:  # the schedule runs the micro-batches (composer.parallel.pipeline)
-        ids = torch.from_numpy(np.concatenate([mb.ids for mb in micro])).long().to(dims.device)
-        docs = None
-        if isolated and micro[0].doc_ids is not None:
-            docs = torch.from_numpy(np.concatenate([mb.doc_ids for mb in micro])).to(dims.device)
-        run.batch_device = ids.device
+        ids, docs = _tensors(run, micro)
         with _autocast(run):
             ce_sum, aux, mtp = pipeline.train_step(ids, docs, dims.dp / float(n_global))
         return ce_sum, aux, mtp, sum(counts)
@@ -190,10 +196,7 @@ def _eval_ce(run: Run, micro: Micro) -> torch.Tensor:
     if pipeline is None:
         out = _forward(run, micro)
         return (out.loss - out.aux_loss - out.mtp_loss).double()
-    ids = torch.from_numpy(micro.ids).long().to(run.dims.device)
-    docs = None
-    if run.recipe.document_isolation and micro.doc_ids is not None:
-        docs = torch.from_numpy(micro.doc_ids).to(run.dims.device)
+    ids, docs = _tensors(run, [micro])
     with _autocast(run):
         return pipeline.loss(ids, docs)[0]
 

@@ -25,6 +25,8 @@ from composer.specs.builder import build_model
 
 F64 = torch.float64
 # transformers picks fla's kernels when it is importable, and those need CUDA.
+FLA_REASON = ("flash-linear-attention is installed: transformers would run its CUDA kernels, "
+              "not the torch path these CPU comparisons need")
 HF_KERNELS = importlib.util.find_spec("fla") is not None
 
 
@@ -211,7 +213,7 @@ def split_qwen3_next(sd: dict[str, torch.Tensor], G: int, H: int, K: int,
     return out
 
 
-@pytest.mark.skipif(HF_KERNELS, reason="transformers would pick fla's CUDA kernels")
+@pytest.mark.skipif(HF_KERNELS, reason=FLA_REASON)
 @pytest.mark.parametrize(("G", "H"), [(2, 4), (2, 2), (1, 4)])
 def test_parity_transformers_qwen3_next(G: int, H: int) -> None:
     K, V = 8, 6
@@ -235,7 +237,7 @@ def _close_to_scale(y: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     assert err < tol, err
 
 
-@pytest.mark.skipif(HF_KERNELS, reason="transformers would pick fla's CUDA kernels")
+@pytest.mark.skipif(HF_KERNELS, reason=FLA_REASON)
 def test_parity_transformers_olmo_hybrid() -> None:
     """OLMo-Hybrid: separate projections (g_proj is our z_proj), beta doubled, norm eps 1e-5."""
     from transformers import OlmoHybridConfig

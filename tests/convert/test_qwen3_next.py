@@ -21,9 +21,11 @@ from composer.convert.qwen3_next import Qwen3_5MoeAdapter, Qwen3NextAdapter
 from composer.testing import rel_err
 from composer.zoo import get_preset
 
+FLA_REASON = ("flash-linear-attention is installed: transformers would run its CUDA kernels, "
+              "not the torch path these CPU comparisons need")
 F64 = torch.float64
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("fla") is not None,
-                                reason="transformers would pick fla's CUDA kernels")
+                                reason=FLA_REASON)
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,

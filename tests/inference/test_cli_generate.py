@@ -64,7 +64,7 @@ def run(tmp_path_factory):
 def bpe(tmp_path_factory):
     """A Llama-3-like tokenizer folder: byte-level BPE, BOS added by the post-processor, a chat
     template."""
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers  # the test extra installs it
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
