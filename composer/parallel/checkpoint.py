@@ -7,8 +7,8 @@ partial step, and step folders newer than ``latest`` are leftovers of an interru
 (:func:`remove_incomplete` deletes them). Old steps are renamed to a hidden name before being
 deleted, so an interrupted deletion leaves nothing that looks complete. The state is keyed by
 parameter name (the same under every layout: tensor-parallel shards are DTensors of the full
-shape, Mamba's fused projections are stored per component), so a step saved at one layout loads
-at another.
+shape, Mamba's fused projections are stored per component), the optimizer's too (:data:`FLAT`), so a
+step saved at one layout loads at another.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
@@ -42,6 +43,13 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
                         "uninitialized", category=UserWarning)
 
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+"""The optimizer state keyed by parameter name, hyperparameters too (``param_groups.<name>.lr``):
+ranks that hold different parameters (pipeline stages) never write the same key, where a list of
+param groups would be one rank's, kept for all."""
+NESTED_GROUPS = re.compile(r"optim\.param_groups\.\d+\.")
+"""The keys of a step saved before :data:`FLAT` (param groups as a list); such steps still load."""
 
 
 def barrier() -> None:
@@ -86,7 +94,7 @@ def _state(model: nn.Module, opts: list[torch.optim.Optimizer], step: int) -> di
     # A fresh optimizer has no state yet (train --steps 0): saving it would materialise its
     # moments (2x the model); resuming then starts a fresh one, which is the same thing.
     if any(o.state for o in opts):
-        state["optim"] = get_optimizer_state_dict(model, opts)
+        state["optim"] = get_optimizer_state_dict(model, opts, options=FLAT)
     return state
 
 
@@ -177,9 +185,10 @@ def load_checkpoint(folder: str | Path, model: nn.Module, optimizers: Optimizers
     state: dict = {"model": model_state(model), "step": torch.tensor(0)}
     saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     with_optim = bool(opts) and any(k.startswith("optim.") for k in saved)
+    options = None if any(NESTED_GROUPS.match(k) for k in saved) else FLAT
     if with_optim:
-        state["optim"] = get_optimizer_state_dict(model, opts)
+        state["optim"] = get_optimizer_state_dict(model, opts, options=options)
     dcp.load(state, checkpoint_id=str(step_dir))
     if with_optim:
-        set_optimizer_state_dict(model, opts, state["optim"])
+        set_optimizer_state_dict(model, opts, state["optim"], options=options)
     return int(state["step"])

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from composer.blocks.loss import IGNORE_INDEX
 from composer.blocks.model import HybridModel, embed_tokens, mask_doc_boundaries, shift_labels
@@ -267,7 +268,18 @@ class Pipeline:
         ce = torch.stack(ce_terms).sum() if ce_terms else zero
         aux = torch.stack(aux_terms).sum() / self.n_micro if aux_terms else zero
         mtp = torch.stack(mtp_terms).sum() / self.n_micro if mtp_terms else zero
+        self.reshard()
         return ce, aux, mtp
+
+    def reshard(self) -> None:
+        """Free the data-parallel roots' gathered weights. FSDP2 keeps a root's own parameters
+        (embedding, final norm, head) unsharded after a forward without backward (the
+        schedule's shape inference, evaluation), and the model then holds those gathered
+        copies instead of the shards the optimizer and the checkpoints know; the model's own
+        ``state_dict`` hooks cannot reshard them, as the roots are the stages, not the model."""
+        for view in self.views:
+            if isinstance(view, FSDPModule):
+                view.reshard()
 
     def sync_tied(self) -> None:
         """Sum the gradients of the two copies of the embedding (first and last stage; tied
@@ -314,6 +326,7 @@ class Pipeline:
             n = (shift_labels(labels) != IGNORE_INDEX).sum()
             out[0] = x.double() / n.clamp(min=1)
         dist.all_reduce(out, group=group)  # the loss from the last stage, aux from all
+        self.reshard()
         return out[0], out[1]
 
 

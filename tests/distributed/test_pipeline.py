@@ -3,7 +3,8 @@ loss, every gradient and three AdamW steps (fp64, 1e-10) under pp=2, pp=2 with f
 (interleaved, two virtual stages per rank), tied embeddings, multi-token prediction on the last
 stage, pp=2 x tp=2 / x dp=2 / x ep=2; the training engine
 under each schedule and with gradient accumulation (fp32, 1e-5); checkpoints that reshard
-between pp=2 and pp=1 / tp=2; per-rank parameter memory; the stage split; bad layouts."""
+between pp=2 and pp=1 / tp=2; pp=2 x dp=2 checkpoints that resume exactly (there and at
+dp=4); per-rank parameter memory; the stage split; bad layouts."""
 
 from __future__ import annotations
 
@@ -142,6 +143,19 @@ def eval_in_ranks(run: str, layout: list[str], tokens: str) -> float:
     return evaluate(model, dims, load_tokens(tokens, None), batch_size=4)[0]
 
 
+def resume_in_ranks(tmp: str) -> dict:
+    """pp=2 x dp=2 (FSDP2 over each stage): three steps straight; two saved, then resumed at
+    the same layout and at dp=4 without pipelining (no load-balancing loss: its statistics are
+    per micro-batch, and the two layouts' micro-batches differ)."""
+    dp2 = {**BASE, "model": {**MODEL, "set": NO_AUX}, "pp": 2, "micro_batch_size": 1}
+    out = {"straight": _engine({**dp2, "save": f"{tmp}/straight"})}
+    train_case({**dp2, "exit_at_step": 2, "save_every": 1, "save": f"{tmp}/b"})
+    out["resumed"] = _engine({"save": f"{tmp}/b"})
+    train_case({**dp2, "exit_at_step": 2, "save": f"{tmp}/c"})
+    out["resumed_dp4"] = _engine({"pp": 1, "save": f"{tmp}/c"})
+    return out
+
+
 @pytest.fixture(scope="module")
 def layouts():
     two = [n for n in LAYOUTS if WORLD.get(n, 2) == 2]
@@ -220,6 +234,16 @@ def test_checkpoints_reshard_between_pp_and_tp(engine, tmp_path) -> None:
     assert main(["export", str(single), str(tmp_path / "b")]) == 0
     a, b = read_all(tmp_path / "a"), read_all(tmp_path / "b")
     assert set(a) == set(b) and all((a[k] - b[k]).abs().max() < 1e-5 for k in a)
+
+
+def test_pp_by_dp_saves_and_resumes_exactly(tmp_path) -> None:
+    got = run_distributed(resume_in_ranks, 4, str(tmp_path))[0]
+    straight = got["straight"]
+    for name in ("resumed", "resumed_dp4"):
+        assert np.allclose(got[name]["losses"], straight["losses"][2:], rtol=1e-6, atol=0)
+        assert set(got[name]["params"]) == set(straight["params"])
+        for k, p in straight["params"].items():
+            assert (got[name]["params"][k] - p).abs().max() < 1e-6, (name, k)
 
 
 def test_stage_split() -> None:
