@@ -138,26 +138,15 @@ class GatedDeltaNet(nn.Module):
         """The mixer; with ``state`` it continues from it (or, ``fresh``, starts from zero) and
         leaves the conv window and delta-rule state after the last token there."""
         d = self.gdn_cfg
-        b, T, _ = x_BTD.shape
-        G, H = self._heads()
-        K, V = d.d_head_k, d.d_head_v
-        qkv_BTX = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1)
+        T = x_BTD.shape[1]
+        qkv_BTX = self.project(x_BTD)
         if state is None or fresh:
             conv_BTX = conv_silu(qkv_BTX, self.conv1d, doc_ids)
             if state is not None:
                 keep_window(state.conv_BXW, qkv_BTX, doc_ids, fresh)
         else:
             conv_BTX = conv_continue(qkv_BTX, self.conv1d, state.conv_BXW, update=True)
-        q_BTX, k_BTX, v_BTX = conv_BTX.split([G * K, G * K, H * V], dim=-1)
-        dtype = torch.promote_types(x_BTD.dtype, torch.float32)
-        q_BTGK = _l2norm(q_BTX.reshape(b, T, G, K).to(dtype))
-        k_BTGK = _l2norm(k_BTX.reshape(b, T, G, K).to(dtype))
-        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).to(dtype))
-        if d.allow_neg_eigval:
-            beta_BTH = beta_BTH * 2.0
-        a_BTH = self.a_proj(x_BTD).to(dtype)
-        g_BTH = -torch.exp(self.A_log.to(dtype)) * F.softplus(a_BTH + self.dt_bias.to(dtype))
-        v_BTHV = v_BTX.reshape(b, T, H, V)
+        q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH = self.rule_inputs(conv_BTX, x_BTD)
         if state is None:
             o_BTHV = gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, d.chunk_size,
                                       doc_ids=doc_ids)
@@ -169,7 +158,37 @@ class GatedDeltaNet(nn.Module):
                 initial_state_BHKV=None if fresh else state.state, return_final_state=True,
                 doc_ids=doc_ids)
             state.state.copy_(final)
-        # o stays in >= fp32 through the norm, as in transformers; cast once for o_proj.
+        return self.finish(o_BTHV, x_BTD)
+
+    # The three stages of the mixer, also run by context parallelism (composer.parallel.context)
+    # with its own convolution halo and state passing in between.
+
+    def project(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """The convolution's input ``[q, k, v]`` (``[B, T, X]``)."""
+        return torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1)
+
+    def rule_inputs(self, conv_BTX: torch.Tensor, x_BTD: torch.Tensor
+                    ) -> tuple[torch.Tensor, ...]:
+        """``q, k [B, T, G, K]`` (L2-normalised), ``v [B, T, H, V]``, the log decay ``g`` and
+        ``beta [B, T, H]`` of :func:`composer.kernels.gated_delta_rule`, in >= fp32."""
+        d = self.gdn_cfg
+        b, T, _ = x_BTD.shape
+        G, H = self._heads()
+        K, V = d.d_head_k, d.d_head_v
+        q_BTX, k_BTX, v_BTX = conv_BTX.split([G * K, G * K, H * V], dim=-1)
+        dtype = torch.promote_types(x_BTD.dtype, torch.float32)
+        q_BTGK = _l2norm(q_BTX.reshape(b, T, G, K).to(dtype))
+        k_BTGK = _l2norm(k_BTX.reshape(b, T, G, K).to(dtype))
+        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).to(dtype))
+        if d.allow_neg_eigval:
+            beta_BTH = beta_BTH * 2.0
+        a_BTH = self.a_proj(x_BTD).to(dtype)
+        g_BTH = -torch.exp(self.A_log.to(dtype)) * F.softplus(a_BTH + self.dt_bias.to(dtype))
+        return q_BTGK, k_BTGK, v_BTX.reshape(b, T, H, V), g_BTH, beta_BTH
+
+    def finish(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor) -> torch.Tensor:
+        """The gated norm (``o`` stays in >= fp32 through it, as in transformers) and o_proj."""
+        b, T, H, V = o_BTHV.shape
         z_BTHV = self.z_proj(x_BTD).reshape(b, T, H, V)
         y_BTHV = self.norm(o_BTHV, z_BTHV)
         return self.o_proj(y_BTHV.reshape(b, T, H * V).to(x_BTD.dtype))

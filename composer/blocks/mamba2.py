@@ -143,11 +143,8 @@ class Mamba2Mixer(nn.Module):
              state: RecurrentState | None = None, fresh: bool = True) -> torch.Tensor:
         """The mixer; with ``state`` it continues from it (or, ``fresh``, starts from zero) and
         leaves the conv window and SSM state after the last token there."""
-        m = self.mamba_cfg
         b, T, _ = x_BTD.shape
-        H, G, E, F_ = self._sizes()
-        zxbcdt = self.in_proj(x_BTD)
-        z_BTE, xBC_BTX, dt_BTH = zxbcdt.split([E, E + 2 * F_, H], dim=-1)
+        z_BTE, xBC_BTX, dt_BTH = self.project(x_BTD)
         # The conv runs on the transposed [B, X, T] layout; one copy back to [B, T, X] is
         # cheaper than the scan reading x, B and C with a stride-T inner dimension (measured:
         # 2.7% of a layer's train step).
@@ -158,28 +155,52 @@ class Mamba2Mixer(nn.Module):
         else:
             conv_BTX = conv_continue(xBC_BTX, self.conv1d, state.conv_BXW,
                                      update=True).contiguous()
+        x_BTHP, B_BTGN, C_BTGN, A_H, extra = self.scan_inputs(conv_BTX)
+        if state is None:
+            y_BTHP = mamba_scan(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, self.mamba_cfg.chunk_size,
+                                **extra, doc_ids=doc_ids)
+        elif T == 1 and not fresh:  # one decoding step: the recurrence itself
+            y_BTHP = ssd_step(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, state.state, **extra)
+        else:
+            y_BTHP, final = mamba_scan(
+                x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, self.mamba_cfg.chunk_size, **extra,
+                doc_ids=doc_ids, initial_state_BHPN=None if fresh else state.state,
+                return_final_state=True)
+            state.state.copy_(final)
+        return self.finish(y_BTHP, z_BTE, x_BTD.dtype)
+
+    # The three stages of the mixer, also run by context parallelism (composer.parallel.context)
+    # with its own convolution halo and scan state passing in between.
+
+    def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(z [B, T, E], xBC [B, T, X], dt [B, T, H])`` from the fused input projection."""
+        H, _, E, F_ = self._sizes()
+        return self.in_proj(x_BTD).split([E, E + 2 * F_, H], dim=-1)
+
+    def scan_inputs(self, conv_BTX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor, torch.Tensor, dict]:
+        """The convolution's output as the scan's ``x [B, T, H, P]``, ``B``, ``C [B, T, G, N]``,
+        plus ``A [H]`` and the keyword arguments of :func:`composer.kernels.mamba_scan`."""
+        m = self.mamba_cfg
+        b, T, _ = conv_BTX.shape
+        H, G, E, F_ = self._sizes()
         x_BTE, B_BTF, C_BTF = conv_BTX.split([E, F_, F_], dim=-1)
         # dt = clamp(softplus(dt + dt_bias), dt_limit), then the scan, all in >= fp32 as the
         # mamba_ssm kernel does (it fuses them on CUDA; transformers' torch path does the
         # softplus in the input dtype, identical in fp32).
         A_H = -torch.exp(_at_least_fp32(self.A_log))
-        x_BTHP = x_BTE.view(b, T, H, m.d_head)
-        B_BTGN, C_BTGN = B_BTF.view(b, T, G, m.d_state), C_BTF.view(b, T, G, m.d_state)
         extra = dict(D_H=self.D, dt_bias_H=self.dt_bias, dt_softplus=True, dt_limit=m.dt_limit)
-        if state is None:
-            y_BTHP = mamba_scan(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, m.chunk_size, **extra,
-                                doc_ids=doc_ids)
-        elif T == 1 and not fresh:  # one decoding step: the recurrence itself
-            y_BTHP = ssd_step(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, state.state, **extra)
-        else:
-            y_BTHP, final = mamba_scan(
-                x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, m.chunk_size, **extra, doc_ids=doc_ids,
-                initial_state_BHPN=None if fresh else state.state, return_final_state=True)
-            state.state.copy_(final)
-        # The D skip is inside the scan, so it is gated and normalised too (as in transformers);
-        # the scan output stays fp32 through the norm and is cast only for out_proj.
-        y_BTE = self.norm(y_BTHP.reshape(b, T, E), gate=z_BTE)
-        return self.out_proj(y_BTE.to(x_BTD.dtype))
+        return (x_BTE.view(b, T, H, m.d_head), B_BTF.view(b, T, G, m.d_state),
+                C_BTF.view(b, T, G, m.d_state), A_H, extra)
+
+    def finish(self, y_BTHP: torch.Tensor, z_BTE: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+        """The gated norm and the output projection. The D skip is inside the scan, so it is
+        gated and normalised too (as in transformers); the scan output stays fp32 through the
+        norm and is cast only for out_proj."""
+        b, T = y_BTHP.shape[:2]
+        y_BTE = self.norm(y_BTHP.reshape(b, T, -1), gate=z_BTE)
+        return self.out_proj(y_BTE.to(dtype))
 
     def init_cache(self, batch: int, max_len: int, device: torch.device,
                    dtype: torch.dtype) -> RecurrentState:

@@ -85,24 +85,26 @@ class Readout(nn.Module):
         self.logits_scaling = logits_scaling
 
     def forward(self, h_BTD: torch.Tensor, weight_VD: torch.Tensor,
-                labels_BT: torch.Tensor | None = None,
-                return_logits: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(loss, logits)``: the loss when labels are given, the logits when none are or when
-        ``return_logits``."""
-        if labels_BT is not None and not return_logits:
+                labels_BT: torch.Tensor | None = None, return_logits: bool = False, *,
+                targets_BT: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(loss, logits)``: the loss when labels (or ``targets``, labels already shifted:
+        position t's target) are given, the logits when none are or when ``return_logits``."""
+        if targets_BT is None and labels_BT is not None:
             # Shift the labels, not the activations: a slice would copy them.
-            loss = linear_cross_entropy(h_BTD.flatten(0, 1), weight_VD,
-                                        shift_labels(labels_BT).flatten(),
+            targets_BT = shift_labels(labels_BT)
+        if targets_BT is not None and not return_logits:
+            loss = linear_cross_entropy(h_BTD.flatten(0, 1), weight_VD, targets_BT.flatten(),
                                         scale=1.0 / self.logits_scaling)
             return loss, None
         logits_BTV = F.linear(h_BTD, weight_VD)
         if self.logits_scaling != 1.0:
             logits_BTV = logits_BTV / self.logits_scaling
-        if labels_BT is None:
+        if targets_BT is None:
             return None, logits_BTV
         math_dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
-        loss = F.cross_entropy(logits_BTV.flatten(0, 1).to(math_dtype),
-                               shift_labels(labels_BT).flatten(), ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(logits_BTV.flatten(0, 1).to(math_dtype), targets_BT.flatten(),
+                               ignore_index=IGNORE_INDEX)
         return loss, logits_BTV
 
 
@@ -180,11 +182,25 @@ class HybridModel(nn.Module):
         return self.final_norm(x_BTD)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-                doc_ids: torch.Tensor | None = None,
-                return_logits: bool = False) -> torch.Tensor | ModelOutput:
+                doc_ids: torch.Tensor | None = None, return_logits: bool = False,
+                targets: torch.Tensor | None = None) -> torch.Tensor | ModelOutput:
         """Logits ``(B, T, vocab)`` for ``input_ids`` ``(B, T)``; with ``labels`` (``(B, T)``,
         aligned with the inputs) a :class:`ModelOutput`. ``doc_ids`` (``(B, T)`` integers, equal
-        within a document, non-decreasing along a row) isolates packed documents."""
+        within a document, non-decreasing along a row) isolates packed documents.
+
+        ``targets`` instead of ``labels``: each position's next-token target, already shifted
+        and masked at document boundaries (context parallelism gives each rank chunks of the
+        sequence, so a chunk's last target is the first token of another rank's chunk). Not
+        with multi-token prediction, whose shifted inputs need the labels."""
+        if targets is not None:
+            if labels is not None or self.mtp is not None:
+                raise ValueError("targets replace labels, and cannot drive multi-token "
+                                 "prediction")
+            h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids)
+            loss, logits = self.readout(h_BTD, self.output_weight(), None, return_logits,
+                                        targets_BT=targets)
+            aux = self.aux_loss(loss)
+            return ModelOutput(loss=loss + aux, logits=logits, aux_loss=aux)
         if doc_ids is not None:
             if doc_ids.shape != input_ids.shape or doc_ids.is_floating_point():
                 raise ValueError(f"doc_ids must be integers shaped like input_ids "

@@ -2,7 +2,8 @@
 FSDP2 ``fully_shard`` (``--dp-mode shard``) or its replicating twin ``replicate``
 (``--dp-mode replicate``: DDP semantics on the same machinery).
 
-Every layer (MTP depths' too) and then the root are wrapped over the ``dp`` mesh dimension; the
+Every layer (MTP depths' too) and then the root are wrapped over the ``dp`` mesh dimension
+(``dp x cp`` with context parallelism: its ranks hold different tokens of the same rows); the
 sharded mode also prefetches the neighbouring layer's parameters (forward and backward) so
 gathers overlap compute.
 Under expert parallelism the routed experts are left out (already split over ep; their replicas
@@ -46,9 +47,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims,
     for root in roots or [model]:
         layers = [layer for _, layer in named_layers(root)]  # MTP depths' last, as they run
         for layer in layers:
-            fully_shard(layer, mesh=dims.dp_mesh, ignored_params=_experts_apart(layer, dims),
+            fully_shard(layer, mesh=dims.fsdp_mesh, ignored_params=_experts_apart(layer, dims),
                         mp_policy=mp)
-        fully_shard(root, mesh=dims.dp_mesh, mp_policy=mp)
+        fully_shard(root, mesh=dims.fsdp_mesh, mp_policy=mp)
         for i, layer in enumerate(layers):
             if i + 1 < len(layers):
                 layer.set_modules_to_forward_prefetch([layers[i + 1]])
@@ -61,9 +62,9 @@ def apply_replicate(model: nn.Module, dims: ParallelDims,
     mp = mixed_precision(dims)
     for root in roots or [model]:
         for _, layer in named_layers(root):
-            replicate(layer, mesh=dims.dp_mesh, ignored_params=_experts_apart(layer, dims),
+            replicate(layer, mesh=dims.fsdp_mesh, ignored_params=_experts_apart(layer, dims),
                       mp_policy=mp)
-        replicate(root, mesh=dims.dp_mesh, mp_policy=mp)
+        replicate(root, mesh=dims.fsdp_mesh, mp_policy=mp)
 
 
 def finish_grads(model: nn.Module, dims: ParallelDims) -> None:

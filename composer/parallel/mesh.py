@@ -4,12 +4,15 @@
 the data-parallel ranks (``ep`` divides ``dp * cp``, as in Megatron-Core and torchtitan): the dp
 dimension is split into ``dp_outer x ep`` so that ``mesh["ep"]`` holds the ranks that share one
 batch of routed tokens and ``mesh["dp_outer"]`` the replicas of one expert. Pipeline
-parallelism (``pp``) is the outermost dimension (:mod:`composer.parallel.pipeline`); context
-parallelism is reserved (its size must be 1 for now).
+parallelism (``pp``) is the outermost dimension (:mod:`composer.parallel.pipeline`). Context
+parallelism (``cp``, :mod:`composer.parallel.context`) splits each sequence over its ranks,
+which read the same rows: for the data they are one data-parallel rank, for the gradients
+(FSDP2 over ``dp x cp``, the flattened ``"dp_cp"``) and the MoE load statistics they are
+``cp`` more, as in Megatron-Core.
 
-Mesh dimensions (always all present, sizes may be 1): ``("dp_outer", "ep", "tp")``, with
-``"pp"`` in front when ``pp > 1``, plus the flattened ``"dp"`` (= dp_outer x ep) used by data
-parallelism for non-expert parameters.
+Mesh dimensions (always all present, sizes may be 1): ``("dp_outer", "ep", "cp", "tp")``,
+with ``"pp"`` in front when ``pp > 1``, plus the flattened ``"dp"`` (= dp_outer x ep: the
+data shards) and ``"dp_cp"`` (dp x cp: what data parallelism shards the weights over).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class ParallelDims:
     mesh: DeviceMesh | None = None
     dp_mesh: DeviceMesh | None = None
     """The flattened ``dp_outer x ep`` dimension (kept here: slicing it from the root mesh is
-    deprecated)."""
+    deprecated): the ranks that read different rows."""
     device: torch.device = torch.device("cpu")
     """Where this rank's tensors live (``cuda:LOCAL_RANK`` with NCCL, the CPU with gloo)."""
     ac: str = "none"
@@ -78,6 +81,16 @@ class ParallelDims:
     """With ``pp > 1``: this rank and its counterpart on the other end of the pipeline (the
     first and last pipeline ranks at the same dp / tp position), which hold the two copies of
     tied embeddings; None elsewhere."""
+    cp: int = 1
+    cp_mesh: DeviceMesh | None = None
+    fsdp_mesh: DeviceMesh | None = None
+    """``dp x cp`` flattened (``dp_mesh`` when ``cp = 1``): data parallelism's mesh, and the
+    group over which the MoE load statistics are summed."""
+
+    @property
+    def grad_replicas(self) -> int:
+        """The ranks whose gradients data parallelism averages: ``dp x cp``."""
+        return self.dp * self.cp
 
     @property
     def dp_outer(self) -> int:
@@ -96,6 +109,9 @@ class ParallelDims:
     def pp_rank(self) -> int:
         return self.pp_mesh.get_local_rank() if self.pp_mesh is not None else 0
 
+    def cp_rank(self) -> int:
+        return self.cp_mesh.get_local_rank() if self.cp_mesh is not None else 0
+
 
 def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
     """Check sizes against the world; one-line :class:`LayoutError` otherwise."""
@@ -104,8 +120,9 @@ def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
     for name in ("tp", "ep", "pp", "cp"):
         if getattr(pc, name) < 1:
             raise LayoutError(f"--{name} must be >= 1, got {getattr(pc, name)}")
-    if pc.cp != 1:
-        raise LayoutError("context parallelism (--cp) is not built yet; use 1")
+    if pc.cp > 1 and pc.ep > 1:
+        raise LayoutError("--cp with --ep is not built yet: experts are spread over dp only, "
+                          "so use --ep 1 with context parallelism")
     fixed = pc.tp * pc.pp * pc.cp
     if world_size % fixed:
         raise LayoutError(f"world size {world_size} is not a multiple of tp*pp*cp = {fixed}")
@@ -113,19 +130,19 @@ def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
     if dp < 1 or dp * fixed != world_size:
         raise LayoutError(f"dp*tp*pp*cp = {dp * fixed} does not equal the world size "
                           f"{world_size} (dp={dp}, tp={pc.tp})")
-    if (dp * pc.cp) % pc.ep:
-        raise LayoutError(f"ep ({pc.ep}) must divide dp*cp ({dp * pc.cp}): experts are spread "
-                          "over the data-parallel ranks")
+    if dp % pc.ep:
+        raise LayoutError(f"ep ({pc.ep}) must divide dp ({dp}): experts are spread over the "
+                          "data-parallel ranks")
     return ParallelDims(tp=pc.tp, ep=pc.ep, dp=dp, dp_mode=pc.dp_mode,
                         sequence_parallel=pc.sequence_parallel, world_size=world_size,
                         ac="full" if pc.activation_checkpointing else pc.ac,
-                        compile=pc.compile, precision=pc.precision, pp=pc.pp)
+                        compile=pc.compile, precision=pc.precision, pp=pc.pp, cp=pc.cp)
 
 
 def check_layout(dims: ParallelDims, rules: Iterable[LayoutRule]) -> None:
     """Every divisibility rule the model's kinds declare (heads, groups, widths, experts by tp
     and ep); the first broken one as a one-line :class:`LayoutError`."""
-    sizes = {"tp": dims.tp, "ep": dims.ep, "dp": dims.dp}
+    sizes = {"tp": dims.tp, "ep": dims.ep, "dp": dims.dp, "cp": dims.cp}
     for rule in rules:
         problem = rule.problem(sizes)
         if problem:
@@ -161,15 +178,17 @@ def build_parallel_dims(pc: ParallelConfig, device: str | torch.device | None = 
         if (dims.device.type == "cuda") != (dist.get_backend() == "nccl"):
             raise LayoutError(f"device {dims.device} does not match the process group's "
                               f"{dist.get_backend()} backend (NCCL for CUDA, gloo for the CPU)")
+        shape, names = (dims.dp_outer, dims.ep, dims.cp, dims.tp), ("dp_outer", "ep", "cp", "tp")
         if dims.pp > 1:
-            mesh = init_device_mesh(dims.device.type, (dims.pp, dims.dp_outer, dims.ep, dims.tp),
-                                    mesh_dim_names=("pp", "dp_outer", "ep", "tp"))
+            shape, names = (dims.pp, *shape), ("pp", *names)
+        mesh = init_device_mesh(dims.device.type, shape, mesh_dim_names=names)
+        if dims.pp > 1:
             dims.pp_mesh = mesh["pp"]
             dims.tied_group = _tied_group(mesh, dims.pp)
-        else:
-            mesh = init_device_mesh(dims.device.type, (dims.dp_outer, dims.ep, dims.tp),
-                                    mesh_dim_names=("dp_outer", "ep", "tp"))
         dims.dp_mesh = mesh["dp_outer", "ep"]._flatten("dp")
+        dims.cp_mesh = mesh["cp"]
+        dims.fsdp_mesh = (mesh["dp_outer", "ep", "cp"]._flatten("dp_cp") if dims.cp > 1
+                          else dims.dp_mesh)
         dims.mesh = mesh
     return dims
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed._composable.checkpoint_activation import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from composer.parallel.context import apply_cp
 from composer.parallel.data import apply_fsdp, apply_replicate
 from composer.parallel.expert import apply_ep, make_global
 from composer.parallel.mesh import ParallelDims
@@ -80,7 +81,7 @@ def parallelize(model: nn.Module, dims: ParallelDims,
                 apply_ep(moe, dims.mesh["ep"], dims.mesh["ep", "tp"] if dims.tp > 1 else None)
             # the load-balancing statistics of the global batch, not of each rank's share; every
             # tp rank computes them whole while the router sums its gradients over tp
-            group = dims.dp_mesh.get_group() if dims.dp > 1 else None
+            group = dims.fsdp_mesh.get_group() if dims.grad_replicas > 1 else None
             for name in moe.parallel_plan().token_sums:
                 make_global(moe.get_submodule(name), group=group, grad_scale=1.0 / dims.tp)
     apply_ac(model, dims.ac)
@@ -88,6 +89,8 @@ def parallelize(model: nn.Module, dims: ParallelDims,
         from composer.kernels import compile_layers
 
         compile_layers(model)
-    if dims.dp > 1:
+    if dims.cp > 1:
+        apply_cp(model, dims)
+    if dims.grad_replicas > 1:
         (apply_fsdp if dims.dp_mode == "shard" else apply_replicate)(model, dims, roots)
     return model

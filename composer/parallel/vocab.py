@@ -165,19 +165,22 @@ class VocabParallelReadout(Readout):
 
     tp: TPContext
 
-    def forward(self, h_BTD, weight_VD, labels_BT=None, return_logits=False):
+    def forward(self, h_BTD, weight_VD, labels_BT=None, return_logits=False, *,
+                targets_BT=None):
         tp = self.tp
+        if targets_BT is None and labels_BT is not None:
+            targets_BT = shift_labels(labels_BT)
         vocab = weight_VD.shape[0]
         h = tp.enter(h_BTD)
         w = weight_VD.to_local() if isinstance(weight_VD, DTensor) else weight_VD
         logits = None
-        if labels_BT is None or return_logits:
+        if targets_BT is None or return_logits:
             logits_local = F.linear(h, w)
             if self.logits_scaling != 1.0:
                 logits_local = logits_local / self.logits_scaling
             logits = _GatherLast.apply(logits_local, tp, vocab_sizes(vocab, tp.size))
-        if labels_BT is None:
+        if targets_BT is None:
             return None, logits
-        loss = linear_cross_entropy(h.flatten(0, 1), w, shift_labels(labels_BT).flatten(),
+        loss = linear_cross_entropy(h.flatten(0, 1), w, targets_BT.flatten(),
                                     vocab, tp, scale=1.0 / self.logits_scaling)
         return loss, logits

@@ -217,7 +217,7 @@ def validate(run: Run) -> float:
                 totals[0] += ce * n
                 totals[1] += n
     run.model.train()
-    totals /= dims.tp * dims.pp  # tensor- and pipeline-parallel ranks hold the same numbers
+    totals /= dims.tp * dims.pp * dims.cp  # these ranks hold the same numbers
     if dist.is_initialized():
         dist.all_reduce(totals)
     return float(totals[0] / totals[1])
@@ -252,11 +252,13 @@ def _reduce_stats(run: Run, ce_sum: torch.Tensor, aux: torch.Tensor, mtp: torch.
     """One all-reduce: the global mean loss, the mean aux and MTP losses, and whether any rank
     stops."""
     dims = run.dims
-    # n: every tp and pp rank counts the same tokens; the loss comes from the last stage only
-    extra = torch.tensor([float(stop), float(n) / (dims.tp * dims.pp)], dtype=torch.float64,
+    # n: every tp, pp and cp rank counts the same tokens (a cp rank's loss is its rows' mean,
+    # composer.parallel.context); the loss comes from the last stage only
+    same = dims.tp * dims.cp
+    extra = torch.tensor([float(stop), float(n) / (same * dims.pp)], dtype=torch.float64,
                          device=dims.device)
-    stats = torch.cat([torch.stack([ce_sum / dims.tp, aux / (dims.tp * dims.dp),
-                                    mtp / (dims.tp * dims.dp)]), extra])
+    stats = torch.cat([torch.stack([ce_sum / same, aux / (same * dims.dp),
+                                    mtp / (same * dims.dp)]), extra])
     if dist.is_initialized():
         dist.all_reduce(stats)
     loss, aux_mean, mtp_mean, stops, tokens = stats.tolist()

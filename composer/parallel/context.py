@@ -1,0 +1,422 @@
+"""Context parallelism (``--cp N``): each sequence split over ``N`` ranks, exact for every layer
+kind, applied from outside the blocks.
+
+Load balance. A row of ``T`` tokens is cut into ``2N`` chunks of ``L = T / 2N``; rank ``r``
+holds chunks ``r`` and ``2N - 1 - r`` (Megatron-Core's layout: under a causal mask the early
+chunks are cheap and the late ones dear, and each rank gets one of each). The ranks of a cp
+group read the same rows; each computes its two chunks, side by side, as a ``(B, 2L)`` row.
+
+What crosses ranks, per layer kind:
+
+- **Attention** (``Attention``): keys and values are all-gathered (Megatron's ``all_gather``
+  CP; the point-to-point ring with log-sum-exp merging is not built), and each local chunk
+  ``c`` attends to keys ``[0, (c + 1) L)`` under the causal mask of global positions (and of
+  documents, with ``doc_ids``: a document that spans ranks stays whole). RoPE takes global
+  positions (or positions within the document). The backward reduce-scatters the keys' and
+  values' gradients back to their chunks.
+- **Mamba-2 and gated delta nets**: chunk state passing. Both recurrences are linear in the
+  state, ``S_end = M S_start + S_local`` per chunk, where ``S_local`` is the chunk's end state
+  from zero and ``M`` its transition (a decay per head for Mamba-2; a ``K x K`` matrix per head
+  for the delta rule). Each rank computes both for its chunks in one scan (the input widened by
+  ``[0 | I]`` columns started from ``[0 | I]``: the extra columns come out as ``M``), the
+  ``(S_local, M)`` of every chunk are all-gathered (a few state-sized tensors per layer), every
+  rank runs the recurrence over the ``2N`` chunks, and scans its chunks again from their true
+  starting states. That is exact, needs no divisibility of heads or groups, and keeps
+  communication at the state's size; its cost is a second scan per layer. (The alternative,
+  Megatron's head all-to-all, moves ``(B, T, X)`` activations twice per layer and needs the
+  heads and groups to divide by ``N``.) The convolution gets its ``K - 1`` halo inputs from the
+  preceding chunk (an all-gather of each chunk's tail). Document isolation: a state never
+  passes a document start (the scan masks those inside a chunk, the chunk-start mask those at
+  a chunk boundary) and the halo is masked by the documents' ids.
+- MLP and MoE are token-wise; the MoE load statistics are summed over ``dp x cp``
+  (:mod:`composer.parallel.mesh`).
+
+Loss. Targets are shifted on the whole row before it is cut (a chunk's last target is the
+first token of the next chunk, on another rank), then each rank's loss is the mean over the
+whole rows: the sum of its tokens' cross-entropies, summed over the cp group in the forward and
+divided by the rows' predicted tokens. Its gradient is the rank's own tokens' times ``N``, so
+that data parallelism, which averages over ``dp x cp``, gives the mean over the batch. To the
+training loop a cp rank is a data-parallel rank that holds the rows' loss.
+
+Not built yet: multi-latent attention (``+``) and multi-token prediction under cp,
+``--cp`` with ``--pp`` or ``--ep``, adaptive cp; each is refused with one line.
+
+Legend: B batch, T global time, L chunk length, H heads, K kv heads, E head width, X channels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from composer.blocks.loss import IGNORE_INDEX
+from composer.parallel.comm import AllReduceForward, ScaleGrad, all_gather, reduce_scatter
+from composer.parallel.mesh import LayoutError, ParallelDims
+
+# ---------------------------------------------------------------- the layout
+
+
+def chunk_owner(c: int, n: int) -> tuple[int, int]:
+    """``(rank, slot)`` holding global chunk ``c`` of ``2n``."""
+    return (c, 0) if c < n else (2 * n - 1 - c, 1)
+
+
+def rank_chunks(rank: int, n: int) -> tuple[int, int]:
+    return rank, 2 * n - 1 - rank
+
+
+def local_index(t: int, n: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """The global positions of rank ``rank``'s tokens, in its order (chunk ``r``, then chunk
+    ``2n - 1 - r``)."""
+    chunk = t // (2 * n)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
+                      for c in rank_chunks(rank, n)])
+
+
+@dataclass
+class CPContext:
+    """The cp group and the current batch's global view (set by the model's pre-hook)."""
+
+    group: Any
+    size: int
+    rank: int
+    T: int = 0
+    """The whole rows' length."""
+    pos_BT: torch.Tensor | None = None
+    """RoPE positions of the local tokens: global, or within their document."""
+    seg_BT: torch.Tensor | None = None
+    """The whole rows' document segments (:func:`composer.kernels.docs.doc_segments`), or None."""
+    doc_BT: torch.Tensor | None = None
+    """The whole rows' doc ids, or None."""
+    n_local: torch.Tensor | None = None
+    n_rows: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def L(self) -> int:
+        return self.T // (2 * self.size)
+
+    @property
+    def chunks(self) -> tuple[int, int]:
+        return rank_chunks(self.rank, self.size)
+
+
+class _GatherChunks(torch.autograd.Function):
+    """Every chunk of the rows along ``dim``, in global order, from each rank's two (side by
+    side along ``dim``); the backward sums the gradients over the ranks and returns each its
+    own chunks' (one reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cp: CPContext, dim: int) -> torch.Tensor:
+        ctx.cp, ctx.dim = cp, dim
+        n = cp.size
+        x0 = x.movedim(dim, 0)
+        m = x0.shape[0] // 2
+        out = all_gather(x0, 0, cp.group, n).view(2 * n, m, *x0.shape[1:])  # rank-major
+        order = [2 * r + s for r, s in (chunk_owner(c, n) for c in range(2 * n))]
+        return out[order].reshape(2 * n * m, *x0.shape[1:]).movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cp, dim, n = ctx.cp, ctx.dim, ctx.cp.size
+        g0 = g.movedim(dim, 0)
+        m = g0.shape[0] // (2 * n)
+        g0 = g0.reshape(2 * n, m, *g0.shape[1:])
+        rank_major = [c for r in range(n) for c in rank_chunks(r, n)]
+        stacked = g0[rank_major].reshape(2 * n * m, *g0.shape[2:])
+        mine = reduce_scatter(stacked, 0, cp.group, n, cp.rank)
+        return mine.movedim(0, dim), None, None
+
+
+def gather_chunks(x: torch.Tensor, cp: CPContext, dim: int) -> torch.Tensor:
+    return _GatherChunks.apply(x, cp, dim)
+
+
+def _global_chunks(x: torch.Tensor, cp: CPContext) -> torch.Tensor:
+    """``x`` ``[B, 2, ...]`` (this rank's two chunks' items) -> ``[B, 2N, ...]``."""
+    return gather_chunks(x, cp, 1)
+
+
+# ---------------------------------------------------------------- attention
+
+
+def cp_attention_forward(self: nn.Module, x_BTD: torch.Tensor, *,
+                         doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """:class:`composer.blocks.attention.Attention` over the whole rows (module docstring)."""
+    from composer.blocks.attention import apply_rope, rope_cos_sin_at
+    from composer.kernels import sdpa_context
+
+    cp: CPContext = self.cp
+    L = cp.L
+    q_BHTE, k_BKTE, v_BKTE, gate_BTX = self._project(x_BTD)
+    if self.rope:
+        cos, sin = rope_cos_sin_at(cp.pos_BT, self.inv_freq, q_BHTE.dtype)
+        q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
+    k_all, v_all = gather_chunks(k_BKTE, cp, 2), gather_chunks(v_BKTE, cp, 2)
+    outs = []
+    for slot, c in enumerate(cp.chunks):
+        q = q_BHTE[:, :, slot * L:(slot + 1) * L]
+        end = (c + 1) * L
+        mask = torch.ones(L, end, dtype=torch.bool, device=q.device).tril_(c * L)
+        if cp.seg_BT is not None:  # and within the query's document
+            seg_q, seg_k = cp.seg_BT[:, c * L:end], cp.seg_BT[:, :end]
+            mask = (mask & (seg_q[:, :, None] == seg_k[:, None, :]))[:, None]
+        with sdpa_context(q):
+            outs.append(F.scaled_dot_product_attention(
+                q, k_all[:, :, :end], v_all[:, :, :end], attn_mask=mask, scale=self.scale,
+                enable_gqa=q.shape[1] != k_all.shape[1]))
+    return self._output(torch.cat(outs, dim=2), gate_BTX)
+
+
+# ---------------------------------------------------------------- recurrences
+
+
+def halo_conv(x_BTX: torch.Tensor, conv: nn.Module, cp: CPContext) -> torch.Tensor:
+    """``silu(conv(x))`` of this rank's two chunks as ``[2B, L, X]`` rows (slot-major within
+    each batch row), each preceded by the ``K - 1`` inputs before it in the whole row."""
+    from composer.kernels import conv_silu
+
+    b, _, X = x_BTX.shape
+    L = cp.L
+    h = conv.kernel - 1
+    x_B2LX = x_BTX.view(b, 2, L, X)
+    if h == 0:
+        rows = x_B2LX.reshape(2 * b, L, X)
+        return conv_silu(rows, conv, _chunk_docs(cp, b, 0))
+    tails = _global_chunks(x_B2LX[:, :, L - h:].contiguous(), cp)  # [B, 2N, h, X]
+    halo = torch.stack([tails[:, c - 1] if c > 0 else torch.zeros_like(tails[:, 0])
+                        for c in cp.chunks], 1)
+    rows = torch.cat([halo, x_B2LX], dim=2).reshape(2 * b, h + L, X)
+    return conv_silu(rows, conv, _chunk_docs(cp, b, h))[:, h:]
+
+
+def _chunk_docs(cp: CPContext, b: int, halo: int) -> torch.Tensor | None:
+    """The doc ids of this rank's chunk rows (``[2B, halo + L]``, the halo included; a halo
+    before the row's start takes the first token's id: its inputs are zeros)."""
+    if cp.doc_BT is None:
+        return None
+    L = cp.L
+    rows = []
+    for c in cp.chunks:
+        start = c * L - halo
+        ids = cp.doc_BT[:, max(start, 0):(c + 1) * L]
+        if start < 0:
+            ids = torch.cat([ids[:, :1].expand(-1, -start), ids], 1)
+        rows.append(ids)
+    return torch.stack(rows, 1).reshape(2 * b, halo + L)
+
+
+def _continues(cp: CPContext) -> torch.Tensor | None:
+    """``[B, 2N]``: 1 where chunk ``c`` continues the document of the token before it (always
+    for ``c > 0`` without documents; never for ``c = 0``)."""
+    if cp.doc_BT is None:
+        return None
+    L = cp.L
+    starts = torch.arange(2 * cp.size, device=cp.doc_BT.device) * L
+    prev = cp.doc_BT[:, (starts - 1).clamp(min=0)]
+    same = (cp.doc_BT[:, starts] == prev)
+    same[:, 0] = False
+    return same
+
+
+def pass_states(local_B2N_: torch.Tensor, trans_B2N_: torch.Tensor, cp: CPContext,
+                apply: Any) -> torch.Tensor:
+    """The state entering each of this rank's chunks, ``[B, 2, ...]``: the recurrence
+    ``start[c] = apply(trans[c-1], start[c-1]) + local[c-1]`` over every chunk of the rows
+    (``start[0] = 0``; zero where a document starts at the chunk)."""
+    local = _global_chunks(local_B2N_, cp)
+    trans = _global_chunks(trans_B2N_, cp)
+    cont = _continues(cp)
+    starts = [torch.zeros_like(local[:, 0])]
+    for c in range(1, 2 * cp.size):
+        s = apply(trans[:, c - 1], starts[c - 1]) + local[:, c - 1]
+        if cont is not None:
+            s = s * cont[:, c].view(-1, *([1] * (s.dim() - 1))).to(s.dtype)
+        starts.append(s)
+    return torch.stack([starts[c] for c in cp.chunks], 1)
+
+
+def cp_mamba_forward(self: nn.Module, x_BTD: torch.Tensor, *,
+                     doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """:class:`composer.blocks.mamba2.Mamba2Mixer` over the whole rows: the convolution with
+    its halo, the scan with chunk state passing (module docstring)."""
+    from composer.kernels import mamba_scan
+
+    cp: CPContext = self.cp
+    b, T, _ = x_BTD.shape
+    L, chunk = cp.L, self.mamba_cfg.chunk_size
+    z_BTE, xBC_BTX, dt_BTH = self.project(x_BTD)
+    conv_RLX = halo_conv(xBC_BTX, self.conv1d, cp).contiguous()  # R = 2B chunk rows
+    x_RLHP, B_RLGN, C_RLGN, A_H, extra = self.scan_inputs(conv_RLX)
+    dt_RLH = dt_BTH.reshape(2 * b, L, -1)
+    docs = _chunk_docs(cp, b, 0)
+    R, _, H, P = x_RLHP.shape
+    N = B_RLGN.shape[-1]
+    # one scan for each chunk's (S_local, decay): x widened by a zero column, started at [0 | 1]
+    x_aug = torch.cat([x_RLHP, x_RLHP.new_zeros(R, L, H, 1)], -1)
+    init = x_RLHP.new_zeros(R, H, P + 1, N, dtype=torch.promote_types(x_RLHP.dtype,
+                                                                       torch.float32))
+    init[:, :, P] = 1.0
+    _, end_RHQN = mamba_scan(x_aug, dt_RLH, A_H, B_RLGN, C_RLGN, chunk, **extra, doc_ids=docs,
+                             initial_state_BHPN=init, return_final_state=True)
+    local = end_RHQN[:, :, :P].reshape(b, 2, H, P, N)
+    decay = end_RHQN[:, :, P, 0].reshape(b, 2, H)
+    start = pass_states(local, decay, cp, lambda d, s: d[..., None, None] * s)
+    y_RLHP = mamba_scan(x_RLHP, dt_RLH, A_H, B_RLGN, C_RLGN, chunk, **extra, doc_ids=docs,
+                        initial_state_BHPN=start.reshape(R, H, P, N))
+    return self.finish(y_RLHP.reshape(b, T, H, P), z_BTE, x_BTD.dtype)
+
+
+def cp_gdn_forward(self: nn.Module, x_BTD: torch.Tensor, *,
+                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """:class:`composer.blocks.gdn.GatedDeltaNet` over the whole rows: the convolution with its
+    halo, the delta rule with chunk state passing (module docstring)."""
+    from composer.kernels.gdn import gated_delta_rule
+
+    cp: CPContext = self.cp
+    b, T, _ = x_BTD.shape
+    L, chunk = cp.L, self.gdn_cfg.chunk_size
+    conv_RLX = halo_conv(self.project(x_BTD), self.conv1d, cp)
+    x_RLD = x_BTD.reshape(2 * b, L, -1)
+    q, k, v_RLHV, g, beta = self.rule_inputs(conv_RLX, x_RLD)
+    docs = _chunk_docs(cp, b, 0)
+    R, _, H, V = v_RLHV.shape
+    K = q.shape[-1]
+    # one pass for each chunk's (S_local, M): v widened by K zero columns, started at [0 | I]
+    v_aug = torch.cat([v_RLHV, v_RLHV.new_zeros(R, L, H, K)], -1)
+    init = v_RLHV.new_zeros(R, H, K, V + K)
+    init[..., V:] = torch.eye(K, dtype=init.dtype, device=init.device)
+    _, end_RHKW = gated_delta_rule(q, k, v_aug, g, beta, chunk, initial_state_BHKV=init,
+                                   return_final_state=True, doc_ids=docs)
+    local = end_RHKW[..., :V].reshape(b, 2, H, K, V)
+    trans = end_RHKW[..., V:].reshape(b, 2, H, K, K)
+    start = pass_states(local, trans, cp, lambda m, s: m @ s)
+    o_RLHV = gated_delta_rule(q, k, v_RLHV, g, beta, chunk, doc_ids=docs,
+                              initial_state_BHKV=start.reshape(R, H, K, V))
+    return self.finish(o_RLHV.reshape(b, T, H, V), x_BTD)
+
+
+# ---------------------------------------------------------------- the model
+
+
+def _cp_class(cls: type, forward: Any) -> type:
+    name = f"ContextParallel{cls.__name__}"
+    cached = _CLASSES.get((cls, name))
+    if cached is None:
+        cached = _CLASSES[(cls, name)] = type(name, (cls,), {"forward": forward})
+    return cached
+
+
+_CLASSES: dict = {}
+
+
+def _forwards() -> dict[type, Any]:
+    from composer.blocks.attention import Attention
+    from composer.blocks.gdn import GatedDeltaNet
+    from composer.blocks.mamba2 import Mamba2Mixer
+
+    return {Attention: cp_attention_forward, Mamba2Mixer: cp_mamba_forward,
+            GatedDeltaNet: cp_gdn_forward}
+
+
+def check_cp(model: nn.Module, cp: int, seq_len: int | None = None) -> None:
+    """Refuse what context parallelism cannot run (one line): a layer kind it does not split,
+    multi-token prediction, a row length ``2 cp`` does not divide, or chunks shorter than a
+    convolution's halo."""
+    if cp == 1:
+        return
+    forwards = _forwards()
+    if getattr(model, "mtp", None) is not None:
+        raise LayoutError("--cp: multi-token prediction (the pattern's '/' parts) is not built "
+                          "for context parallelism yet")
+    for key, layer in model.layers.items():
+        mixer = layer.mixer
+        if getattr(mixer, "stateless", False) or type(mixer) in forwards:
+            continue
+        raise LayoutError(f"--cp: layer {key} ({getattr(layer, 'symbol', '?')!r}, "
+                          f"{type(mixer).__name__}) has no context-parallel form yet")
+    if seq_len is None:
+        return
+    if seq_len % (2 * cp):
+        raise LayoutError(f"--cp {cp}: the sequence length {seq_len} must divide into "
+                          f"2 x cp = {2 * cp} chunks")
+    for key, layer in model.layers.items():
+        conv = getattr(layer.mixer, "conv1d", None)
+        if conv is not None and seq_len // (2 * cp) < conv.kernel - 1:
+            raise LayoutError(f"--cp {cp}: chunks of {seq_len // (2 * cp)} tokens are shorter "
+                              f"than layer {key}'s convolution halo ({conv.kernel - 1})")
+
+
+def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    from composer.blocks.model import mask_doc_boundaries, shift_labels
+    from composer.kernels.docs import doc_positions, doc_segments
+
+    cp: CPContext = model.cp
+    ids = args[0] if args else kwargs.pop("input_ids")
+    labels = args[1] if len(args) > 1 else kwargs.pop("labels", None)
+    if labels is None:
+        raise ValueError("under context parallelism the model computes the loss (give labels); "
+                         "its logits would be this rank's chunks only")
+    doc = kwargs.get("doc_ids")
+    b, t = ids.shape
+    if t % (2 * cp.size):
+        raise LayoutError(f"--cp {cp.size}: the sequence length {t} must divide into "
+                          f"2 x cp = {2 * cp.size} chunks")
+    targets = shift_labels(labels if doc is None else mask_doc_boundaries(labels, doc))
+    idx = local_index(t, cp.size, cp.rank, ids.device)
+    cp.T = t
+    cp.doc_BT = doc
+    cp.seg_BT = None if doc is None else doc_segments(doc)
+    pos = idx.expand(b, -1) if doc is None else doc_positions(doc)[:, idx]
+    cp.pos_BT = pos
+    local_targets = targets[:, idx]
+    cp.n_rows = (targets != IGNORE_INDEX).sum()
+    cp.n_local = (local_targets != IGNORE_INDEX).sum()
+    kwargs = {**kwargs, "targets": local_targets}
+    if doc is not None:
+        kwargs["doc_ids"] = doc[:, idx]
+    return (ids[:, idx],), kwargs
+
+
+def _post_hook(model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+    """The rows' mean cross-entropy (module docstring: summed over the group in the forward,
+    the gradient ``N`` times this rank's)."""
+    cp: CPContext = model.cp
+    extra = out.aux_loss + out.mtp_loss
+    ce_local = out.loss - extra
+    n_local = cp.n_local.to(ce_local.dtype)
+    token_sum = torch.where(cp.n_local > 0, ce_local * n_local, torch.zeros_like(ce_local))
+    ce = ScaleGrad.apply(AllReduceForward.apply(token_sum / cp.n_rows.to(ce_local.dtype),
+                                                cp.group), float(cp.size))
+    out.loss = ce + extra
+    return out
+
+
+def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
+    """Swap every sequence-mixing layer for its context-parallel form (same parameters and
+    keys) and make the model cut its rows (module docstring). On the meta device, before data
+    parallelism wraps the layers."""
+    if dims.pp > 1:
+        raise LayoutError("--cp with --pp is not built yet")
+    check_cp(model, dims.cp)
+    mesh = dims.cp_mesh
+    cp = CPContext(group=mesh.get_group(), size=dims.cp, rank=mesh.get_local_rank())
+    forwards = _forwards()
+    for layer in model.layers.values():
+        mixer = layer.mixer
+        fwd = forwards.get(type(mixer))
+        if fwd is not None:
+            mixer.__class__ = _cp_class(type(mixer), fwd)
+            mixer.cp = cp
+    model.cp = cp
+    model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    model.register_forward_hook(_post_hook, with_kwargs=True)
+
+
+def is_context_parallel(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "cp", None), CPContext)
+
