@@ -238,7 +238,7 @@ def _layout(args: argparse.Namespace):
     return ParallelConfig(tp=args.tp, ep=args.ep, dp=args.dp, dp_mode=args.dp_mode,
                           sequence_parallel=not args.no_sequence_parallel,
                           activation_checkpointing=args.activation_checkpointing,
-                          compile=args.compile, pp=args.pp)
+                          compile=args.compile, pp=args.pp, cp=args.cp)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -382,6 +382,8 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages: the "
                                                       "pattern's '|' segments, or balanced)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (each sequence "
+                                                      "in 2 x cp chunks over cp ranks)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides dp)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: the rest)")
     p.add_argument("--dp-mode", choices=("shard", "replicate"), default="shard",

@@ -36,7 +36,10 @@ first token of the next chunk, on another rank), then each rank's loss is the me
 whole rows: the sum of its tokens' cross-entropies, summed over the cp group in the forward and
 divided by the rows' predicted tokens. Its gradient is the rank's own tokens' times ``N``, so
 that data parallelism, which averages over ``dp x cp``, gives the mean over the batch. To the
-training loop a cp rank is a data-parallel rank that holds the rows' loss.
+training loop a cp rank is a data-parallel rank that holds the rows' loss. A row of
+``2 N L + 1`` tokens (the data path's ``seq_len + 1``) loses its last token as an input: it
+is only a target, so the loss is the same, and only the MoE load statistics (which count
+every input token at cp = 1) see the difference.
 
 Not built yet: multi-latent attention (``+``) and multi-token prediction under cp,
 ``--cp`` with ``--pp`` or ``--ep``, adaptive cp; each is refused with one line.
@@ -323,10 +326,9 @@ def _forwards() -> dict[type, Any]:
             GatedDeltaNet: cp_gdn_forward}
 
 
-def check_cp(model: nn.Module, cp: int, seq_len: int | None = None) -> None:
+def check_cp(model: nn.Module, cp: int) -> None:
     """Refuse what context parallelism cannot run (one line): a layer kind it does not split,
-    multi-token prediction, a row length ``2 cp`` does not divide, or chunks shorter than a
-    convolution's halo."""
+    or multi-token prediction."""
     if cp == 1:
         return
     forwards = _forwards()
@@ -339,16 +341,28 @@ def check_cp(model: nn.Module, cp: int, seq_len: int | None = None) -> None:
             continue
         raise LayoutError(f"--cp: layer {key} ({getattr(layer, 'symbol', '?')!r}, "
                           f"{type(mixer).__name__}) has no context-parallel form yet")
-    if seq_len is None:
-        return
-    if seq_len % (2 * cp):
-        raise LayoutError(f"--cp {cp}: the sequence length {seq_len} must divide into "
-                          f"2 x cp = {2 * cp} chunks")
-    for key, layer in model.layers.items():
-        conv = getattr(layer.mixer, "conv1d", None)
-        if conv is not None and seq_len // (2 * cp) < conv.kernel - 1:
-            raise LayoutError(f"--cp {cp}: chunks of {seq_len // (2 * cp)} tokens are shorter "
-                              f"than layer {key}'s convolution halo ({conv.kernel - 1})")
+
+
+def cp_length(cp: int, row_len: int) -> int:
+    """The tokens of a row that context parallelism cuts: all of them, or all but the last when
+    one is left over (the data path's ``seq_len + 1`` rows: the last token is only a target)."""
+    return row_len - 1 if row_len % (2 * cp) == 1 else row_len
+
+
+def check_cp_length(cfg: Any, cp: int, row_len: int) -> None:
+    """The rows (or all but their last token) must cut into ``2 cp`` chunks, none shorter than
+    a convolution's halo."""
+    n = cp_length(cp, row_len)
+    if n % (2 * cp):
+        raise LayoutError(f"--cp {cp}: rows of {row_len} tokens do not cut into 2 x cp = "
+                          f"{2 * cp} chunks (the sequence length must be a multiple of "
+                          f"{2 * cp})")
+    chunk = n // (2 * cp)
+    for name in ("mamba", "gdn"):
+        section = getattr(cfg, name, None)
+        if section is not None and chunk < section.d_conv - 1:
+            raise LayoutError(f"--cp {cp}: chunks of {chunk} tokens are shorter than the "
+                              f"{name} convolution's halo of {section.d_conv - 1}")
 
 
 def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -362,11 +376,13 @@ def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]
         raise ValueError("under context parallelism the model computes the loss (give labels); "
                          "its logits would be this rank's chunks only")
     doc = kwargs.get("doc_ids")
-    b, t = ids.shape
-    if t % (2 * cp.size):
-        raise LayoutError(f"--cp {cp.size}: the sequence length {t} must divide into "
-                          f"2 x cp = {2 * cp.size} chunks")
+    check_cp_length(model.config, cp.size, ids.shape[1])
     targets = shift_labels(labels if doc is None else mask_doc_boundaries(labels, doc))
+    t = cp_length(cp.size, ids.shape[1])
+    if t < ids.shape[1]:  # the last token is only a target: not an input of anything
+        ids, targets = ids[:, :t], targets[:, :t]
+        doc = None if doc is None else doc[:, :t]
+    b = ids.shape[0]
     idx = local_index(t, cp.size, cp.rank, ids.device)
     cp.T = t
     cp.doc_BT = doc

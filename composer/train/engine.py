@@ -230,7 +230,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         cfg, tensors = _model_config(recipe)
     pc = ParallelConfig(tp=recipe.tp, ep=recipe.ep, dp=recipe.dp, dp_mode=recipe.dp_mode,
                         sequence_parallel=recipe.sequence_parallel, ac=recipe.ac,
-                        compile=recipe.compile, pp=recipe.pp)
+                        compile=recipe.compile, pp=recipe.pp, cp=recipe.cp)
     try:
         dims = build_parallel_dims(pc, recipe.device)
     except LayoutError as exc:
@@ -248,6 +248,10 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         _, schedule = check_pipeline(cfg, dims.pp, recipe.pp_schedule,
                                      recipe.global_batch_size // (micro * dims.dp))
     batches, valid, seq_len = open_data(recipe, cfg)
+    if dims.cp > 1:
+        from composer.parallel.context import check_cp_length
+
+        check_cp_length(cfg, dims.cp, seq_len)
     if recipe.eval_every and valid is None:
         raise ConfigError("--eval-every needs validation data: an indexed dataset (--data) "
                           "with a valid share in --split, e.g. --split 98,2,0")

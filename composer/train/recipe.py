@@ -67,6 +67,7 @@ class Recipe:
     sequence_parallel: bool = True
     pp: int = 1
     pp_schedule: str | None = None
+    cp: int = 1
     compile: bool = False
     save: str | None = None
     save_every: int = 0
@@ -218,6 +219,7 @@ HELP = {
     "dp_mode": "FSDP2 sharding (default) or replication",
     "pp": "pipeline-parallel size: the pattern's '|' segments, or balanced stages",
     "pp_schedule": "gpipe, 1f1b (default) or interleaved-1f1b (default with virtual stages)",
+    "cp": "context-parallel size: each sequence split into 2 x cp chunks over cp ranks",
     "compile": "torch.compile every layer",
     "save": "the run folder for checkpoints (resumes from it when it has one)",
     "save_every": "save every N steps (default: only at the end)",
