@@ -41,7 +41,11 @@ training loop a cp rank is a data-parallel rank that holds the rows' loss. A row
 is only a target, so the loss is the same, and only the MoE load statistics (which count
 every input token at cp = 1) see the difference.
 
-Not built yet: multi-latent attention (``+``) and multi-token prediction under cp,
+- **Multi-latent attention** (``+``): the same, with the normalised latents and RoPE keys
+  all-gathered (``C + R`` numbers a token instead of ``2 K E``) and expanded into per-head
+  keys and values on every rank.
+
+Not built yet: multi-token prediction under cp,
 ``--cp`` with ``--pp`` or ``--ep``, adaptive cp; each is refused with one line.
 
 Legend: B batch, T global time, L chunk length, H heads, K kv heads, E head width, X channels.
@@ -151,28 +155,62 @@ def cp_attention_forward(self: nn.Module, x_BTD: torch.Tensor, *,
                          doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """:class:`composer.blocks.attention.Attention` over the whole rows (module docstring)."""
     from composer.blocks.attention import apply_rope, rope_cos_sin_at
-    from composer.kernels import sdpa_context
 
     cp: CPContext = self.cp
-    L = cp.L
     q_BHTE, k_BKTE, v_BKTE, gate_BTX = self._project(x_BTD)
     if self.rope:
         cos, sin = rope_cos_sin_at(cp.pos_BT, self.inv_freq, q_BHTE.dtype)
         q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
     k_all, v_all = gather_chunks(k_BKTE, cp, 2), gather_chunks(v_BKTE, cp, 2)
+    return self._output(chunk_attention(q_BHTE, k_all, v_all, cp, self.scale), gate_BTX)
+
+
+def chunk_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
+                    cp: CPContext, scale: float) -> torch.Tensor:
+    """This rank's queries (its two chunks) against every key of the rows: chunk ``c`` sees
+    keys ``[0, (c + 1) L)`` under the causal mask of global positions, and its own document's
+    only when the rows are packed."""
+    from composer.kernels import sdpa_context
+
+    L = cp.L
     outs = []
     for slot, c in enumerate(cp.chunks):
         q = q_BHTE[:, :, slot * L:(slot + 1) * L]
         end = (c + 1) * L
         mask = torch.ones(L, end, dtype=torch.bool, device=q.device).tril_(c * L)
-        if cp.seg_BT is not None:  # and within the query's document
+        if cp.seg_BT is not None:
             seg_q, seg_k = cp.seg_BT[:, c * L:end], cp.seg_BT[:, :end]
             mask = (mask & (seg_q[:, :, None] == seg_k[:, None, :]))[:, None]
         with sdpa_context(q):
             outs.append(F.scaled_dot_product_attention(
-                q, k_all[:, :, :end], v_all[:, :, :end], attn_mask=mask, scale=self.scale,
-                enable_gqa=q.shape[1] != k_all.shape[1]))
-    return self._output(torch.cat(outs, dim=2), gate_BTX)
+                q, k_BKSE[:, :, :end], v_BKSE[:, :, :end], attn_mask=mask, scale=scale,
+                enable_gqa=q.shape[1] != k_BKSE.shape[1]))
+    return torch.cat(outs, dim=2)
+
+
+def cp_mla_forward(self: nn.Module, x_BTD: torch.Tensor, *,
+                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """:class:`composer.blocks.mla.MLA` over the whole rows: the normalised
+    latents and RoPE keys (``C + R`` numbers a token) are all-gathered, and every rank expands
+    them into per-head keys and values (module docstring)."""
+    from composer.blocks.attention import apply_rope, rope_cos_sin_at
+
+    cp: CPContext = self.cp
+    self._check_length(cp.T)
+    b, t, _ = x_BTD.shape
+    qn_BHTN, qr_BHTR, c_BTC, kr_BTR = self._project(x_BTD)
+    cos, sin = rope_cos_sin_at(cp.pos_BT, self.inv_freq, qn_BHTN.dtype)
+    cos, sin = self._gain(cos), self._gain(sin)
+    qr_BHTR = apply_rope(qr_BHTR, cos, sin)
+    kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
+    c_BSC, kr_B1SR = gather_chunks(c_BTC, cp, 1), gather_chunks(kr_B1TR, cp, 2)
+    h, S = qn_BHTN.shape[1], c_BSC.shape[1]
+    kv = self.kv_b_proj(c_BSC).view(b, S, -1, self.d_nope + self.d_v)
+    kn_BHSN, v_BHSV = kv.transpose(1, 2).split([self.d_nope, self.d_v], dim=-1)
+    q_BHTQ = torch.cat([qn_BHTN, qr_BHTR], dim=-1)
+    k_BHSQ = torch.cat([kn_BHSN, kr_B1SR.expand(-1, h, -1, -1)], dim=-1)
+    o_BHTV = chunk_attention(q_BHTQ, k_BHSQ, v_BHSV, cp, self.scale)
+    return self.o_proj(o_BHTV.transpose(1, 2).reshape(b, t, -1))
 
 
 # ---------------------------------------------------------------- recurrences
@@ -321,9 +359,10 @@ def _forwards() -> dict[type, Any]:
     from composer.blocks.attention import Attention
     from composer.blocks.gdn import GatedDeltaNet
     from composer.blocks.mamba2 import Mamba2Mixer
+    from composer.blocks.mla import MLA
 
     return {Attention: cp_attention_forward, Mamba2Mixer: cp_mamba_forward,
-            GatedDeltaNet: cp_gdn_forward}
+            GatedDeltaNet: cp_gdn_forward, MLA: cp_mla_forward}
 
 
 def check_cp(model: nn.Module, cp: int) -> None:

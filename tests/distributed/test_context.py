@@ -1,9 +1,10 @@
 """Context parallelism (composer.parallel.context) on gloo ranks equals one process: the eval
 loss, every gradient and three AdamW steps (fp64, 1e-10) of a hybrid with every sequence-mixing
 kind (Mamba-2, attention, gated delta net) and a MoE layer with its load-balancing loss, at
-cp=2, cp=4, cp=2 x tp=2 and cp=2 x dp=2; the training engine (fp32, 1e-5) at cp=2 on synthetic
-rows and on packed documents, isolated, that cross the ranks' chunks; the chunk layout; peak
-memory per rank at 8192 tokens; bad layouts, refused in one line."""
+cp=2, cp=4, cp=2 x tp=2 and cp=2 x dp=2, and of multi-latent attention at cp=2; isolated
+documents that cross the ranks' chunks (fp64); the training engine (fp32, 1e-5) at cp=2 on
+synthetic rows and on packed documents; the chunk layout; peak memory per rank at 8192
+tokens; bad layouts, refused in one line."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
 from composer.specs.builder import build_model
 from composer.testing import layout_case, train_case
+from tests.distributed.test_mla_tp import mla_cfg
 from tests.distributed.test_pipeline import (
     BASE,
     MODEL,
@@ -36,12 +38,18 @@ PATTERN = "M*-EG-"
 CFG = cfg_dict(PATTERN, {**SIZES, **GDN})  # the load-balancing loss on: statistics are global
 DATA = {16: np.random.default_rng(0).integers(0, 61, (8, 16)),
         24: np.random.default_rng(1).integers(0, 61, (8, 24))}
+MLA_CFG = mla_cfg(8).validate().to_dict()  # multi-latent attention, YaRN RoPE, a MoE layer
 LAYOUTS = {"cp2": ({"cp": 2}, 16, 2), "cp4": ({"cp": 4}, 24, 4),
-           "cp2-tp2": ({"cp": 2, "tp": 2}, 16, 4), "cp2-dp2": ({"cp": 2, "dp": 2}, 16, 4)}
+           "cp2-tp2": ({"cp": 2, "tp": 2}, 16, 4), "cp2-dp2": ({"cp": 2, "dp": 2}, 16, 4),
+           "cp2-mla": ({"cp": 2}, 16, 2)}
+
+
+def _cfg(name: str) -> dict:
+    return MLA_CFG if name.endswith("mla") else CFG
 
 
 def layouts_in_ranks(names: list[str]) -> dict:
-    return {name: layout_case(LAYOUTS[name][0], CFG, DATA[LAYOUTS[name][1]], fp64=True)
+    return {name: layout_case(LAYOUTS[name][0], _cfg(name), DATA[LAYOUTS[name][1]], fp64=True)
             for name in names}
 
 
@@ -56,7 +64,7 @@ def layouts():
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_one_process_fp64(layouts, name: str) -> None:
-    ref = layout_case({}, CFG, DATA[LAYOUTS[name][1]], fp64=True)
+    ref = layout_case({}, _cfg(name), DATA[LAYOUTS[name][1]], fp64=True)
     got = layouts[name]
     assert abs(got["eval"] - ref["eval"]) < 1e-10
     assert set(got["grads"]) == set(ref["grads"])
