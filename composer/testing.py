@@ -88,7 +88,7 @@ def _backward(model: torch.nn.Module, dims, ids: torch.Tensor, global_rows: int)
         pipeline.configure("interleaved-1f1b" if len(pipeline.groups) > dims.pp else "1f1b",
                            dims.pp)
     n_global = global_rows * (ids.shape[1] - 1)
-    ce, aux, mtp = pipeline.train_step(ids, None, dims.dp / n_global)
+    ce, aux, mtp = pipeline.train_step(ids, None, dims.grad_replicas / n_global)
     finish_grads(model, dims)
     pipeline.sync_tied()
     total = torch.stack([ce, aux + mtp]).to(torch.float64)

@@ -45,8 +45,12 @@ every input token at cp = 1) see the difference.
   all-gathered (``C + R`` numbers a token instead of ``2 K E``) and expanded into per-head
   keys and values on every rank.
 
-Not built yet: multi-token prediction under cp,
-``--cp`` with ``--pp`` or ``--ep``, adaptive cp; each is refused with one line.
+With pipeline parallelism the pipeline cuts the rows (:class:`composer.parallel.pipeline.
+Pipeline`), the stages carry the rows' doc ids and positions with each micro-batch, and the
+last stage's cross-entropy sums are summed over the cp group.
+
+Not built yet: multi-token prediction under cp, ``--cp`` with ``--ep``, adaptive cp; each is
+refused with one line.
 
 Legend: B batch, T global time, L chunk length, H heads, K kv heads, E head width, X channels.
 """
@@ -106,6 +110,14 @@ class CPContext:
     @property
     def L(self) -> int:
         return self.T // (2 * self.size)
+
+    def set_rows(self, t: int, pos_BT: torch.Tensor, doc_BT: torch.Tensor | None) -> None:
+        """The rows about to run: their length, the local tokens' RoPE positions and the rows'
+        doc ids (or None)."""
+        from composer.kernels.docs import doc_segments
+
+        self.T, self.pos_BT, self.doc_BT = t, pos_BT, doc_BT
+        self.seg_BT = None if doc_BT is None else doc_segments(doc_BT)
 
     @property
     def chunks(self) -> tuple[int, int]:
@@ -404,37 +416,57 @@ def check_cp_length(cfg: Any, cp: int, row_len: int) -> None:
                               f"{name} convolution's halo of {section.d_conv - 1}")
 
 
-def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    from composer.blocks.model import mask_doc_boundaries, shift_labels
-    from composer.kernels.docs import doc_positions, doc_segments
+@dataclass
+class CutRows:
+    """Rows cut for this rank (:func:`cut_rows`)."""
 
+    ids: torch.Tensor
+    targets: torch.Tensor
+    doc_ids: torch.Tensor | None
+    """This rank's tokens' doc ids (the mixers that are not cp-aware read them)."""
+    pos: torch.Tensor
+    rows_doc_ids: torch.Tensor | None
+    """The whole rows' (what the cp mixers read)."""
+    t: int
+    n_rows: torch.Tensor
+    """Predicted tokens of the whole rows."""
+    n_local: torch.Tensor
+
+
+def cut_rows(cp: CPContext, ids: torch.Tensor, labels: torch.Tensor,
+             doc: torch.Tensor | None, model_cfg: Any) -> CutRows:
+    """Shift the targets on the whole rows (masked at document starts), then keep this rank's
+    chunks of ids, targets and doc ids, and its tokens' RoPE positions."""
+    from composer.blocks.model import mask_doc_boundaries, shift_labels
+    from composer.kernels.docs import doc_positions
+
+    check_cp_length(model_cfg, cp.size, ids.shape[1])
+    targets = shift_labels(labels if doc is None else mask_doc_boundaries(labels, doc))
+    t = cp_length(cp.size, ids.shape[1])
+    if t < ids.shape[1]:  # the last token is only a target: not an input of anything
+        ids, targets = ids[:, :t], targets[:, :t]
+        doc = None if doc is None else doc[:, :t]
+    idx = local_index(t, cp.size, cp.rank, ids.device)
+    pos = idx.expand(ids.shape[0], -1) if doc is None else doc_positions(doc)[:, idx]
+    local_targets = targets[:, idx]
+    return CutRows(ids[:, idx], local_targets, None if doc is None else doc[:, idx], pos, doc, t,
+                   (targets != IGNORE_INDEX).sum(), (local_targets != IGNORE_INDEX).sum())
+
+
+def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     cp: CPContext = model.cp
     ids = args[0] if args else kwargs.pop("input_ids")
     labels = args[1] if len(args) > 1 else kwargs.pop("labels", None)
     if labels is None:
         raise ValueError("under context parallelism the model computes the loss (give labels); "
                          "its logits would be this rank's chunks only")
-    doc = kwargs.get("doc_ids")
-    check_cp_length(model.config, cp.size, ids.shape[1])
-    targets = shift_labels(labels if doc is None else mask_doc_boundaries(labels, doc))
-    t = cp_length(cp.size, ids.shape[1])
-    if t < ids.shape[1]:  # the last token is only a target: not an input of anything
-        ids, targets = ids[:, :t], targets[:, :t]
-        doc = None if doc is None else doc[:, :t]
-    b = ids.shape[0]
-    idx = local_index(t, cp.size, cp.rank, ids.device)
-    cp.T = t
-    cp.doc_BT = doc
-    cp.seg_BT = None if doc is None else doc_segments(doc)
-    pos = idx.expand(b, -1) if doc is None else doc_positions(doc)[:, idx]
-    cp.pos_BT = pos
-    local_targets = targets[:, idx]
-    cp.n_rows = (targets != IGNORE_INDEX).sum()
-    cp.n_local = (local_targets != IGNORE_INDEX).sum()
-    kwargs = {**kwargs, "targets": local_targets}
-    if doc is not None:
-        kwargs["doc_ids"] = doc[:, idx]
-    return (ids[:, idx],), kwargs
+    rows = cut_rows(cp, ids, labels, kwargs.get("doc_ids"), model.config)
+    cp.set_rows(rows.t, rows.pos, rows.rows_doc_ids)
+    cp.n_rows, cp.n_local = rows.n_rows, rows.n_local
+    kwargs = {**kwargs, "targets": rows.targets}
+    if rows.doc_ids is not None:
+        kwargs["doc_ids"] = rows.doc_ids
+    return (rows.ids,), kwargs
 
 
 def _post_hook(model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -453,10 +485,9 @@ def _post_hook(model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
 
 def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
     """Swap every sequence-mixing layer for its context-parallel form (same parameters and
-    keys) and make the model cut its rows (module docstring). On the meta device, before data
-    parallelism wraps the layers."""
-    if dims.pp > 1:
-        raise LayoutError("--cp with --pp is not built yet")
+    keys) and make the model cut its rows (module docstring); under pipeline parallelism the
+    pipeline cuts them (``model.cp`` tells it). On the meta device, before data parallelism
+    wraps the layers."""
     check_cp(model, dims.cp)
     mesh = dims.cp_mesh
     cp = CPContext(group=mesh.get_group(), size=dims.cp, rank=mesh.get_local_rank())
@@ -468,8 +499,9 @@ def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
             mixer.__class__ = _cp_class(type(mixer), fwd)
             mixer.cp = cp
     model.cp = cp
-    model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
-    model.register_forward_hook(_post_hook, with_kwargs=True)
+    if dims.pp == 1:
+        model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+        model.register_forward_hook(_post_hook, with_kwargs=True)
 
 
 def is_context_parallel(model: nn.Module) -> bool:

@@ -129,13 +129,23 @@ class StageView(nn.Module):
         self.mtp_aux_log: list[torch.Tensor] = []
         self.tp: Any = None
         """The tensor-parallel context (set once the layout is applied)."""
+        self.cp: Any = None
+        """The context-parallel one (:class:`composer.parallel.context.CPContext`), or None."""
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if self.tp is not None and not self.first and labels is not None:
+                doc_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                cp_doc: torch.Tensor | None = None,
+                cp_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """``targets`` (shifted, instead of ``labels``), ``cp_doc`` (the whole rows' doc ids)
+        and ``cp_pos`` (the local tokens' RoPE positions): context parallelism's cut rows
+        (:mod:`composer.parallel.context`), which reach every stage with each micro-batch."""
+        given = labels if labels is not None else targets
+        if self.cp is not None and cp_pos is not None:
+            self.cp.set_rows(cp_pos.shape[1] * self.cp.size, cp_pos, cp_doc)
+        if self.tp is not None and not self.first and given is not None:
             # The embedding decides sequence parallelism on the first stage; later stages get
             # its sequence-sharded hidden states and must know (the readout gathers them).
-            self.tp.last_sp = self.tp.sp_active(labels.shape[1])
+            self.tp.last_sp = self.tp.sp_active(given.shape[1])
         if self.first:
             x = self._embed_tokens(x)
         aux_total = None
@@ -148,13 +158,17 @@ class StageView(nn.Module):
                 aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
         if aux_total is not None:
             self.aux_log.append(aux_total.double())
-        if not self.last or labels is None:
+        if not self.last or given is None:
             return x
         weight = self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
         h = self.final_norm(x)
-        main = labels if doc_ids is None else mask_doc_boundaries(labels, doc_ids)
-        ce, _ = self.readout(h, weight, main)
-        n = (shift_labels(main) != IGNORE_INDEX).sum()
+        if targets is not None:
+            ce, _ = self.readout(h, weight, None, targets_BT=targets)
+            n = (targets != IGNORE_INDEX).sum()
+        else:
+            main = labels if doc_ids is None else mask_doc_boundaries(labels, doc_ids)
+            ce, _ = self.readout(h, weight, main)
+            n = (shift_labels(main) != IGNORE_INDEX).sum()
         ce = torch.where(n > 0, ce, torch.zeros_like(ce))  # no target: a NaN mean
         self.ce_log.append(ce.detach().double() * n)
         loss = ce * (n.to(ce.dtype) * self.loss_scale)
@@ -197,6 +211,25 @@ class Pipeline:
     def _attach_tp(self) -> None:
         for view in self.views:
             view.tp = self.dims.tp_context
+            view.cp = getattr(self.model, "cp", None)
+
+    def _cut(self, ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None
+             ) -> tuple[torch.Tensor, dict, Any]:
+        """The first stage's input and every stage's keyword arguments for the rows: the ids
+        and (unshifted) labels, or under context parallelism this rank's cut of them."""
+        cp = getattr(self.model, "cp", None)
+        if cp is None:
+            kwargs = {"labels": ids_BT}  # the last stage masks document boundaries
+            if doc_ids_BT is not None:
+                kwargs["doc_ids"] = doc_ids_BT
+            return ids_BT, kwargs, None
+        from composer.parallel.context import cut_rows
+
+        rows = cut_rows(cp, ids_BT, ids_BT, doc_ids_BT, self.model.config)
+        kwargs = {"targets": rows.targets, "cp_pos": rows.pos.contiguous()}
+        if doc_ids_BT is not None:
+            kwargs |= {"doc_ids": rows.doc_ids, "cp_doc": rows.rows_doc_ids}
+        return rows.ids, kwargs, rows
 
     def configure(self, schedule: str, n_micro: int) -> None:
         """The schedule and the micro-batches per step (the engine's, checked by
@@ -238,7 +271,8 @@ class Pipeline:
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of this rank's rows (``n_micro`` micro-batches of them) through
         the pipeline; returns the summed token cross-entropy (on the last stage; 0 elsewhere)
-        and the mean aux loss of this rank's stages. ``scale`` is ``dp / N``."""
+        and the mean aux loss of this rank's stages. ``scale`` is ``dp x cp / N`` (the ranks data
+        parallelism averages over, by the rows' predicted tokens)."""
         if self._schedule is None or self._shape != tuple(ids_BT.shape):
             # the stages learn the shapes they exchange on their first step: a new batch shape
             # needs a new schedule
@@ -250,12 +284,9 @@ class Pipeline:
             view.ce_log.clear()
             view.mtp_log.clear()
             view.mtp_aux_log.clear()
-        labels = ids_BT  # the last stage masks document boundaries (doc_ids reach every stage)
-        kwargs = {"labels": labels}
-        if doc_ids_BT is not None:
-            kwargs["doc_ids"] = doc_ids_BT
-        args = (ids_BT,) if self.has_first else ()
-        target = labels if self.has_last else None
+        x_BT, kwargs, _ = self._cut(ids_BT, doc_ids_BT)  # doc_ids reach every stage
+        args = (x_BT,) if self.has_first else ()
+        target = x_BT if self.has_last else None  # unused (the last stage computes the loss)
         self._schedule.step(*args, target=target, return_outputs=False, **kwargs)
         device = self.dims.device
         # the last n_micro entries: the schedule's first step also runs each stage once on
@@ -266,6 +297,9 @@ class Pipeline:
         aux_terms = [a for v in self.views for a in v.aux_log[-k:] + v.mtp_aux_log[-k:]]
         zero = torch.zeros((), dtype=torch.float64, device=device)
         ce = torch.stack(ce_terms).sum() if ce_terms else zero
+        cp = getattr(self.model, "cp", None)
+        if cp is not None and self.has_last:  # the rows' sum, as without pipelining
+            dist.all_reduce(ce, group=cp.group)
         aux = torch.stack(aux_terms).sum() / self.n_micro if aux_terms else zero
         mtp = torch.stack(mtp_terms).sum() / self.n_micro if mtp_terms else zero
         self.reshard()
@@ -306,24 +340,30 @@ class Pipeline:
         pp = self.dims.pp
         self._attach_tp()
         x = None
-        labels = ids_BT if doc_ids_BT is None else mask_doc_boundaries(ids_BT, doc_ids_BT)
+        first_in, kwargs, rows = self._cut(ids_BT, doc_ids_BT)
         out = torch.zeros(2, dtype=torch.float64, device=self.dims.device)
         for s in range(self.n_stages):
             if s % pp != self.dims.pp_rank():
                 continue
             view = self.views[self.stage_ids.index(s)]
             if s == 0:
-                x = ids_BT
+                x = first_in
             else:
                 x = _recv(dist.get_global_rank(group, (s - 1) % pp), group, self.dims.device)
             view.aux_log.clear()
             view.loss_scale, view.aux_scale = 1.0, 0.0  # the main cross-entropy only
-            x = view(x, ids_BT, doc_ids_BT)
+            x = view(x, **kwargs)
             out[1] += sum(view.aux_log) if view.aux_log else 0.0
             if s + 1 < self.n_stages:
                 _send(x, dist.get_global_rank(group, (s + 1) % pp), group)
         if self.has_last:
-            n = (shift_labels(labels) != IGNORE_INDEX).sum()
+            if rows is None:
+                labels = ids_BT if doc_ids_BT is None else mask_doc_boundaries(ids_BT, doc_ids_BT)
+                n = (shift_labels(labels) != IGNORE_INDEX).sum()
+            else:  # this rank's tokens' sum, over the cp group: the rows'
+                n = rows.n_rows
+                x = x.detach().clone()
+                dist.all_reduce(x, group=self.model.cp.group)
             out[0] = x.double() / n.clamp(min=1)
         dist.all_reduce(out, group=group)  # the loss from the last stage, aux from all
         self.reshard()

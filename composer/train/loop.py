@@ -172,7 +172,8 @@ def accumulate(run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
     if pipeline is not None:  # the schedule runs the micro-batches (composer.parallel.pipeline)
         ids, docs = _tensors(run, micro)
         with _autocast(run):
-            ce_sum, aux, mtp = pipeline.train_step(ids, docs, dims.dp / float(n_global))
+            ce_sum, aux, mtp = pipeline.train_step(ids, docs,
+                                                   dims.grad_replicas / float(n_global))
         return ce_sum, aux, mtp, sum(counts)
     ce_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
     aux_sum = torch.zeros((), dtype=torch.float64, device=dims.device)

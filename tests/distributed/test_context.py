@@ -1,10 +1,11 @@
 """Context parallelism (composer.parallel.context) on gloo ranks equals one process: the eval
 loss, every gradient and three AdamW steps (fp64, 1e-10) of a hybrid with every sequence-mixing
 kind (Mamba-2, attention, gated delta net) and a MoE layer with its load-balancing loss, at
-cp=2, cp=4, cp=2 x tp=2 and cp=2 x dp=2, and of multi-latent attention at cp=2; isolated
-documents that cross the ranks' chunks (fp64); the training engine (fp32, 1e-5) at cp=2 on
-synthetic rows and on packed documents; the chunk layout; peak memory per rank at 8192
-tokens; bad layouts, refused in one line."""
+cp=2, cp=4, cp=2 x tp=2, cp=2 x dp=2 and cp=2 x pp=2 (no load-balancing loss there), and of
+multi-latent attention at cp=2; isolated documents that cross the ranks' chunks (fp64); the
+training engine (fp32, 1e-5) at cp=2 and cp=2 x pp=2 on synthetic rows and on packed
+documents; the chunk layout; peak memory per rank at 8192 tokens; bad layouts, refused in one
+line."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ from tests.distributed.test_mla_tp import mla_cfg
 from tests.distributed.test_pipeline import (
     BASE,
     MODEL,
+    NO_AUX,
     SIZES,
     _engine,
+    _merged,
     cfg_dict,
     isolated,
     write_dataset,
@@ -41,16 +44,24 @@ DATA = {16: np.random.default_rng(0).integers(0, 61, (8, 16)),
 MLA_CFG = mla_cfg(8).validate().to_dict()  # multi-latent attention, YaRN RoPE, a MoE layer
 LAYOUTS = {"cp2": ({"cp": 2}, 16, 2), "cp4": ({"cp": 4}, 24, 4),
            "cp2-tp2": ({"cp": 2, "tp": 2}, 16, 4), "cp2-dp2": ({"cp": 2, "dp": 2}, 16, 4),
-           "cp2-mla": ({"cp": 2}, 16, 2)}
+           "cp2-pp2": ({"cp": 2, "pp": 2}, 16, 4), "cp2-mla": ({"cp": 2}, 16, 2)}
+
+
+NO_AUX_CFG = cfg_dict(PATTERN, {**NO_AUX, **GDN})
+"""The pipeline's load-balancing statistics are per micro-batch (test_pipeline.py): pp cases run
+without them."""
 
 
 def _cfg(name: str) -> dict:
-    return MLA_CFG if name.endswith("mla") else CFG
+    return MLA_CFG if name.endswith("mla") else NO_AUX_CFG if "pp" in name else CFG
 
 
 def layouts_in_ranks(names: list[str]) -> dict:
-    return {name: layout_case(LAYOUTS[name][0], _cfg(name), DATA[LAYOUTS[name][1]], fp64=True)
-            for name in names}
+    out = {}
+    for name in names:
+        got = layout_case(LAYOUTS[name][0], _cfg(name), DATA[LAYOUTS[name][1]], fp64=True)
+        out[name] = _merged(got) if "pp" in name else got
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -86,22 +97,27 @@ def engine_cases(tmp: str) -> dict:
             "isolated": {**BASE, **isolated(tmp), "model": NO_AUX_MODEL}}
 
 
-def engine_in_ranks(tmp: str) -> dict:
-    return {name: _engine({**values, "cp": 2}) for name, values in engine_cases(tmp).items()}
+ENGINE_LAYOUTS = {"cp2": ({"cp": 2}, 2), "cp2-pp2": ({"cp": 2, "pp": 2}, 4)}
+
+
+def engine_in_ranks(tmp: str, layout: dict) -> dict:
+    return {name: _engine({**values, **layout}) for name, values in engine_cases(tmp).items()}
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp")
     write_dataset(f"{tmp}/docs")
-    return str(tmp), run_distributed(engine_in_ranks, 2, str(tmp))[0]
+    return str(tmp), {name: run_distributed(engine_in_ranks, world, str(tmp), layout)[0]
+                      for name, (layout, world) in ENGINE_LAYOUTS.items()}
 
 
+@pytest.mark.parametrize("layout", list(ENGINE_LAYOUTS))
 @pytest.mark.parametrize("name", ["synthetic", "isolated"])
-def test_engine_equals_one_process(engine, name: str) -> None:
+def test_engine_equals_one_process(engine, layout: str, name: str) -> None:
     tmp, got = engine
     ref = train_case(engine_cases(tmp)[name])
-    got = got[name]
+    got = got[layout][name]
     assert np.allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
     assert np.allclose(got["norms"], [r["grad_norm"] for r in ref["rows"]], rtol=1e-5)
     for k, p in ref["params"].items():
