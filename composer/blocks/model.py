@@ -190,17 +190,22 @@ class HybridModel(nn.Module):
 
         ``targets`` instead of ``labels``: each position's next-token target, already shifted
         and masked at document boundaries (context parallelism gives each rank chunks of the
-        sequence, so a chunk's last target is the first token of another rank's chunk). Not
-        with multi-token prediction, whose shifted inputs need the labels."""
+        sequence, so a chunk's last target is the first token of another rank's chunk). Multi-
+        token prediction, whose shifted inputs need the whole rows, then needs an MTP module
+        that reads them elsewhere (``takes_targets``: context parallelism's)."""
         if targets is not None:
-            if labels is not None or self.mtp is not None:
-                raise ValueError("targets replace labels, and cannot drive multi-token "
-                                 "prediction")
+            if labels is not None:
+                raise ValueError("give labels or targets, not both")
+            if self.mtp is not None and not getattr(self.mtp, "takes_targets", False):
+                raise ValueError("targets cannot drive multi-token prediction (it shifts the "
+                                 "labels itself); give labels")
             h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids)
             loss, logits = self.readout(h_BTD, self.output_weight(), None, return_logits,
                                         targets_BT=targets)
+            mtp, mtp_losses = self.mtp_loss(h_BTD, input_ids, None, doc_ids=doc_ids)
             aux = self.aux_loss(loss)
-            return ModelOutput(loss=loss + aux, logits=logits, aux_loss=aux)
+            return ModelOutput(loss=loss + aux + mtp, logits=logits, aux_loss=aux,
+                               mtp_loss=mtp, mtp_losses=mtp_losses)
         if doc_ids is not None:
             if doc_ids.shape != input_ids.shape or doc_ids.is_floating_point():
                 raise ValueError(f"doc_ids must be integers shaped like input_ids "
@@ -217,7 +222,8 @@ class HybridModel(nn.Module):
         return ModelOutput(loss=loss + aux + mtp, logits=logits, aux_loss=aux, mtp_loss=mtp,
                            mtp_losses=mtp_losses)
 
-    def mtp_loss(self, h_BTD: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, *,
+    def mtp_loss(self, h_BTD: torch.Tensor, input_ids: torch.Tensor,
+                 labels: torch.Tensor | None, *,
                  doc_ids: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The weighted MTP term and each depth's cross-entropy from the trunk's normalised

@@ -142,9 +142,7 @@ class MultiTokenPrediction(nn.ModuleList):
             if n == 0:
                 losses.append(total.new_full((), float("nan")))
                 continue
-            # the readout shifts its labels by one: hand it y_k one position later
-            ce, _ = readout(g_BTD, weight_VD, F.pad(target_BT[:, :-1], (1, 0),
-                                                    value=IGNORE_INDEX))
+            ce, _ = readout(g_BTD, weight_VD, None, targets_BT=target_BT)
             total = total + ce
             losses.append(ce.detach())
         return total * (self.loss_weight / len(self)), tuple(losses)

@@ -49,8 +49,11 @@ With pipeline parallelism the pipeline cuts the rows (:class:`composer.parallel.
 Pipeline`), the stages carry the rows' doc ids and positions with each micro-batch, and the
 last stage's cross-entropy sums are summed over the cp group.
 
-Not built yet: multi-token prediction under cp, ``--cp`` with ``--ep``, adaptive cp; each is
-refused with one line.
+Multi-token prediction: each depth's shifted inputs and targets are taken from the whole rows
+(every cp rank reads them) at the rank's positions, so nothing is lost at chunk boundaries;
+its layers are cut like the trunk's, and each depth's loss is the rows' mean.
+
+Not built yet: ``--cp`` with ``--ep``, adaptive cp; each is refused with one line.
 
 Legend: B batch, T global time, L chunk length, H heads, K kv heads, E head width, X channels.
 """
@@ -102,7 +105,10 @@ class CPContext:
     seg_BT: torch.Tensor | None = None
     """The whole rows' document segments (:func:`composer.kernels.docs.doc_segments`), or None."""
     doc_BT: torch.Tensor | None = None
-    """The whole rows' doc ids, or None."""
+    """The whole rows' doc ids (cut to ``T``), or None."""
+    rows_doc: torch.Tensor | None = None
+    rows_ids: torch.Tensor | None = None
+    """The uncut rows (multi-token prediction's shifted inputs and targets)."""
     n_local: torch.Tensor | None = None
     n_rows: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
@@ -111,13 +117,17 @@ class CPContext:
     def L(self) -> int:
         return self.T // (2 * self.size)
 
-    def set_rows(self, t: int, pos_BT: torch.Tensor, doc_BT: torch.Tensor | None) -> None:
-        """The rows about to run: their length, the local tokens' RoPE positions and the rows'
-        doc ids (or None)."""
+    def set_rows(self, t: int, pos_BT: torch.Tensor, doc_BT: torch.Tensor | None,
+                 ids_BT: torch.Tensor | None = None) -> None:
+        """The rows about to run: the length cut (``t``), the local tokens' RoPE positions, the
+        whole rows' doc ids (or None) and, for multi-token prediction, ids (uncut: a row of
+        ``t + 1`` keeps its last token, a target)."""
         from composer.kernels.docs import doc_segments
 
-        self.T, self.pos_BT, self.doc_BT = t, pos_BT, doc_BT
-        self.seg_BT = None if doc_BT is None else doc_segments(doc_BT)
+        self.T, self.pos_BT, self.rows_ids = t, pos_BT, ids_BT
+        self.rows_doc = doc_BT
+        self.doc_BT = None if doc_BT is None else doc_BT[:, :t]
+        self.seg_BT = None if doc_BT is None else doc_segments(self.doc_BT)
 
     @property
     def chunks(self) -> tuple[int, int]:
@@ -353,6 +363,42 @@ def cp_gdn_forward(self: nn.Module, x_BTD: torch.Tensor, *,
     return self.finish(o_RLHV.reshape(b, T, H, V), x_BTD)
 
 
+# ---------------------------------------------------------------- multi-token prediction
+
+
+def cp_mtp_forward(self: nn.Module, g_BTD: torch.Tensor, input_ids: torch.Tensor | None,
+                   labels: torch.Tensor | None, *, embed: Any, readout: Any,
+                   weight_VD: torch.Tensor, doc_ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:class:`composer.blocks.mtp.MultiTokenPrediction` on this rank's chunks: each depth's
+    shifted ids, keep mask and targets come from the whole (uncut) rows, then this rank's
+    positions; each depth's loss is the rows' mean (:func:`rows_mean`). The ids are the labels
+    (the engine's convention)."""
+    from composer.blocks.mtp import depth_inputs, segments
+
+    cp: CPContext = self.cp
+    ids = cp.rows_ids
+    idx = local_index(cp.T, cp.size, cp.rank, ids.device)
+    seg_BT = segments(ids, cp.rows_doc)
+    inputs = [depth_inputs(ids, ids, seg_BT, k) for k in range(1, len(self) + 1)]
+    counts = torch.stack([(t[:, :cp.T] != IGNORE_INDEX).sum() for _, _, t in inputs])
+    totals = counts.tolist()  # one host sync for every depth, as without cp
+    total = g_BTD.new_zeros((), dtype=torch.promote_types(g_BTD.dtype, torch.float32))
+    losses = []
+    for depth, (ids_BT, keep_BT, target_BT), n_rows, n in zip(self, inputs, counts, totals,
+                                                              strict=True):
+        target_BT = target_BT[:, idx]
+        g_BTD = depth(g_BTD, embed(ids_BT[:, idx]), keep_BT[:, idx], doc_ids=doc_ids)
+        if n == 0:
+            losses.append(total.new_full((), float("nan")))
+            continue
+        ce, _ = readout(g_BTD, weight_VD, None, targets_BT=safe_targets(target_BT))
+        ce = rows_mean(ce, (target_BT != IGNORE_INDEX).sum(), n_rows, cp)
+        total = total + ce
+        losses.append(ce.detach())
+    return total * (self.loss_weight / len(self)), tuple(losses)
+
+
 # ---------------------------------------------------------------- the model
 
 
@@ -378,19 +424,17 @@ def _forwards() -> dict[type, Any]:
 
 
 def check_cp(model: nn.Module, cp: int) -> None:
-    """Refuse what context parallelism cannot run (one line): a layer kind it does not split,
-    or multi-token prediction."""
+    """Refuse what context parallelism cannot run (one line): a layer kind it does not split."""
     if cp == 1:
         return
+    from composer.blocks.model import named_layers
+
     forwards = _forwards()
-    if getattr(model, "mtp", None) is not None:
-        raise LayoutError("--cp: multi-token prediction (the pattern's '/' parts) is not built "
-                          "for context parallelism yet")
-    for key, layer in model.layers.items():
+    for key, layer in named_layers(model):
         mixer = layer.mixer
         if getattr(mixer, "stateless", False) or type(mixer) in forwards:
             continue
-        raise LayoutError(f"--cp: layer {key} ({getattr(layer, 'symbol', '?')!r}, "
+        raise LayoutError(f"--cp: {key} ({getattr(layer, 'symbol', '?')!r}, "
                           f"{type(mixer).__name__}) has no context-parallel form yet")
 
 
@@ -416,6 +460,26 @@ def check_cp_length(cfg: Any, cp: int, row_len: int) -> None:
                               f"{name} convolution's halo of {section.d_conv - 1}")
 
 
+def safe_targets(targets_BT: torch.Tensor) -> torch.Tensor:
+    """``targets`` with position ``(0, 0)`` made a real target when there is none at all: a
+    mean over no tokens is 0 / 0 (and so is its gradient); the caller multiplies the mean by
+    the true count, 0, so the substitute never counts. No host synchronisation."""
+    none = (targets_BT != IGNORE_INDEX).sum() == 0
+    out = targets_BT.clone()
+    out[0, 0] = torch.where(none, torch.zeros_like(out[0, 0]), out[0, 0])
+    return out
+
+
+def rows_mean(ce_local: torch.Tensor, n_local: torch.Tensor, n_rows: torch.Tensor,
+              cp: CPContext) -> torch.Tensor:
+    """The rows' mean from this rank's mean over its ``n_local`` tokens: the token sums added
+    over the cp group in the forward, the gradient ``cp`` times this rank's (module
+    docstring)."""
+    token_sum = ce_local * n_local.to(ce_local.dtype)
+    mean = AllReduceForward.apply(token_sum / n_rows.to(ce_local.dtype), cp.group)
+    return ScaleGrad.apply(mean, float(cp.size))
+
+
 @dataclass
 class CutRows:
     """Rows cut for this rank (:func:`cut_rows`)."""
@@ -426,7 +490,9 @@ class CutRows:
     """This rank's tokens' doc ids (the mixers that are not cp-aware read them)."""
     pos: torch.Tensor
     rows_doc_ids: torch.Tensor | None
-    """The whole rows' (what the cp mixers read)."""
+    """The whole rows' doc ids, uncut (what the cp mixers read, cut to ``t``)."""
+    rows_ids: torch.Tensor
+    """The whole rows' ids, uncut."""
     t: int
     n_rows: torch.Tensor
     """Predicted tokens of the whole rows."""
@@ -441,6 +507,7 @@ def cut_rows(cp: CPContext, ids: torch.Tensor, labels: torch.Tensor,
     from composer.kernels.docs import doc_positions
 
     check_cp_length(model_cfg, cp.size, ids.shape[1])
+    rows_ids, rows_doc = ids, doc
     targets = shift_labels(labels if doc is None else mask_doc_boundaries(labels, doc))
     t = cp_length(cp.size, ids.shape[1])
     if t < ids.shape[1]:  # the last token is only a target: not an input of anything
@@ -449,8 +516,9 @@ def cut_rows(cp: CPContext, ids: torch.Tensor, labels: torch.Tensor,
     idx = local_index(t, cp.size, cp.rank, ids.device)
     pos = idx.expand(ids.shape[0], -1) if doc is None else doc_positions(doc)[:, idx]
     local_targets = targets[:, idx]
-    return CutRows(ids[:, idx], local_targets, None if doc is None else doc[:, idx], pos, doc, t,
-                   (targets != IGNORE_INDEX).sum(), (local_targets != IGNORE_INDEX).sum())
+    n_local = (local_targets != IGNORE_INDEX).sum()
+    return CutRows(ids[:, idx], local_targets, None if doc is None else doc[:, idx], pos,
+                   rows_doc, rows_ids, t, (targets != IGNORE_INDEX).sum(), n_local)
 
 
 def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -460,10 +528,13 @@ def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]
     if labels is None:
         raise ValueError("under context parallelism the model computes the loss (give labels); "
                          "its logits would be this rank's chunks only")
+    if model.mtp is not None and labels is not ids and not torch.equal(labels, ids):
+        raise ValueError("under context parallelism multi-token prediction takes the ids as "
+                         "labels (as the training engine gives them)")
     rows = cut_rows(cp, ids, labels, kwargs.get("doc_ids"), model.config)
-    cp.set_rows(rows.t, rows.pos, rows.rows_doc_ids)
+    cp.set_rows(rows.t, rows.pos, rows.rows_doc_ids, rows.rows_ids)
     cp.n_rows, cp.n_local = rows.n_rows, rows.n_local
-    kwargs = {**kwargs, "targets": rows.targets}
+    kwargs = {**kwargs, "targets": safe_targets(rows.targets)}
     if rows.doc_ids is not None:
         kwargs["doc_ids"] = rows.doc_ids
     return (rows.ids,), kwargs
@@ -474,12 +545,7 @@ def _post_hook(model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
     the gradient ``N`` times this rank's)."""
     cp: CPContext = model.cp
     extra = out.aux_loss + out.mtp_loss
-    ce_local = out.loss - extra
-    n_local = cp.n_local.to(ce_local.dtype)
-    token_sum = torch.where(cp.n_local > 0, ce_local * n_local, torch.zeros_like(ce_local))
-    ce = ScaleGrad.apply(AllReduceForward.apply(token_sum / cp.n_rows.to(ce_local.dtype),
-                                                cp.group), float(cp.size))
-    out.loss = ce + extra
+    out.loss = rows_mean(out.loss - extra, cp.n_local, cp.n_rows, cp) + extra
     return out
 
 
@@ -488,16 +554,23 @@ def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
     keys) and make the model cut its rows (module docstring); under pipeline parallelism the
     pipeline cuts them (``model.cp`` tells it). On the meta device, before data parallelism
     wraps the layers."""
+    from composer.blocks.model import named_layers
+
     check_cp(model, dims.cp)
     mesh = dims.cp_mesh
     cp = CPContext(group=mesh.get_group(), size=dims.cp, rank=mesh.get_local_rank())
     forwards = _forwards()
-    for layer in model.layers.values():
+    for _, layer in named_layers(model):  # the MTP depths' layers too
         mixer = layer.mixer
         fwd = forwards.get(type(mixer))
         if fwd is not None:
             mixer.__class__ = _cp_class(type(mixer), fwd)
             mixer.cp = cp
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        mtp.__class__ = _cp_class(type(mtp), cp_mtp_forward)
+        mtp.takes_targets = True
+        mtp.cp = cp
     model.cp = cp
     if dims.pp == 1:
         model.register_forward_pre_hook(_pre_hook, with_kwargs=True)

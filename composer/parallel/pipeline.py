@@ -134,14 +134,15 @@ class StageView(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                cp_doc: torch.Tensor | None = None,
-                cp_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """``targets`` (shifted, instead of ``labels``), ``cp_doc`` (the whole rows' doc ids)
-        and ``cp_pos`` (the local tokens' RoPE positions): context parallelism's cut rows
+                cp_doc: torch.Tensor | None = None, cp_pos: torch.Tensor | None = None,
+                cp_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``targets`` (shifted, instead of ``labels``), ``cp_doc`` (the whole rows' doc ids),
+        ``cp_pos`` (the local tokens' RoPE positions) and ``cp_ids`` (the whole rows' ids, for
+        multi-token prediction): context parallelism's cut rows
         (:mod:`composer.parallel.context`), which reach every stage with each micro-batch."""
         given = labels if labels is not None else targets
         if self.cp is not None and cp_pos is not None:
-            self.cp.set_rows(cp_pos.shape[1] * self.cp.size, cp_pos, cp_doc)
+            self.cp.set_rows(cp_pos.shape[1] * self.cp.size, cp_pos, cp_doc, cp_ids)
         if self.tp is not None and not self.first and given is not None:
             # The embedding decides sequence parallelism on the first stage; later stages get
             # its sequence-sharded hidden states and must know (the readout gathers them).
@@ -162,8 +163,10 @@ class StageView(nn.Module):
             return x
         weight = self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
         h = self.final_norm(x)
-        if targets is not None:
-            ce, _ = self.readout(h, weight, None, targets_BT=targets)
+        if targets is not None:  # context parallel: this rank's cut of the rows
+            from composer.parallel.context import safe_targets
+
+            ce, _ = self.readout(h, weight, None, targets_BT=safe_targets(targets))
             n = (targets != IGNORE_INDEX).sum()
         else:
             main = labels if doc_ids is None else mask_doc_boundaries(labels, doc_ids)
@@ -227,6 +230,8 @@ class Pipeline:
 
         rows = cut_rows(cp, ids_BT, ids_BT, doc_ids_BT, self.model.config)
         kwargs = {"targets": rows.targets, "cp_pos": rows.pos.contiguous()}
+        if getattr(self.model, "mtp", None) is not None:
+            kwargs["cp_ids"] = rows.rows_ids
         if doc_ids_BT is not None:
             kwargs |= {"doc_ids": rows.doc_ids, "cp_doc": rows.rows_doc_ids}
         return rows.ids, kwargs, rows

@@ -2,10 +2,10 @@
 loss, every gradient and three AdamW steps (fp64, 1e-10) of a hybrid with every sequence-mixing
 kind (Mamba-2, attention, gated delta net) and a MoE layer with its load-balancing loss, at
 cp=2, cp=4, cp=2 x tp=2, cp=2 x dp=2 and cp=2 x pp=2 (no load-balancing loss there), and of
-multi-latent attention at cp=2; isolated documents that cross the ranks' chunks (fp64); the
-training engine (fp32, 1e-5) at cp=2 and cp=2 x pp=2 on synthetic rows and on packed
-documents; the chunk layout; peak memory per rank at 8192 tokens; bad layouts, refused in one
-line."""
+multi-latent attention and of two multi-token-prediction depths at cp=2; isolated documents
+that cross the ranks' chunks (fp64); the training engine (fp32, 1e-5) at cp=2 and cp=2 x pp=2
+on synthetic rows and on packed documents (with multi-token prediction too); the chunk layout;
+peak memory per rank at 8192 tokens; bad layouts, refused in one line."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ DATA = {16: np.random.default_rng(0).integers(0, 61, (8, 16)),
 MLA_CFG = mla_cfg(8).validate().to_dict()  # multi-latent attention, YaRN RoPE, a MoE layer
 LAYOUTS = {"cp2": ({"cp": 2}, 16, 2), "cp4": ({"cp": 4}, 24, 4),
            "cp2-tp2": ({"cp": 2, "tp": 2}, 16, 4), "cp2-dp2": ({"cp": 2, "dp": 2}, 16, 4),
-           "cp2-pp2": ({"cp": 2, "pp": 2}, 16, 4), "cp2-mla": ({"cp": 2}, 16, 2)}
+           "cp2-pp2": ({"cp": 2, "pp": 2}, 16, 4), "cp2-mla": ({"cp": 2}, 16, 2),
+           "cp2-mtp": ({"cp": 2}, 16, 2)}
 
 
 NO_AUX_CFG = cfg_dict(PATTERN, {**NO_AUX, **GDN})
@@ -52,8 +53,12 @@ NO_AUX_CFG = cfg_dict(PATTERN, {**NO_AUX, **GDN})
 without them."""
 
 
+MTP_CFG = cfg_dict("M*-E/G*E/G*E", {**SIZES, **GDN})  # two depths, their layers cut too
+
+
 def _cfg(name: str) -> dict:
-    return MLA_CFG if name.endswith("mla") else NO_AUX_CFG if "pp" in name else CFG
+    return {"mla": MLA_CFG, "mtp": MTP_CFG}.get(name.split("-")[-1],
+                                                NO_AUX_CFG if "pp" in name else CFG)
 
 
 def layouts_in_ranks(names: list[str]) -> dict:
@@ -94,7 +99,8 @@ def engine_cases(tmp: str) -> dict:
     """Synthetic rows of 16 tokens; packed documents (rows of seq_len + 1 = 13 tokens: the last
     is only a target, so the MoE statistics, which count it at cp=1, are left out)."""
     return {"synthetic": {**BASE, "model": GDN_MODEL},
-            "isolated": {**BASE, **isolated(tmp), "model": NO_AUX_MODEL}}
+            "isolated": {**BASE, **isolated(tmp), "model": NO_AUX_MODEL},
+            "mtp": {**BASE, **isolated(tmp), "model": {**NO_AUX_MODEL, "pattern": "M*-E/*E"}}}
 
 
 ENGINE_LAYOUTS = {"cp2": ({"cp": 2}, 2), "cp2-pp2": ({"cp": 2, "pp": 2}, 4)}
@@ -113,7 +119,7 @@ def engine(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", list(ENGINE_LAYOUTS))
-@pytest.mark.parametrize("name", ["synthetic", "isolated"])
+@pytest.mark.parametrize("name", ["synthetic", "isolated", "mtp"])
 def test_engine_equals_one_process(engine, layout: str, name: str) -> None:
     tmp, got = engine
     ref = train_case(engine_cases(tmp)[name])
@@ -187,12 +193,13 @@ def test_lengths_are_checked(pattern, seq, match) -> None:
     check_cp_length(cfg, 2, 17)  # seq_len + 1: the last token only a target
 
 
-@pytest.mark.parametrize("pattern, match", [
-    ("M*-E/*E", "multi-token prediction"),
-])
-def test_kinds_without_a_cp_form_are_refused(pattern, match) -> None:
-    with pytest.raises(LayoutError, match=match):
-        check_cp(build_model(ModelConfig.from_dict(cfg_dict(pattern)), device="meta"), 2)
+def test_a_kind_without_a_cp_form_is_refused() -> None:
+    """Every kind composer builds has one; a mixer from elsewhere is refused by name."""
+    model = build_model(ModelConfig.from_dict(cfg_dict("M*-E/*E")), device="meta")
+    check_cp(model, 2)  # the trunk's and the MTP depth's layers
+    model.layers["1"].mixer = torch.nn.Linear(2, 2)
+    with pytest.raises(LayoutError, match=r"layers\.1 \('\*', Linear\) has no context"):
+        check_cp(model, 2)
 
 
 def test_layouts_cp_does_not_combine_with_yet() -> None:
