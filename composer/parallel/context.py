@@ -112,6 +112,12 @@ class CPContext:
     n_local: torch.Tensor | None = None
     n_rows: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
+    adaptive: bool = False
+    """``--cp-adaptive`` (:func:`adaptive_layout`): short documents whole on one rank."""
+    min_tokens: int | None = None
+    """Documents of at least this many tokens are split (default: ``T / size``)."""
+    layout: Any = None
+    """The current batch's adaptive :class:`Layout` (None: the 2N-chunk layout)."""
 
     @property
     def L(self) -> int:
@@ -183,6 +189,9 @@ def cp_attention_forward(self: nn.Module, x_BTD: torch.Tensor, *,
     if self.rope:
         cos, sin = rope_cos_sin_at(cp.pos_BT, self.inv_freq, q_BHTE.dtype)
         q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
+    if cp.layout is not None:
+        return self._output(adaptive_attention(q_BHTE, k_BKTE, v_BKTE, cp, self.scale),
+                            gate_BTX)
     k_all, v_all = gather_chunks(k_BKTE, cp, 2), gather_chunks(v_BKTE, cp, 2)
     return self._output(chunk_attention(q_BHTE, k_all, v_all, cp, self.scale), gate_BTX)
 
@@ -196,6 +205,24 @@ def chunk_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Te
 
     L = cp.L
     outs = []
+    if cp.seg_BT is None and q_BHTE.device.type == "cpu":
+        # no mask at all: each chunk's keys as a causal diagonal block and an unmasked prefix,
+        # merged by their log-sum-exps (memory linear in the keys; a boolean mask would be
+        # converted to an L x (c + 1) L float bias and kept for the backward)
+        if k_BKSE.shape[1] != q_BHTE.shape[1]:
+            rep = q_BHTE.shape[1] // k_BKSE.shape[1]
+            k_BKSE, v_BKSE = (k_BKSE.repeat_interleave(rep, 1), v_BKSE.repeat_interleave(rep, 1))
+        e_qk, e_v = q_BHTE.shape[-1], v_BKSE.shape[-1]
+        if e_v != e_qk:  # the kernel wants one head width: zero columns change nothing
+            width = max(e_qk, e_v)
+            q_BHTE, k_BKSE = F.pad(q_BHTE, (0, width - e_qk)), F.pad(k_BKSE, (0, width - e_qk))
+            v_BKSE = F.pad(v_BKSE, (0, width - e_v))
+        for slot, c in enumerate(cp.chunks):
+            q = q_BHTE[:, :, slot * L:(slot + 1) * L]
+            end = (c + 1) * L
+            outs.append(_PrefixCausalAttention.apply(q, k_BKSE[:, :, :end], v_BKSE[:, :, :end],
+                                                     scale))
+        return torch.cat(outs, dim=2)[..., :e_v]
     for slot, c in enumerate(cp.chunks):
         q = q_BHTE[:, :, slot * L:(slot + 1) * L]
         end = (c + 1) * L
@@ -208,6 +235,47 @@ def chunk_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Te
                 q, k_BKSE[:, :, :end], v_BKSE[:, :, :end], attn_mask=mask, scale=scale,
                 enable_gqa=q.shape[1] != k_BKSE.shape[1]))
     return torch.cat(outs, dim=2)
+
+
+class _PrefixCausalAttention(torch.autograd.Function):
+    """Queries ``[B, H, L, E]`` that are the last ``L`` positions of keys ``[B, H, S, E]``:
+    attention over the keys before them (no mask) and the causal ``L x L`` block, each by
+    torch's CPU flash kernel, merged by their log-sum-exps; the backward runs the kernel's
+    backward on each block with the merged output and log-sum-exp (as ring attention does),
+    which gives the exact gradient of the merged attention."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        L, S = q.shape[2], k.shape[2]
+        blocks = [(0, S - L, False), (S - L, S, True)] if S > L else [(0, S, True)]
+        outs = [flash(q, k[:, :, a:b], v[:, :, a:b], 0.0, causal, scale=scale)
+                for a, b, causal in blocks]
+        if len(outs) == 1:
+            o, lse = outs[0]
+        else:
+            (o1, l1), (o2, l2) = outs
+            lse = torch.logaddexp(l1, l2)
+            o = (o1 * (l1 - lse).exp()[..., None].to(o1.dtype)
+                 + o2 * (l2 - lse).exp()[..., None].to(o2.dtype))
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.blocks, ctx.scale = blocks, scale
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        back = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, k, v, o, lse = ctx.saved_tensors
+        dq = torch.zeros_like(q)
+        dks, dvs = [], []
+        for a, b, causal in ctx.blocks:
+            dq_b, dk_b, dv_b = back(do.contiguous(), q, k[:, :, a:b], v[:, :, a:b], o, lse, 0.0,
+                                    causal, scale=ctx.scale)
+            dq += dq_b
+            dks.append(dk_b)
+            dvs.append(dv_b)
+        return dq, torch.cat(dks, 2), torch.cat(dvs, 2), None
 
 
 def cp_mla_forward(self: nn.Module, x_BTD: torch.Tensor, *,
@@ -225,13 +293,24 @@ def cp_mla_forward(self: nn.Module, x_BTD: torch.Tensor, *,
     cos, sin = self._gain(cos), self._gain(sin)
     qr_BHTR = apply_rope(qr_BHTR, cos, sin)
     kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
-    c_BSC, kr_B1SR = gather_chunks(c_BTC, cp, 1), gather_chunks(kr_B1TR, cp, 2)
+    if cp.layout is not None:
+        n_max = cp.layout.max_tokens
+        c_BSC, kr_B1SR = gather_padded(c_BTC, cp, 1, n_max), gather_padded(kr_B1TR, cp, 2, n_max)
+    else:
+        c_BSC, kr_B1SR = gather_chunks(c_BTC, cp, 1), gather_chunks(kr_B1TR, cp, 2)
     h, S = qn_BHTN.shape[1], c_BSC.shape[1]
     kv = self.kv_b_proj(c_BSC).view(b, S, -1, self.d_nope + self.d_v)
     kn_BHSN, v_BHSV = kv.transpose(1, 2).split([self.d_nope, self.d_v], dim=-1)
     q_BHTQ = torch.cat([qn_BHTN, qr_BHTR], dim=-1)
     k_BHSQ = torch.cat([kn_BHSN, kr_B1SR.expand(-1, h, -1, -1)], dim=-1)
-    o_BHTV = chunk_attention(q_BHTQ, k_BHSQ, v_BHSV, cp, self.scale)
+    if cp.layout is not None:
+        from composer.kernels import sdpa_context
+
+        with sdpa_context(q_BHTQ):
+            o_BHTV = F.scaled_dot_product_attention(q_BHTQ, k_BHSQ, v_BHSV,
+                                                    attn_mask=cp.extra["mask"], scale=self.scale)
+    else:
+        o_BHTV = chunk_attention(q_BHTQ, k_BHSQ, v_BHSV, cp, self.scale)
     return self.o_proj(o_BHTV.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -310,6 +389,8 @@ def cp_mamba_forward(self: nn.Module, x_BTD: torch.Tensor, *,
     from composer.kernels import mamba_scan
 
     cp: CPContext = self.cp
+    if cp.layout is not None:
+        return adaptive_mamba_forward(self, x_BTD)
     b, T, _ = x_BTD.shape
     L, chunk = cp.L, self.mamba_cfg.chunk_size
     z_BTE, xBC_BTX, dt_BTH = self.project(x_BTD)
@@ -341,6 +422,8 @@ def cp_gdn_forward(self: nn.Module, x_BTD: torch.Tensor, *,
     from composer.kernels.gdn import gated_delta_rule
 
     cp: CPContext = self.cp
+    if cp.layout is not None:
+        return adaptive_gdn_forward(self, x_BTD)
     b, T, _ = x_BTD.shape
     L, chunk = cp.L, self.gdn_cfg.chunk_size
     conv_RLX = halo_conv(self.project(x_BTD), self.conv1d, cp)
@@ -397,6 +480,286 @@ def cp_mtp_forward(self: nn.Module, g_BTD: torch.Tensor, input_ids: torch.Tensor
         total = total + ce
         losses.append(ce.detach())
     return total * (self.loss_weight / len(self)), tuple(losses)
+
+
+# ---------------------------------------------------------------- adaptive cp
+
+
+@dataclass
+class Piece:
+    """A contiguous span ``[start, start + length)`` of row ``row``, inside one document (which
+    starts at ``doc_start``), on rank ``rank`` at offset ``offset`` of its tokens; ``prev`` is
+    the global index of the piece before it in its document (split documents), or None."""
+
+    row: int
+    start: int
+    length: int
+    doc_start: int
+    rank: int = 0
+    offset: int = 0
+    prev: int | None = None
+
+
+@dataclass
+class Layout:
+    """Adaptive cp's placement of one batch of packed rows (:func:`adaptive_layout`)."""
+
+    pieces: list[Piece]
+    """In global order: by row, then position."""
+    size: int
+    T: int
+
+    def of_rank(self, r: int) -> list[int]:
+        return [i for i, p in enumerate(self.pieces) if p.rank == r]
+
+    def tokens(self, r: int) -> int:
+        return sum(self.pieces[i].length for i in self.of_rank(r))
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.tokens(r) for r in range(self.size))
+
+    @property
+    def max_pieces(self) -> int:
+        return max(len(self.of_rank(r)) for r in range(self.size))
+
+
+def adaptive_layout(doc_BT: Any, n: int, min_tokens: int, halo: int) -> Layout:
+    """Documents of at least ``min_tokens`` tokens (and long enough that each of ``2n`` pieces
+    covers a convolution ``halo``) are cut into ``2n`` pieces, piece ``j`` on rank ``j`` or
+    ``2n - 1 - j`` (the causal balance); every shorter document goes whole to the rank with
+    the fewest tokens so far (longest first; ties to the lower rank). Deterministic: every
+    rank computes the same layout from the same doc ids."""
+    import numpy as np
+
+    doc = np.asarray(doc_BT)
+    B, T = doc.shape
+    spans = []
+    for b in range(B):
+        cuts = [0, *(np.nonzero(doc[b, 1:] != doc[b, :-1])[0] + 1).tolist(), T]
+        spans += [(b, s, e) for s, e in zip(cuts[:-1], cuts[1:], strict=True)]
+    load = [0] * n
+    pieces: list[Piece] = []
+    short = []
+    for b, s, e in spans:
+        length = e - s
+        if length >= max(min_tokens, 2 * n * max(halo, 1)):
+            base, extra = divmod(length, 2 * n)
+            start = s
+            for j in range(2 * n):
+                k = base + (1 if j < extra else 0)
+                rank = j if j < n else 2 * n - 1 - j
+                pieces.append(Piece(b, start, k, s, rank))
+                load[rank] += k
+                start += k
+        else:
+            short.append((b, s, e))
+    for b, s, e in sorted(short, key=lambda x: (-(x[2] - x[1]), x[0], x[1])):
+        rank = min(range(n), key=lambda r: (load[r], r))
+        pieces.append(Piece(b, s, e - s, s, rank))
+        load[rank] += e - s
+    pieces.sort(key=lambda p: (p.row, p.start))
+    offsets = [0] * n
+    last_of_doc: dict[tuple[int, int], int] = {}
+    for i, p in enumerate(pieces):
+        p.offset = offsets[p.rank]
+        offsets[p.rank] += p.length
+        p.prev = last_of_doc.get((p.row, p.doc_start))
+        last_of_doc[(p.row, p.doc_start)] = i
+    return Layout(pieces, n, T)
+
+
+@dataclass
+class PieceRows:
+    """This rank's pieces as rows ``[P, Lmax]``: ``index`` (into the rank's tokens, ``-1`` on
+    the padding after a piece), their global piece numbers and the validity mask."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    ids: list[int]
+
+
+def _piece_rows(layout: Layout, rank: int, device: torch.device) -> PieceRows:
+    mine = layout.of_rank(rank)
+    L = max((layout.pieces[i].length for i in mine), default=1)
+    index = torch.full((max(len(mine), 1), L), -1, dtype=torch.long)
+    for row, i in enumerate(mine):
+        p = layout.pieces[i]
+        index[row, :p.length] = torch.arange(p.offset, p.offset + p.length)
+    index = index.to(device)
+    return PieceRows(index, index >= 0, mine)
+
+
+def to_rows(x_BT_: torch.Tensor, rows: PieceRows, fill: float = 0.0) -> torch.Tensor:
+    """``[1, T_r, ...]`` (a rank's tokens) -> ``[P, Lmax, ...]`` (its pieces, padded)."""
+    flat = x_BT_[0]
+    out = flat[rows.index.clamp(min=0)]
+    mask = rows.valid.view(*rows.valid.shape, *([1] * (out.dim() - 2)))
+    return torch.where(mask, out, torch.full_like(out, fill))
+
+
+def from_rows(y_PL_: torch.Tensor, rows: PieceRows, n_tokens: int) -> torch.Tensor:
+    """The inverse of :func:`to_rows`: ``[1, T_r, ...]``."""
+    flat = y_PL_[rows.valid]  # row-major: pieces in offset order
+    return flat[None, :n_tokens]
+
+
+class _GatherPadded(torch.autograd.Function):
+    """Every rank's ``x`` along ``dim`` padded to ``n_max`` and concatenated (rank-major); the
+    backward sums the gradients over the ranks and returns this rank's unpadded part."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cp: CPContext, dim: int, n_max: int) -> torch.Tensor:
+        ctx.cp, ctx.dim, ctx.n = cp, dim, x.shape[dim]
+        x0 = x.movedim(dim, 0)
+        pad = x0.new_zeros(n_max - x0.shape[0], *x0.shape[1:])
+        out = all_gather(torch.cat([x0, pad]), 0, cp.group, cp.size)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        cp = ctx.cp
+        mine = reduce_scatter(g.movedim(ctx.dim, 0).contiguous(), 0, cp.group, cp.size,
+                              cp.rank)
+        return mine[:ctx.n].movedim(0, ctx.dim), None, None, None
+
+
+def gather_padded(x: torch.Tensor, cp: CPContext, dim: int, n_max: int) -> torch.Tensor:
+    return _GatherPadded.apply(x, cp, dim, n_max)
+
+
+def adaptive_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
+                       cp: CPContext, scale: float) -> torch.Tensor:
+    """This rank's queries against every rank's keys (gathered, padded), masked to the same
+    document and earlier positions."""
+    from composer.kernels import sdpa_context
+
+    n_max = cp.layout.max_tokens
+    k_all, v_all = gather_padded(k_BKTE, cp, 2, n_max), gather_padded(v_BKTE, cp, 2, n_max)
+    with sdpa_context(q_BHTE):
+        return F.scaled_dot_product_attention(
+            q_BHTE, k_all, v_all, attn_mask=cp.extra["mask"], scale=scale,
+            enable_gqa=q_BHTE.shape[1] != k_all.shape[1])
+
+
+def _adaptive_meta(cp: CPContext, device: torch.device) -> None:
+    """Per batch: the attention mask ``[1, 1, T_r, N * n_max]`` (same document, not later),
+    the rank's piece rows, and the RoPE positions within documents."""
+    layout, n_max = cp.layout, cp.layout.max_tokens
+    doc = torch.full((cp.size, n_max), -1, dtype=torch.long)
+    pos = torch.zeros((cp.size, n_max), dtype=torch.long)
+    for p in layout.pieces:
+        key = p.row * layout.T + p.doc_start
+        doc[p.rank, p.offset:p.offset + p.length] = key
+        pos[p.rank, p.offset:p.offset + p.length] = torch.arange(p.start, p.start + p.length)
+    doc, pos = doc.to(device), pos.to(device)
+    n = layout.tokens(cp.rank)
+    q_doc, q_pos = doc[cp.rank, :n], pos[cp.rank, :n]
+    k_doc, k_pos = doc.reshape(-1), pos.reshape(-1)
+    mask = (q_doc[:, None] == k_doc[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    cp.extra["mask"] = mask[None, None]
+    cp.extra["rows"] = _piece_rows(layout, cp.rank, device)
+    starts = torch.tensor([layout.pieces[i].doc_start for i in layout.of_rank(cp.rank)
+                           for _ in range(layout.pieces[i].length)], dtype=torch.long)
+    cp.pos_BT = (q_pos - starts.to(device))[None]
+
+
+def adaptive_halo_conv(x_1TX: torch.Tensor, conv: nn.Module, cp: CPContext) -> torch.Tensor:
+    """``silu(conv(x))`` of this rank's pieces as padded rows ``[P, Lmax, X]``, each preceded
+    by the ``K - 1`` inputs before it in its document (the previous piece's tail, gathered)."""
+    from composer.kernels import conv_silu
+
+    rows, layout = cp.extra["rows"], cp.layout
+    h = conv.kernel - 1
+    x_PLX = to_rows(x_1TX, rows)
+    if h == 0:
+        return conv_silu(x_PLX, conv)
+    lengths = torch.tensor([layout.pieces[i].length for i in rows.ids], device=x_PLX.device)
+    tail_idx = (lengths[:, None] - h + torch.arange(h, device=x_PLX.device)).clamp(min=0)
+    tails = torch.gather(x_PLX, 1, tail_idx[..., None].expand(-1, -1, x_PLX.shape[-1]))
+    p_max = layout.max_pieces
+    all_tails = gather_padded(tails, cp, 0, p_max)  # [N * p_max, h, X]
+    slot = {g: r * p_max + layout.of_rank(r).index(g) for r in range(cp.size)
+            for g in layout.of_rank(r)}
+    halo = torch.stack([all_tails[slot[layout.pieces[g].prev]]
+                        if layout.pieces[g].prev is not None else torch.zeros_like(tails[0])
+                        for g in rows.ids])
+    return conv_silu(torch.cat([halo, x_PLX], 1), conv)[:, h:]
+
+
+def adaptive_pass_states(local_P_: torch.Tensor, trans_P_: torch.Tensor, cp: CPContext,
+                         apply: Any) -> torch.Tensor:
+    """The state entering each of this rank's pieces: the previous piece's end state
+    ``apply(trans, start) + local`` along each split document (0 for a document's first)."""
+    layout, rows, p_max = cp.layout, cp.extra["rows"], cp.layout.max_pieces
+    local = gather_padded(local_P_, cp, 0, p_max)
+    trans = gather_padded(trans_P_, cp, 0, p_max)
+    slot = {g: r * p_max + layout.of_rank(r).index(g) for r in range(cp.size)
+            for g in layout.of_rank(r)}
+    start: dict[int, torch.Tensor] = {}
+    zero = torch.zeros_like(local[0])
+    for g, p in enumerate(layout.pieces):  # global order: a piece's prev comes first
+        if p.prev is None:
+            start[g] = zero
+        else:
+            q = slot[p.prev]
+            start[g] = apply(trans[q], start[p.prev]) + local[q]
+    return torch.stack([start[g] for g in rows.ids])
+
+
+def adaptive_mamba_forward(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
+    from composer.kernels import mamba_scan
+
+    cp: CPContext = self.cp
+    rows = cp.extra["rows"]
+    n = x_BTD.shape[1]
+    chunk = self.mamba_cfg.chunk_size
+    z_BTE, xBC_BTX, dt_BTH = self.project(x_BTD)
+    conv_PLX = adaptive_halo_conv(xBC_BTX, self.conv1d, cp).contiguous()
+    x_PLHP, B_PLGN, C_PLGN, A_H, extra = self.scan_inputs(conv_PLX)
+    # padding after a piece: dt -> softplus(-1e4) = 0 and x = 0, so the state neither decays
+    # nor takes input there, and the end state is the piece's
+    dt_PLH = to_rows(dt_BTH, rows, fill=-1e4)
+    x_PLHP = x_PLHP * rows.valid[..., None, None].to(x_PLHP.dtype)
+    R, L, H, P = x_PLHP.shape
+    N = B_PLGN.shape[-1]
+    x_aug = torch.cat([x_PLHP, x_PLHP.new_zeros(R, L, H, 1)], -1)
+    init = x_PLHP.new_zeros(R, H, P + 1, N, dtype=torch.promote_types(x_PLHP.dtype,
+                                                                       torch.float32))
+    init[:, :, P] = 1.0
+    _, end = mamba_scan(x_aug, dt_PLH, A_H, B_PLGN, C_PLGN, chunk, **extra,
+                        initial_state_BHPN=init, return_final_state=True)
+    start = adaptive_pass_states(end[:, :, :P].contiguous(), end[:, :, P, 0].contiguous(), cp,
+                                 lambda d, s: d[..., None, None] * s)
+    y_PLHP = mamba_scan(x_PLHP, dt_PLH, A_H, B_PLGN, C_PLGN, chunk, **extra,
+                        initial_state_BHPN=start)
+    return self.finish(from_rows(y_PLHP, rows, n), z_BTE, x_BTD.dtype)
+
+
+def adaptive_gdn_forward(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
+    from composer.kernels.gdn import gated_delta_rule
+
+    cp: CPContext = self.cp
+    rows = cp.extra["rows"]
+    n = x_BTD.shape[1]
+    chunk = self.gdn_cfg.chunk_size
+    conv_PLX = adaptive_halo_conv(self.project(x_BTD), self.conv1d, cp)
+    q, k, v, g, beta = self.rule_inputs(conv_PLX, to_rows(x_BTD, rows))
+    # padding after a piece: no decay (g = 0) and no update (beta = 0, k = q = 0)
+    valid = rows.valid.to(g.dtype)
+    q, k = q * valid[..., None, None], k * valid[..., None, None]
+    g, beta = g * valid[..., None], beta * valid[..., None]
+    R, L, H, V = v.shape
+    K = q.shape[-1]
+    v_aug = torch.cat([v, v.new_zeros(R, L, H, K)], -1)
+    init = v.new_zeros(R, H, K, V + K)
+    init[..., V:] = torch.eye(K, dtype=init.dtype, device=init.device)
+    _, end = gated_delta_rule(q, k, v_aug, g, beta, chunk, initial_state_BHKV=init,
+                              return_final_state=True)
+    start = adaptive_pass_states(end[..., :V].contiguous(), end[..., V:].contiguous(), cp,
+                                 lambda m, s: m @ s)
+    o = gated_delta_rule(q, k, v, g, beta, chunk, initial_state_BHKV=start)
+    return self.finish(from_rows(o, rows, n), x_BTD)
 
 
 # ---------------------------------------------------------------- the model
@@ -531,6 +894,9 @@ def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]
     if model.mtp is not None and labels is not ids and not torch.equal(labels, ids):
         raise ValueError("under context parallelism multi-token prediction takes the ids as "
                          "labels (as the training engine gives them)")
+    cp.layout = None
+    if cp.adaptive:
+        return _adaptive_cut(model, cp, ids, labels, kwargs)
     rows = cut_rows(cp, ids, labels, kwargs.get("doc_ids"), model.config)
     cp.set_rows(rows.t, rows.pos, rows.rows_doc_ids, rows.rows_ids)
     cp.n_rows, cp.n_local = rows.n_rows, rows.n_local
@@ -538,6 +904,40 @@ def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]
     if rows.doc_ids is not None:
         kwargs["doc_ids"] = rows.doc_ids
     return (rows.ids,), kwargs
+
+
+def _halo(cfg: Any) -> int:
+    return max([s.d_conv - 1 for s in (cfg.mamba, cfg.gdn) if s is not None], default=0)
+
+
+def _adaptive_cut(model: nn.Module, cp: CPContext, ids: torch.Tensor, labels: torch.Tensor,
+                  kwargs: dict) -> tuple[tuple, dict]:
+    """The adaptive layout of the rows (:func:`adaptive_layout`): this rank's tokens as one row
+    of its pieces, their targets, and per-token document keys."""
+    from composer.blocks.model import mask_doc_boundaries, shift_labels
+
+    doc = kwargs.get("doc_ids")
+    if doc is None:
+        raise LayoutError("--cp-adaptive places whole documents: it needs packed rows with "
+                          "doc ids (--document-isolation)")
+    if model.mtp is not None:
+        raise LayoutError("--cp-adaptive with multi-token prediction is not built yet")
+    b, t = ids.shape
+    targets = shift_labels(mask_doc_boundaries(labels, doc))
+    layout = adaptive_layout(doc.cpu().numpy(), cp.size, cp.min_tokens or t // cp.size,
+                             _halo(model.config))
+    cp.layout, cp.T = layout, t
+    mine = [layout.pieces[i] for i in layout.of_rank(cp.rank)]
+    idx = torch.cat([torch.arange(p.row * t + p.start, p.row * t + p.start + p.length)
+                     for p in mine]).to(ids.device)
+    keys = torch.cat([torch.full((p.length,), p.row * t + p.doc_start) for p in mine])
+    _adaptive_meta(cp, ids.device)
+    local_targets = targets.reshape(-1)[idx][None]
+    cp.n_rows = (targets != IGNORE_INDEX).sum()
+    cp.n_local = (local_targets != IGNORE_INDEX).sum()
+    kwargs = {**kwargs, "targets": safe_targets(local_targets),
+              "doc_ids": keys.to(ids.device)[None]}
+    return (ids.reshape(-1)[idx][None],), kwargs
 
 
 def _post_hook(model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -557,8 +957,11 @@ def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
     from composer.blocks.model import named_layers
 
     check_cp(model, dims.cp)
+    if dims.cp_adaptive and dims.pp > 1:
+        raise LayoutError("--cp-adaptive with --pp is not built yet")
     mesh = dims.cp_mesh
-    cp = CPContext(group=mesh.get_group(), size=dims.cp, rank=mesh.get_local_rank())
+    cp = CPContext(group=mesh.get_group(), size=dims.cp, rank=mesh.get_local_rank(),
+                   adaptive=dims.cp_adaptive, min_tokens=dims.cp_min_tokens)
     forwards = _forwards()
     for _, layer in named_layers(model):  # the MTP depths' layers too
         mixer = layer.mixer

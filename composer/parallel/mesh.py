@@ -44,6 +44,11 @@ class ParallelConfig:
     sequence_parallel: bool = True
     pp: int = 1
     cp: int = 1
+    cp_adaptive: bool = False
+    """Context parallel with short documents whole on one rank
+    (:mod:`composer.parallel.context`)."""
+    cp_min_tokens: int | None = None
+    """``--cp-adaptive``: documents this long or longer are split (default: a rank's share)."""
     activation_checkpointing: bool = False
     """The same as ``ac="full"`` (kept for the eval command's flag)."""
     ac: Literal["none", "full", "selective"] = "none"
@@ -82,6 +87,8 @@ class ParallelDims:
     first and last pipeline ranks at the same dp / tp position), which hold the two copies of
     tied embeddings; None elsewhere."""
     cp: int = 1
+    cp_adaptive: bool = False
+    cp_min_tokens: int | None = None
     cp_mesh: DeviceMesh | None = None
     fsdp_mesh: DeviceMesh | None = None
     """``dp x cp`` flattened (``dp_mesh`` when ``cp = 1``): data parallelism's mesh, and the
@@ -136,7 +143,8 @@ def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
     return ParallelDims(tp=pc.tp, ep=pc.ep, dp=dp, dp_mode=pc.dp_mode,
                         sequence_parallel=pc.sequence_parallel, world_size=world_size,
                         ac="full" if pc.activation_checkpointing else pc.ac,
-                        compile=pc.compile, precision=pc.precision, pp=pc.pp, cp=pc.cp)
+                        compile=pc.compile, precision=pc.precision, pp=pc.pp, cp=pc.cp,
+                        cp_adaptive=pc.cp_adaptive, cp_min_tokens=pc.cp_min_tokens)
 
 
 def check_layout(dims: ParallelDims, rules: Iterable[LayoutRule]) -> None:

@@ -1,13 +1,15 @@
 """Apply the parallel layout to a model, in one documented order (DESIGN §5):
 
 1. tensor + sequence parallel (``tensor.py``: the blocks' plans, vocab-parallel embedding/head),
-2. expert parallel (``expert.py``: the expert groups the plans name) and global token sums,
-3. [context parallel: reserved],
+2. expert parallel (``expert.py``: the expert groups the plans name) and global token sums
+   (over ``dp x cp``),
+3. context parallel (``context.py``: the sequence mixers swapped for their cp forms, the model
+   cutting its rows),
 4. activation checkpointing (``--ac full``: each layer recomputed in the backward; ``--ac
    selective``: each layer's matmul and attention outputs kept, everything else recomputed),
 5. compile (``--compile``: each layer, same keys),
-6. data parallel (``data.py``: FSDP2 sharded, or FSDP2-style replicate; with ``precision="bf16"``
-   bf16 compute copies of the fp32 masters and fp32 gradient reduction).
+6. data parallel (``data.py``, over ``dp x cp``: FSDP2 sharded, or FSDP2-style replicate; with
+   ``precision="bf16"`` bf16 compute copies of the fp32 masters and fp32 gradient reduction).
 
 Run it on the meta device (``build_model(cfg, device="meta")``): nothing is allocated, and each
 rank then materialises only its own shards (``to_empty`` + ``composer.specs.init``). It also works
@@ -84,13 +86,13 @@ def parallelize(model: nn.Module, dims: ParallelDims,
             group = dims.fsdp_mesh.get_group() if dims.grad_replicas > 1 else None
             for name in moe.parallel_plan().token_sums:
                 make_global(moe.get_submodule(name), group=group, grad_scale=1.0 / dims.tp)
+    if dims.cp > 1:
+        apply_cp(model, dims)
     apply_ac(model, dims.ac)
     if dims.compile:
         from composer.kernels import compile_layers
 
         compile_layers(model)
-    if dims.cp > 1:
-        apply_cp(model, dims)
     if dims.grad_replicas > 1:
         (apply_fsdp if dims.dp_mode == "shard" else apply_replicate)(model, dims, roots)
     return model
