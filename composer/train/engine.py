@@ -230,7 +230,8 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         cfg, tensors = _model_config(recipe)
     pc = ParallelConfig(tp=recipe.tp, ep=recipe.ep, dp=recipe.dp, dp_mode=recipe.dp_mode,
                         sequence_parallel=recipe.sequence_parallel, ac=recipe.ac,
-                        compile=recipe.compile, pp=recipe.pp, cp=recipe.cp)
+                        compile=recipe.compile, pp=recipe.pp, cp=recipe.cp,
+                        cp_adaptive=recipe.cp_adaptive, cp_min_tokens=recipe.cp_min_tokens)
     try:
         dims = build_parallel_dims(pc, recipe.device)
     except LayoutError as exc:
@@ -248,7 +249,11 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         _, schedule = check_pipeline(cfg, dims.pp, recipe.pp_schedule,
                                      recipe.global_batch_size // (micro * dims.dp))
     batches, valid, seq_len = open_data(recipe, cfg)
-    if dims.cp > 1:
+    if dims.cp > 1 and dims.cp_adaptive:
+        if not recipe.document_isolation:
+            raise LayoutError("--cp-adaptive places whole documents: it needs "
+                              "--document-isolation (packed documents)")
+    elif dims.cp > 1:
         from composer.parallel.context import check_cp_length
 
         check_cp_length(cfg, dims.cp, seq_len)

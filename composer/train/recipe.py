@@ -68,6 +68,8 @@ class Recipe:
     pp: int = 1
     pp_schedule: str | None = None
     cp: int = 1
+    cp_adaptive: bool = False
+    cp_min_tokens: int | None = None
     compile: bool = False
     save: str | None = None
     save_every: int = 0
@@ -220,6 +222,9 @@ HELP = {
     "pp": "pipeline-parallel size: the pattern's '|' segments, or balanced stages",
     "pp_schedule": "gpipe, 1f1b (default) or interleaved-1f1b (default with virtual stages)",
     "cp": "context-parallel size: each sequence split into 2 x cp chunks over cp ranks",
+    "cp_adaptive": "context parallel for packed documents: shorter ones whole on one rank",
+    "cp_min_tokens": "with --cp-adaptive: documents this long or longer are split over the cp "
+                     "ranks (default: sequence length / cp)",
     "compile": "torch.compile every layer",
     "save": "the run folder for checkpoints (resumes from it when it has one)",
     "save_every": "save every N steps (default: only at the end)",

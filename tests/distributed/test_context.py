@@ -95,6 +95,18 @@ NO_AUX_MODEL = {**MODEL, "set": {**MODEL["set"], "moe.aux_loss_coeff": 0.0}}
 GDN_MODEL = {"pattern": "M*G-E", "set": {**MODEL["set"], **GDN}}
 
 
+def test_adaptive_engine_equals_one_process(engine) -> None:
+    """--cp-adaptive on packed documents (rows of seq_len + 1: every token is an input, so the
+    MoE loss counts the same tokens as one process)."""
+    tmp, _ = engine
+    values = {**BASE, **isolated(tmp), "model": GDN_MODEL}
+    ref = train_case(values)
+    got = run_distributed(_engine, 2, {**values, "cp": 2, "cp_adaptive": True})[0]
+    assert np.allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+    for k, p in ref["params"].items():
+        assert (got["params"][k] - p).abs().max() < 1e-5, k
+
+
 def engine_cases(tmp: str) -> dict:
     """Synthetic rows of 16 tokens; packed documents (rows of seq_len + 1 = 13 tokens: the last
     is only a target, so the MoE statistics, which count it at cp=1, are left out)."""
@@ -135,29 +147,83 @@ DOCS = np.array([[0] * 5 + [1] * 9 + [2] * 2,  # document 1 spans chunks 1, 2, 3
                  [7] * 16, list(range(16))])      # one document; every token its own
 
 
-def docs_case(layout: dict) -> dict:
+DOCS32 = np.array([[0] * 3 + [1] * 28 + [2],      # a document long enough to split at cp=4
+                   [3] * 10 + [4] * 6 + [5] * 16])
+
+
+def docs_case(layout: dict, cfg: dict | None = None, docs: np.ndarray = DOCS) -> dict:
     """Loss and gradients of one batch of packed rows, documents isolated (fp64)."""
     from composer.parallel.data import finish_grads
     from composer.parallel.mesh import build_parallel_dims
     from composer.run import build_sharded
 
     dims = build_parallel_dims(ParallelConfig(**layout))
-    model = build_sharded(ModelConfig.from_dict(CFG), dims, seed=7, dtype=torch.float64)
-    ids = torch.from_numpy(DATA[16][:4]).long()
-    out = model(ids, ids, doc_ids=torch.from_numpy(DOCS).long())
+    model = build_sharded(ModelConfig.from_dict(cfg or CFG), dims, seed=7, dtype=torch.float64)
+    rows = np.random.default_rng(2).integers(0, 61, docs.shape)
+    ids = torch.from_numpy(rows).long()
+    out = model(ids, ids, doc_ids=torch.from_numpy(docs).long())
     out.loss.backward()
     finish_grads(model, dims)
     whole = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
              for k, p in model.named_parameters()}
-    return {"loss": float(out.loss), "grads": whole}
+    return {"loss": float(out.loss.detach()), "grads": whole}
 
 
-def test_isolated_documents_across_ranks_fp64() -> None:
-    ref = docs_case({})
-    got = run_distributed(docs_case, 2, {"cp": 2})[0]
+def _same(got: dict, ref: dict) -> None:
     assert abs(got["loss"] - ref["loss"]) < 1e-10
     for k, g in ref["grads"].items():
         assert (got["grads"][k] - g).abs().max() < 1e-10, k
+
+
+def test_isolated_documents_across_ranks_fp64() -> None:
+    _same(run_distributed(docs_case, 2, {"cp": 2})[0], docs_case({}))
+
+
+ADAPTIVE = {"default": ({"cp": 2}, None, DOCS), "all-whole": ({"cp": 2, "cp_min_tokens": 100},
+                                                            None, DOCS),
+            "mla": ({"cp": 2}, MLA_CFG, DOCS), "cp4": ({"cp": 4}, None, DOCS32),
+            "cp2-dp2": ({"cp": 2, "dp": 2}, None, DOCS32),
+            "cp2-tp2": ({"cp": 2, "tp": 2}, None, DOCS32)}
+
+
+def adaptive_in_ranks(names: list[str]) -> dict:
+    return {n: docs_case({**ADAPTIVE[n][0], "cp_adaptive": True}, ADAPTIVE[n][1], ADAPTIVE[n][2])
+            for n in names}
+
+
+@pytest.fixture(scope="module")
+def adaptive():
+    two = ["default", "all-whole", "mla"]
+    out = run_distributed(adaptive_in_ranks, 2, two)[0]
+    return out | run_distributed(adaptive_in_ranks, 4, [n for n in ADAPTIVE if n not in two])[0]
+
+
+@pytest.mark.parametrize("name", list(ADAPTIVE))
+def test_adaptive_equals_one_process_fp64(adaptive, name: str) -> None:
+    """Short documents whole on one rank, long ones split (default threshold: a rank's share of
+    the row), every document whole (a threshold above the row), with multi-latent attention,
+    at cp=4 and with dp and tp: the single-process loss and gradients (fp64, 1e-10)."""
+    _, cfg, docs = ADAPTIVE[name]
+    _same(adaptive[name], docs_case({}, cfg, docs))
+
+
+def test_adaptive_layout() -> None:
+    """Every token exactly once; short documents whole, the longest first, on the least-loaded
+    rank; long ones in 2N pieces (rank j or 2N-1-j), each piece pointing at the one before."""
+    from composer.parallel.context import adaptive_layout
+
+    docs = np.array([[0] * 20 + [1] * 5 + [2] * 7])
+    lay = adaptive_layout(docs, 2, min_tokens=16, halo=3)
+    covered = sorted(t for p in lay.pieces for t in range(p.start, p.start + p.length))
+    assert covered == list(range(32))
+    long = [p for p in lay.pieces if p.doc_start == 0]
+    assert [p.length for p in long] == [5, 5, 5, 5] and [p.rank for p in long] == [0, 1, 1, 0]
+    assert [p.prev for p in long] == [None, 0, 1, 2]
+    short = {p.doc_start: p.rank for p in lay.pieces if p.doc_start != 0}
+    assert short == {25: 0, 20: 1}  # 7 tokens first (ties: rank 0), then 5 to the lighter rank
+    assert [lay.tokens(r) for r in range(2)] == [17, 15]
+    # too short to split into pieces that each cover the halo: whole
+    assert len(adaptive_layout(docs, 2, min_tokens=16, halo=6).pieces) == 3
 
 
 def test_chunk_layout() -> None:
@@ -205,6 +271,19 @@ def test_a_kind_without_a_cp_form_is_refused() -> None:
 def test_layouts_cp_does_not_combine_with_yet() -> None:
     with pytest.raises(LayoutError, match="--cp with --ep"):
         resolve_layout(ParallelConfig(cp=2, ep=2), 4)
+
+
+def test_adaptive_needs_documents() -> None:
+    got = run_distributed(_refusal, 2, {**BASE, "cp": 2, "cp_adaptive": True})[0]
+    assert "needs --document-isolation" in got
+
+
+def _refusal(values: dict) -> str:
+    try:
+        train_case(values)
+    except LayoutError as exc:
+        return str(exc)
+    return "no error"
 
 
 def test_a_bad_cp_layout_is_one_line_before_any_work(tmp_path) -> None:
