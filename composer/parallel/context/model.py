@@ -1,0 +1,200 @@
+"""Applying context parallelism to a model: the cp forms swapped in, the rows cut by a
+forward pre-hook, the rows' mean loss by a forward hook (the package docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from composer.blocks.loss import IGNORE_INDEX
+from composer.parallel.context.adaptive import _adaptive_cut
+from composer.parallel.context.attention import cp_attention_forward, cp_mla_forward
+from composer.parallel.context.layout import (
+    CPContext,
+    check_cp_length,
+    cp_length,
+    local_index,
+    rows_mean,
+    safe_targets,
+)
+from composer.parallel.context.recurrent import cp_gdn_forward, cp_mamba_forward
+from composer.parallel.mesh import LayoutError, ParallelDims
+
+
+def cp_mtp_forward(self: nn.Module, g_BTD: torch.Tensor, input_ids: torch.Tensor | None,
+                   labels: torch.Tensor | None, *, embed: Any, readout: Any,
+                   weight_VD: torch.Tensor, doc_ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:class:`composer.blocks.mtp.MultiTokenPrediction` on this rank's chunks: each depth's
+    shifted ids, keep mask and targets come from the whole (uncut) rows, then this rank's
+    positions; each depth's loss is the rows' mean (:func:`rows_mean`). The ids are the labels
+    (the engine's convention)."""
+    from composer.blocks.mtp import depth_inputs, segments
+
+    cp: CPContext = self.cp
+    ids = cp.rows_ids
+    idx = local_index(cp.T, cp.size, cp.rank, ids.device)
+    seg_BT = segments(ids, cp.rows_doc)
+    inputs = [depth_inputs(ids, ids, seg_BT, k) for k in range(1, len(self) + 1)]
+    counts = torch.stack([(t[:, :cp.T] != IGNORE_INDEX).sum() for _, _, t in inputs])
+    totals = counts.tolist()  # one host sync for every depth, as without cp
+    total = g_BTD.new_zeros((), dtype=torch.promote_types(g_BTD.dtype, torch.float32))
+    losses = []
+    for depth, (ids_BT, keep_BT, target_BT), n_rows, n in zip(self, inputs, counts, totals,
+                                                              strict=True):
+        target_BT = target_BT[:, idx]
+        g_BTD = depth(g_BTD, embed(ids_BT[:, idx]), keep_BT[:, idx], doc_ids=doc_ids)
+        if n == 0:
+            losses.append(total.new_full((), float("nan")))
+            continue
+        ce, _ = readout(g_BTD, weight_VD, None, targets_BT=safe_targets(target_BT))
+        ce = rows_mean(ce, (target_BT != IGNORE_INDEX).sum(), n_rows, cp)
+        total = total + ce
+        losses.append(ce.detach())
+    return total * (self.loss_weight / len(self)), tuple(losses)
+
+
+def _cp_class(cls: type, forward: Any) -> type:
+    name = f"ContextParallel{cls.__name__}"
+    cached = _CLASSES.get((cls, name))
+    if cached is None:
+        cached = _CLASSES[(cls, name)] = type(name, (cls,), {"forward": forward})
+    return cached
+
+
+_CLASSES: dict = {}
+
+
+def _forwards() -> dict[type, Any]:
+    from composer.blocks.attention import Attention
+    from composer.blocks.gdn import GatedDeltaNet
+    from composer.blocks.mamba2 import Mamba2Mixer
+    from composer.blocks.mla import MLA
+
+    return {Attention: cp_attention_forward, Mamba2Mixer: cp_mamba_forward,
+            GatedDeltaNet: cp_gdn_forward, MLA: cp_mla_forward}
+
+
+def check_cp(model: nn.Module, cp: int) -> None:
+    """Refuse what context parallelism cannot run (one line): a layer kind it does not split."""
+    if cp == 1:
+        return
+    from composer.blocks.model import named_layers
+
+    forwards = _forwards()
+    for key, layer in named_layers(model):
+        mixer = layer.mixer
+        if getattr(mixer, "stateless", False) or type(mixer) in forwards:
+            continue
+        raise LayoutError(f"--cp: {key} ({getattr(layer, 'symbol', '?')!r}, "
+                          f"{type(mixer).__name__}) has no context-parallel form yet")
+
+
+@dataclass
+class CutRows:
+    """Rows cut for this rank (:func:`cut_rows`)."""
+
+    ids: torch.Tensor
+    targets: torch.Tensor
+    doc_ids: torch.Tensor | None
+    """This rank's tokens' doc ids (the mixers that are not cp-aware read them)."""
+    pos: torch.Tensor
+    rows_doc_ids: torch.Tensor | None
+    """The whole rows' doc ids, uncut (what the cp mixers read, cut to ``t``)."""
+    rows_ids: torch.Tensor
+    """The whole rows' ids, uncut."""
+    t: int
+    n_rows: torch.Tensor
+    """Predicted tokens of the whole rows."""
+    n_local: torch.Tensor
+
+
+def cut_rows(cp: CPContext, ids: torch.Tensor, labels: torch.Tensor,
+             doc: torch.Tensor | None, model_cfg: Any) -> CutRows:
+    """Shift the targets on the whole rows (masked at document starts), then keep this rank's
+    chunks of ids, targets and doc ids, and its tokens' RoPE positions."""
+    from composer.blocks.model import mask_doc_boundaries, shift_labels
+    from composer.kernels.docs import doc_positions
+
+    check_cp_length(model_cfg, cp.size, ids.shape[1])
+    rows_ids, rows_doc = ids, doc
+    targets = shift_labels(labels if doc is None else mask_doc_boundaries(labels, doc))
+    t = cp_length(cp.size, ids.shape[1])
+    if t < ids.shape[1]:  # the last token is only a target: not an input of anything
+        ids, targets = ids[:, :t], targets[:, :t]
+        doc = None if doc is None else doc[:, :t]
+    idx = local_index(t, cp.size, cp.rank, ids.device)
+    pos = idx.expand(ids.shape[0], -1) if doc is None else doc_positions(doc)[:, idx]
+    local_targets = targets[:, idx]
+    n_local = (local_targets != IGNORE_INDEX).sum()
+    return CutRows(ids[:, idx], local_targets, None if doc is None else doc[:, idx], pos,
+                   rows_doc, rows_ids, t, (targets != IGNORE_INDEX).sum(), n_local)
+
+
+def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    cp: CPContext = model.cp
+    ids = args[0] if args else kwargs.pop("input_ids")
+    labels = args[1] if len(args) > 1 else kwargs.pop("labels", None)
+    if labels is None:
+        raise ValueError("under context parallelism the model computes the loss (give labels); "
+                         "its logits would be this rank's chunks only")
+    if model.mtp is not None and labels is not ids and not torch.equal(labels, ids):
+        raise ValueError("under context parallelism multi-token prediction takes the ids as "
+                         "labels (as the training engine gives them)")
+    cp.layout = None
+    if cp.adaptive:
+        return _adaptive_cut(model, cp, ids, labels, kwargs)
+    rows = cut_rows(cp, ids, labels, kwargs.get("doc_ids"), model.config)
+    cp.set_rows(rows.t, rows.pos, rows.rows_doc_ids, rows.rows_ids)
+    cp.n_rows, cp.n_local = rows.n_rows, rows.n_local
+    kwargs = {**kwargs, "targets": safe_targets(rows.targets)}
+    if rows.doc_ids is not None:
+        kwargs["doc_ids"] = rows.doc_ids
+    return (rows.ids,), kwargs
+
+
+def _post_hook(model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+    """The rows' mean cross-entropy (module docstring: summed over the group in the forward,
+    the gradient ``N`` times this rank's)."""
+    cp: CPContext = model.cp
+    extra = out.aux_loss + out.mtp_loss
+    out.loss = rows_mean(out.loss - extra, cp.n_local, cp.n_rows, cp) + extra
+    return out
+
+
+def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
+    """Swap every sequence-mixing layer for its context-parallel form (same parameters and
+    keys) and make the model cut its rows (module docstring); under pipeline parallelism the
+    pipeline cuts them (``model.cp`` tells it). On the meta device, before data parallelism
+    wraps the layers."""
+    from composer.blocks.model import named_layers
+
+    check_cp(model, dims.cp)
+    if dims.cp_adaptive and dims.pp > 1:
+        raise LayoutError("--cp-adaptive with --pp is not built yet")
+    mesh = dims.cp_mesh
+    cp = CPContext(group=mesh.get_group(), size=dims.cp, rank=mesh.get_local_rank(),
+                   adaptive=dims.cp_adaptive, min_tokens=dims.cp_min_tokens)
+    forwards = _forwards()
+    for _, layer in named_layers(model):  # the MTP depths' layers too
+        mixer = layer.mixer
+        fwd = forwards.get(type(mixer))
+        if fwd is not None:
+            mixer.__class__ = _cp_class(type(mixer), fwd)
+            mixer.cp = cp
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        mtp.__class__ = _cp_class(type(mtp), cp_mtp_forward)
+        mtp.takes_targets = True
+        mtp.cp = cp
+    model.cp = cp
+    if dims.pp == 1:
+        model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+        model.register_forward_hook(_post_hook, with_kwargs=True)
+
+
+def is_context_parallel(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "cp", None), CPContext)
