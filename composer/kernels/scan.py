@@ -47,6 +47,43 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def scan_dt(dt_BTH: torch.Tensor, dt_bias_H: torch.Tensor | None = None,
+            dt_softplus: bool = False, dt_limit: tuple[float, float] = NO_LIMIT) -> torch.Tensor:
+    """``clamp(softplus?(dt + dt_bias), dt_limit)`` in ``>= fp32``: the scan's ``dt``."""
+    dt_BTH = dt_BTH.to(torch.promote_types(dt_BTH.dtype, torch.float32))
+    if dt_bias_H is not None:
+        dt_BTH = dt_BTH + dt_bias_H
+    if dt_softplus:
+        dt_BTH = F.softplus(dt_BTH)
+    return dt_BTH.clamp(min=dt_limit[0], max=dt_limit[1])
+
+
+def ssd_end_state(x_BTHP: torch.Tensor, dt_BTH: torch.Tensor, A_H: torch.Tensor,
+                  B_BTGN: torch.Tensor, seg_BT: torch.Tensor | None = None,
+                  **dt_args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's end state from a zero start, ``sum_t exp(cs_T - cs_t) dt_t x_t ⊗ B_t``, and
+    its decay ``exp(cs_T)`` (``[B, H, P, N]``, ``[B, H]``; ``cs`` the cumulative sum of
+    ``dt * A``, in fp64 as the scan takes it): what a start state becomes at the end is
+    ``decay * start + end``. With document segments (``seg_BT``, 0 for the row's first) only the
+    last document feeds the end state and a start state does not survive a document start.
+    Raw ``dt`` and ``dt_args`` as :func:`ssd_scan_torch` takes them. Plain autograd: it keeps
+    only ``x``, ``B`` and ``[B, T, H]`` weights for the backward."""
+    dtype = _compute_dtype(x_BTHP)
+    dt_BTH = scan_dt(dt_BTH, **dt_args).to(dtype)
+    cs64_BTH = (dt_BTH.double() * A_H.double()).cumsum(1)
+    to_end_BTH = (cs64_BTH[:, -1:] - cs64_BTH).to(dtype).exp()
+    decay_BH = cs64_BTH[:, -1].to(dtype).exp()
+    if seg_BT is not None:
+        to_end_BTH = to_end_BTH * (seg_BT == seg_BT[:, -1:])[..., None].to(dtype)
+        decay_BH = decay_BH * (seg_BT[:, -1] == 0)[:, None].to(dtype)
+    b, T, H, P = x_BTHP.shape
+    G, N = B_BTGN.shape[2], B_BTGN.shape[3]
+    w_BTGR = (to_end_BTH * dt_BTH).view(b, T, G, H // G)
+    x_BTGRP = x_BTHP.to(dtype).view(b, T, G, H // G, P)
+    end = torch.einsum("btgr,btgrp,btgn->bgrpn", w_BTGR, x_BTGRP, B_BTGN.to(dtype))
+    return end.reshape(b, H, P, N), decay_BH
+
+
 def ssd_scan_torch(
     x_BTHP: torch.Tensor,
     dt_BTH: torch.Tensor,
@@ -67,12 +104,7 @@ def ssd_scan_torch(
     of at most :data:`TORCH_CHUNK` steps (``chunk_size`` is the kernel's tile, not part of the
     math)."""
     dtype = _compute_dtype(x_BTHP)
-    dt_BTH = dt_BTH.to(torch.promote_types(dt_BTH.dtype, torch.float32))
-    if dt_bias_H is not None:
-        dt_BTH = dt_BTH + dt_bias_H
-    if dt_softplus:
-        dt_BTH = F.softplus(dt_BTH)
-    dt_BTH = dt_BTH.clamp(min=dt_limit[0], max=dt_limit[1])
+    dt_BTH = scan_dt(dt_BTH, dt_bias_H, dt_softplus, dt_limit)
     return ssd_scan(x_BTHP.to(dtype), dt_BTH, A_H, B_BTGN, C_BTGN, min(chunk_size, TORCH_CHUNK),
                     D_H=D_H,
                     initial_state_BHPN=initial_state_BHPN, return_final_state=return_final_state,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from composer.blocks.loss import IGNORE_INDEX
-from composer.parallel.context.layout import CPContext, gather_padded, safe_targets
+from composer.parallel.context.layout import CPContext, dt_args, gather_padded, safe_targets
 from composer.parallel.mesh import LayoutError
 
 
@@ -200,6 +200,7 @@ def adaptive_pass_states(local_P_: torch.Tensor, trans_P_: torch.Tensor, cp: CPC
 
 def adaptive_mamba_forward(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
     from composer.kernels import mamba_scan
+    from composer.kernels.scan import ssd_end_state
 
     cp: CPContext = self.cp
     rows = cp.extra["rows"]
@@ -212,16 +213,8 @@ def adaptive_mamba_forward(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor
     # nor takes input there, and the end state is the piece's
     dt_PLH = to_rows(dt_BTH, rows, fill=-1e4)
     x_PLHP = x_PLHP * rows.valid[..., None, None].to(x_PLHP.dtype)
-    R, L, H, P = x_PLHP.shape
-    N = B_PLGN.shape[-1]
-    x_aug = torch.cat([x_PLHP, x_PLHP.new_zeros(R, L, H, 1)], -1)
-    init = x_PLHP.new_zeros(R, H, P + 1, N, dtype=torch.promote_types(x_PLHP.dtype,
-                                                                       torch.float32))
-    init[:, :, P] = 1.0
-    _, end = mamba_scan(x_aug, dt_PLH, A_H, B_PLGN, C_PLGN, chunk, **extra,
-                        initial_state_BHPN=init, return_final_state=True)
-    start = adaptive_pass_states(end[:, :, :P].contiguous(), end[:, :, P, 0].contiguous(), cp,
-                                 lambda d, s: d[..., None, None] * s)
+    end_PHPN, decay_PH = ssd_end_state(x_PLHP, dt_PLH, A_H, B_PLGN, None, **dt_args(extra))
+    start = adaptive_pass_states(end_PHPN, decay_PH, cp, lambda d, s: d[..., None, None] * s)
     y_PLHP = mamba_scan(x_PLHP, dt_PLH, A_H, B_PLGN, C_PLGN, chunk, **extra,
                         initial_state_BHPN=start)
     return self.finish(from_rows(y_PLHP, rows, n), z_BTE, x_BTD.dtype)

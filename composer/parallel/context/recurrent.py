@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from composer.parallel.context.adaptive import adaptive_gdn_forward, adaptive_mamba_forward
-from composer.parallel.context.layout import CPContext, _global_chunks
+from composer.parallel.context.layout import CPContext, _global_chunks, dt_args
 
 
 def halo_conv(x_BTX: torch.Tensor, conv: nn.Module, cp: CPContext) -> torch.Tensor:
@@ -82,6 +82,8 @@ def cp_mamba_forward(self: nn.Module, x_BTD: torch.Tensor, *,
     """:class:`composer.blocks.mamba2.Mamba2Mixer` over the whole rows: the convolution with
     its halo, the scan with chunk state passing (module docstring)."""
     from composer.kernels import mamba_scan
+    from composer.kernels.docs import doc_segments
+    from composer.kernels.scan import ssd_end_state
 
     cp: CPContext = self.cp
     if cp.layout is not None:
@@ -94,19 +96,14 @@ def cp_mamba_forward(self: nn.Module, x_BTD: torch.Tensor, *,
     dt_RLH = dt_BTH.reshape(2 * b, L, -1)
     docs = _chunk_docs(cp, b, 0)
     R, _, H, P = x_RLHP.shape
-    N = B_RLGN.shape[-1]
-    # one scan for each chunk's (S_local, decay): x widened by a zero column, started at [0 | 1]
-    x_aug = torch.cat([x_RLHP, x_RLHP.new_zeros(R, L, H, 1)], -1)
-    init = x_RLHP.new_zeros(R, H, P + 1, N, dtype=torch.promote_types(x_RLHP.dtype,
-                                                                       torch.float32))
-    init[:, :, P] = 1.0
-    _, end_RHQN = mamba_scan(x_aug, dt_RLH, A_H, B_RLGN, C_RLGN, chunk, **extra, doc_ids=docs,
-                             initial_state_BHPN=init, return_final_state=True)
-    local = end_RHQN[:, :, :P].reshape(b, 2, H, P, N)
-    decay = end_RHQN[:, :, P, 0].reshape(b, 2, H)
+    # each chunk's end state from zero and its decay, in closed form (no extra scan)
+    seg = None if docs is None else doc_segments(docs)
+    end_RHPN, decay_RH = ssd_end_state(x_RLHP, dt_RLH, A_H, B_RLGN, seg, **dt_args(extra))
+    local = end_RHPN.reshape(b, 2, H, P, -1)
+    decay = decay_RH.reshape(b, 2, H)
     start = pass_states(local, decay, cp, lambda d, s: d[..., None, None] * s)
     y_RLHP = mamba_scan(x_RLHP, dt_RLH, A_H, B_RLGN, C_RLGN, chunk, **extra, doc_ids=docs,
-                        initial_state_BHPN=start.reshape(R, H, P, N))
+                        initial_state_BHPN=start.reshape(R, H, P, -1))
     return self.finish(y_RLHP.reshape(b, T, H, P), z_BTE, x_BTD.dtype)
 
 
