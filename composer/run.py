@@ -21,6 +21,7 @@ from composer.blocks.model import HybridModel
 from composer.checkpoint import CONFIG_FILE, TensorSource
 from composer.config import ConfigError, ModelConfig
 from composer.parallel.checkpoint import is_training_checkpoint, load_checkpoint
+from composer.parallel.data import reshard
 from composer.parallel.mesh import ParallelConfig, ParallelDims, build_parallel_dims
 from composer.parallel.parallelize import parallelize
 from composer.specs.builder import (
@@ -181,4 +182,5 @@ def evaluate(model: HybridModel, dims: ParallelDims, rows: list[np.ndarray],
     for i in tail:  # run everywhere, counted once
         add([i], 1.0 if dims.dp_rank() == 0 else 0.0)
     totals = _dp_sum(totals, dims)
+    reshard(model)  # the forwards left the FSDP roots' own weights gathered
     return float(totals[0] / totals[1]), int(totals[1])

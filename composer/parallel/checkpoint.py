@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from composer.blocks.plan import named_state
 from composer.checkpoint import CONFIG_FILE
+from composer.parallel.data import reshard
 
 LATEST = "latest"
 STEP_RE = re.compile(r"step-(\d+)$")
@@ -110,6 +111,7 @@ def write_step(folder: str | Path, step: int, model: nn.Module, optimizers: Opti
     if is_rank0():
         folder.mkdir(parents=True, exist_ok=True)
     barrier()
+    reshard(model)  # the shards, which the optimizer holds, not gathered copies
     state = _state(model, _opt_list(optimizers), step)
     if async_save:
         return step_dir, dcp.async_save(state, checkpoint_id=str(step_dir),

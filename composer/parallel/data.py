@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from composer.blocks.model import named_layers
 from composer.parallel.comm import all_reduce_coalesced
@@ -65,6 +65,16 @@ def apply_replicate(model: nn.Module, dims: ParallelDims,
             replicate(layer, mesh=dims.fsdp_mesh, ignored_params=_experts_apart(layer, dims),
                       mp_policy=mp)
         replicate(root, mesh=dims.fsdp_mesh, mp_policy=mp)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP2 unit's gathered weights. A root keeps its own parameters (embedding,
+    final norm, head) gathered after a forward without backward (evaluation; a pipeline
+    schedule's shape inference), and the model then holds those gathered copies instead of
+    the shards the optimizer and the checkpoints know."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def finish_grads(model: nn.Module, dims: ParallelDims) -> None:

@@ -43,7 +43,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from composer.blocks.loss import IGNORE_INDEX
 from composer.blocks.model import HybridModel, embed_tokens, mask_doc_boundaries, shift_labels
@@ -311,14 +310,12 @@ class Pipeline:
         return ce, aux, mtp
 
     def reshard(self) -> None:
-        """Free the data-parallel roots' gathered weights. FSDP2 keeps a root's own parameters
-        (embedding, final norm, head) unsharded after a forward without backward (the
-        schedule's shape inference, evaluation), and the model then holds those gathered
-        copies instead of the shards the optimizer and the checkpoints know; the model's own
-        ``state_dict`` hooks cannot reshard them, as the roots are the stages, not the model."""
+        """Free the stages' gathered weights after a step or an evaluation
+        (:func:`composer.parallel.data.reshard`: the roots are the stages, not the model)."""
+        from composer.parallel.data import reshard
+
         for view in self.views:
-            if isinstance(view, FSDPModule):
-                view.reshard()
+            reshard(view)
 
     def sync_tied(self) -> None:
         """Sum the gradients of the two copies of the embedding (first and last stage; tied

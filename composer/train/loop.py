@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from composer.blocks.model import HybridModel
-from composer.parallel.data import finish_grads
+from composer.parallel.data import finish_grads, reshard
 from composer.parallel.grads import clip_grads, grad_norm
 from composer.parallel.mesh import ParallelDims
 from composer.parallel.pipeline import embed_on_last
@@ -218,6 +218,7 @@ def validate(run: Run) -> float:
                 totals[0] += ce * n
                 totals[1] += n
     run.model.train()
+    reshard(run.model)  # evaluation left the FSDP roots' own weights gathered
     totals /= dims.tp * dims.pp * dims.cp  # these ranks hold the same numbers
     if dist.is_initialized():
         dist.all_reduce(totals)

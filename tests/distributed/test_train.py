@@ -29,7 +29,11 @@ CASES = {
 }
 BF16 = {"shard": {"precision": "bf16", "steps": 8},
         "replicate": {"precision": "bf16", "steps": 8, "dp_mode": "replicate"}}
-RESUME = {"dp2": {}, "tp2": {"tp": 2}, "dp2-async": {"async_save": True, "save_every": 1}}
+RESUME = {"dp2": {}, "tp2": {"tp": 2}, "dp2-async": {"async_save": True, "save_every": 1},
+          "dp2-eval": {"tokens": None, "seq_len": 12, "split": "80,20,0", "eval_every": 1,
+                       "eval_iters": 1, "save_every": 1}}
+"""``dp2-eval``: an evaluation before every save (FSDP2's roots keep their own weights gathered
+after a forward without backward; the save must see the shards)."""
 
 
 def _summary(out: dict) -> dict:
@@ -103,6 +107,8 @@ def in_ranks(tmp: str) -> dict:
     results |= {name: _summary(train_case(data_recipe(tmp, name))) for name in DATA}
     results |= {name: _summary(train_case({**BASE, **mine})) for name, (mine, _) in CASES.items()}
     for name, layout in RESUME.items():
+        if name == "dp2-eval":
+            layout = {**layout, "data": f"{tmp}/docs"}
         straight = train_case({**BASE, **layout, "steps": 4, "save": f"{tmp}/{name}-a"})
         first = train_case({**BASE, **layout, "steps": 4, "exit_at_step": 2,
                             "save": f"{tmp}/{name}-b"})
