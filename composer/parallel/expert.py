@@ -47,6 +47,7 @@ from torch.distributed.tensor import Shard
 
 from composer.blocks.plan import TokenSum
 from composer.parallel.comm import AllReduceSum, ScaleGrad
+from composer.parallel.mesh import ParallelDims
 from composer.parallel.tensor import distribute_param, install_local_views
 
 
@@ -126,6 +127,9 @@ class ExpertParallelExperts(nn.Module):
         # One host sync for all split sizes: the collectives and the expert loop need ints.
         send_counts_PL, recv_counts_PL = torch.stack([send_PL, recv_PL]).cpu().unbind(0)
         send_P, recv_P = send_counts_PL.sum(1).tolist(), recv_counts_PL.sum(1).tolist()
+        n_pad = x_AD.shape[0] - sum(send_P)  # dropped assignments (capacity) stay here
+        if n_pad:
+            x_AD = x_AD[:sum(send_P)]
         x_RD = funcol.all_to_all_single_autograd(x_AD.contiguous(), recv_P, send_P, ep.group)
 
         # Arrived rows are grouped by (source rank, local expert); the experts want them by
@@ -134,7 +138,10 @@ class ExpertParallelExperts(nn.Module):
         order_R = torch.argsort(local_R, stable=True).to(x_AD.device)
         y_sorted_RD = super().forward(x_RD[order_R], recv_counts_PL.sum(0))
         y_RD = torch.empty_like(y_sorted_RD).index_copy(0, order_R, y_sorted_RD)
-        return funcol.all_to_all_single_autograd(y_RD, send_P, recv_P, ep.group)
+        y_AD = funcol.all_to_all_single_autograd(y_RD, send_P, recv_P, ep.group)
+        if n_pad:
+            y_AD = torch.cat([y_AD, y_AD.new_zeros(n_pad, y_AD.shape[1])])
+        return y_AD
 
 
 _EP_CLASSES: dict[type, type] = {}
@@ -172,3 +179,26 @@ def apply_ep(moe: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None 
     install_local_views(experts)
     for name in plan.token_sums:
         make_global(moe.get_submodule(name), group=ep_mesh.get_group())
+
+
+def finish_moe_step(model: nn.Module, dims: ParallelDims | None = None,
+                    stepped: bool = True) -> None:
+    """After each optimizer step (``stepped``; a skipped step changes nothing): aux-loss-free
+    balancing moves every balancing router's score bias by its layer's loads over the global
+    batch (``Router.update_bias``), and every MoE forgets its per-step statistics.
+
+    The loads of all layers go in one all-reduce over the data-parallel ranks, which split the
+    batch (ep lies inside dp); tensor-parallel ranks route the same tokens (gathered over the
+    sequence) and count them whole, and pipeline ranks hold other layers, so neither joins."""
+    routers = [m for m in model.modules() if getattr(m, "balancing", False)]
+    for module in model.modules():
+        if hasattr(module, "end_step"):
+            module.end_step()
+    loads = [router.take_load() for router in routers]
+    if not stepped or not loads:
+        return
+    flat = torch.cat(loads)
+    if dims is not None and dims.dp > 1:
+        dist.all_reduce(flat, group=dims.dp_mesh.get_group())
+    for router, load_E in zip(routers, flat.split([x.numel() for x in loads]), strict=True):
+        router.update_bias(load_E)

@@ -81,8 +81,11 @@ def parallelize(model: nn.Module, dims: ParallelDims,
             # the load-balancing statistics of the global batch, not of each rank's share; every
             # tp rank computes them whole while the router sums its gradients over tp
             group = dims.dp_mesh.get_group() if dims.dp > 1 else None
-            for name in moe.parallel_plan().token_sums:
+            plan = moe.parallel_plan()
+            for name in plan.token_sums:
                 make_global(moe.get_submodule(name), group=group, grad_scale=1.0 / dims.tp)
+            for name in plan.local_sums:
+                make_global(moe.get_submodule(name), grad_scale=1.0 / dims.tp)
     apply_ac(model, dims.ac)
     if dims.compile:
         from composer.kernels import compile_layers
