@@ -215,3 +215,24 @@ def test_a_token_dropped_everywhere_leaves_the_layer_as_zero() -> None:
     assert (y_ND[gone] == 0).all() and (y_ND[~gone] != 0).all()
     y_ND.sum().backward()
     assert (x.grad.reshape(-1, DR)[gone] == 0).all()  # nothing reaches it, not even the router
+
+
+# ---------------------------------------------------------------- grouped expert GEMMs
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_grouped_path_equals_the_loop_with_padding_rows(activation: str) -> None:
+    """The CUDA path's math (``torch._grouped_mm``, padding rows folded into the last group)
+    run on the CPU, forward only: torch 2.13's CPU kernel has no backward and no fp64."""
+    from composer.blocks.moe import Experts
+
+    experts = Experts(4, 16, 8, activation)
+    gen = torch.Generator().manual_seed(0)
+    for p in experts.parameters():
+        p.data.normal_(0, 0.3, generator=gen)
+    x_AD = torch.randn(23, 16, generator=gen)
+    n_tokens_E = torch.tensor([5, 0, 9, 4])  # 18 rows, then 5 rows of padding
+    loop = experts._loop(x_AD, n_tokens_E)
+    grouped = experts._grouped(x_AD, n_tokens_E)
+    assert (loop[18:] == 0).all() and (grouped[18:] == 0).all()
+    torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-5)

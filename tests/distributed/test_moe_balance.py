@@ -1,0 +1,229 @@
+"""MoE balancing and capacity under parallelism (gloo): the aux-loss-free bias after three steps
+equals one process's at ep=2, dp=2 and tp=2 x ep=2 (bit for bit: the loads are integers summed
+over the global batch) and resumes exactly through the training engine at ep=2; token dropping
+under ep=2 drops exactly the assignments of the rule applied to each rank's own tokens."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from composer.config import ModelConfig
+from composer.parallel.launch import run_distributed
+
+ROOT = str(Path(__file__).resolve().parents[2])
+if ROOT not in sys.path:  # spawned ranks unpickle this module's functions by name
+    sys.path.insert(0, ROOT)
+
+MOE = {"n_experts": 4, "top_k": 2, "d_ff": 16, "score_func": "sigmoid",
+       "score_correction_bias": True, "bias_update_rate": 0.01, "n_shared_experts": 1}
+
+
+def cfg_dict(**moe: Any) -> dict:
+    return {"pattern": "*EE", "d_model": 32, "vocab_size": 61, "init_std": 0.1,
+            "attention": {"n_heads": 4, "n_kv_heads": 2}, "mamba": None, "mlp": None,
+            "moe": {**MOE, **moe}}
+
+
+def tokens() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 61, (8, 16))
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def bias_case(layout: dict, cfg: dict, data: np.ndarray, steps: int = 3) -> dict:
+    """fp64 AdamW steps with the bias update after each; the biases after every step."""
+    from composer.parallel.expert import finish_moe_step
+    from composer.parallel.mesh import ParallelConfig, build_parallel_dims
+    from composer.run import build_sharded
+    from composer.testing import adamw_steps
+
+    dims = build_parallel_dims(ParallelConfig(**layout))
+    model = build_sharded(ModelConfig.from_dict(cfg), dims, seed=7, dtype=torch.float64)
+    history: list[dict[str, torch.Tensor]] = []
+
+    def on_step(step: int, loss: float) -> None:
+        finish_moe_step(model, dims)
+        history.append({k: v.clone() for k, v in model.named_buffers() if "score_bias" in k})
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    result = adamw_steps(model, dims, opt, list(data), steps, batch_size=4, seed=3,
+                         on_step=on_step)
+    params = {k: _whole(p.detach()).clone() for k, p in model.named_parameters()}
+    return {"history": history, "losses": result.losses, "params": params}
+
+
+def check_bias_case(got: dict, ref: dict) -> None:
+    assert len(got["history"]) == len(ref["history"]) == 3
+    for mine, theirs in zip(got["history"], ref["history"], strict=True):
+        assert mine.keys() == theirs.keys() and len(mine) == 2
+        for k in mine:
+            assert torch.equal(mine[k], theirs[k]), k  # fp64 here: kept names stay >= fp32
+    assert np.allclose(got["losses"], ref["losses"], rtol=1e-10, atol=0)
+    for k, v in ref["params"].items():
+        torch.testing.assert_close(got["params"][k], v, rtol=1e-9, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    out = bias_case({}, cfg_dict(), tokens())
+    # the rule moved every bias each step (a balanced expert would stay put)
+    last = out["history"][-1]
+    assert all((v != 0).all() for v in last.values()), last
+    return out
+
+
+# ---------------------------------------------------------------- capacity under ep
+
+D = 16
+
+
+def capacity_moe(capacity_factor: float | None, seed: int = 0):
+    from composer.blocks.moe import MoE
+    from composer.config import MoEConfig
+
+    moe_cfg = MoEConfig(n_experts=4, top_k=2, d_ff=12, capacity_factor=capacity_factor,
+                        score_func="sigmoid", score_correction_bias=True, n_shared_experts=1)
+    cfg = ModelConfig(pattern="E", d_model=D, init_std=0.3, attention=None, mamba=None,
+                      moe=moe_cfg).validate()
+    moe = MoE(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    moe.reset_parameters(gen)
+    moe.router.score_bias.copy_(torch.tensor([0.3, 0.2, 0.0, -0.1]))  # experts 0, 1 crowded
+    return moe.double(), cfg
+
+
+def rank_tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    n = 9 + 3 * rank
+    return (torch.randn(1, n, D, generator=gen, dtype=torch.float64),
+            torch.randn(1, n, D, generator=gen, dtype=torch.float64))
+
+
+def capacity_under_ep() -> dict[str, Any]:
+    """EP forward/backward with capacity against, per rank, the single-process MoE on that
+    rank's own tokens (capacity is a per-rank decision); expert gradients summed over ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from composer.blocks.moe import capacity, drop_ref, moe_ref, router_ref
+    from composer.parallel.expert import apply_ep
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    me = dist.get_rank()
+    out: dict[str, Any] = {}
+    for name, factor in (("small", 0.5), ("large", 2.0)):
+        ref, cfg = capacity_moe(factor)
+        ref_grads = None
+        for r in range(2):  # every rank's share, each on its own
+            x_r, w_r = rank_tokens(r)
+            ref.zero_grad()
+            y_r = ref(x_r)
+            (y_r * w_r).sum().backward()
+            grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
+            ref_grads = grads if ref_grads is None else {k: ref_grads[k] + g
+                                                         for k, g in grads.items()}
+            if r == me:
+                y_ref = y_r
+        x, w = rank_tokens(me)
+        n = x.shape[1]
+        w_NE = router_ref(x[0], ref.router.weight, cfg.moe, ref.router.score_bias)
+        kept_NE = drop_ref(w_NE, capacity(cfg.moe, n))
+        dropless, _ = capacity_moe(None)
+        moe, _ = capacity_moe(factor)
+        apply_ep(moe, mesh)
+        y = moe(x)
+        (y * w).sum().backward()
+        errs = {"y": (y - y_ref).abs().max().item(),
+                "y_rule": (y - moe_ref(x, {k: v.detach() for k, v in ref.state_dict().items()},
+                                       cfg)).abs().max().item(),
+                "y_dropless": (y - dropless(x)).abs().max().item()}
+        for k, p in moe.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+            if not hasattr(p.grad, "full_tensor"):
+                dist.all_reduce(g)
+            errs[k] = (g - ref_grads[k]).abs().max().item()
+        out[name] = {"errs": errs, "dropped": int(((w_NE > 0) & (kept_NE == 0)).sum())}
+    return out
+
+
+def two_ranks(tmp: str) -> dict[str, Any]:
+    out: dict[str, Any] = {name: bias_case(layout, cfg_dict(), tokens())
+                           for name, layout in (("ep2", {"ep": 2}), ("dp2", {"dp": 2}))}
+    out["capacity"] = capacity_under_ep()
+    model = {"pattern": "*EE", "set": {"d_model": 32, "vocab_size": 61, "attention.n_heads": 4,
+                                       "attention.n_kv_heads": 2,
+                                       **{f"moe.{k}": v for k, v in MOE.items()}}}
+    recipe = {"model": model, "tokens": "synthetic", "seq_len": 16, "steps": 4,
+              "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3, "device": "cpu",
+              "precision": "fp32", "ep": 2}
+    straight = engine_run({**recipe, "save": f"{tmp}/a"})
+    engine_run({**recipe, "exit_at_step": 2, "save": f"{tmp}/b"})
+    rest = engine_run({}, source=f"{tmp}/b")
+    out["resume"] = {"straight": straight, "rest": rest}
+    return out
+
+
+def engine_run(values: dict, source: str | None = None) -> dict:
+    """``composer train`` in this process; its losses, final parameters and score biases."""
+    from composer.train.engine import resolve, setup
+    from composer.train.loop import train_loop
+
+    recipe, resume = resolve(source, None, values)
+    run, last = setup(recipe, resume, quiet=True)
+    try:
+        summary = train_loop(run, last, quiet=True)
+    finally:
+        run.log.close()
+    return {"losses": summary.losses, "step": summary.step,
+            "params": {k: _whole(v.detach()).clone() for k, v in run.model.named_parameters()},
+            "biases": {k: v.clone() for k, v in run.model.named_buffers() if "score_bias" in k}}
+
+
+@pytest.fixture(scope="module")
+def ranks2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(two_ranks, 2, str(tmp_path_factory.mktemp("moe")), timeout=600)
+
+
+@pytest.mark.parametrize("name", ["ep2", "dp2"])
+def test_bias_update_equals_one_process(reference: dict, ranks2: list, name: str) -> None:
+    for rank_result in ranks2:
+        check_bias_case(rank_result[name], reference)
+
+
+def test_bias_update_equals_one_process_tp2_ep2(reference: dict) -> None:
+    got = run_distributed(bias_case, 4, {"tp": 2, "ep": 2}, cfg_dict(), tokens(), timeout=600)
+    for rank_result in got:
+        check_bias_case(rank_result, reference)
+
+
+def test_bias_resumes_exactly_at_ep2(ranks2: list) -> None:
+    straight, rest = ranks2[0]["resume"]["straight"], ranks2[0]["resume"]["rest"]
+    assert rest["step"] == 4 and rest["losses"] == straight["losses"][2:]
+    assert len(straight["biases"]) == 2
+    for k, v in straight["biases"].items():
+        assert torch.equal(rest["biases"][k], v) and (v != 0).any(), k
+    for k, v in straight["params"].items():
+        assert torch.equal(rest["params"][k], v), k
+
+
+@pytest.mark.parametrize("name", ["small", "large"])
+def test_capacity_under_ep_drops_exactly_the_rule(ranks2: list, name: str) -> None:
+    for rank, rank_result in enumerate(ranks2):
+        got = rank_result["capacity"][name]
+        errs = got["errs"]
+        assert {"y", "y_rule", "router.weight", "experts.up_proj"} <= set(errs)
+        worst = max(v for k, v in errs.items() if k != "y_dropless")
+        assert worst < 1e-12, (rank, json.dumps(errs))
+        if name == "small":
+            assert got["dropped"] >= 3 and errs["y_dropless"] > 1e-3, (rank, got)
+        else:  # nothing dropped: the dropless layer's output
+            assert got["dropped"] == 0 and errs["y_dropless"] < 1e-12, (rank, got)
