@@ -236,3 +236,24 @@ def test_grouped_path_equals_the_loop_with_padding_rows(activation: str) -> None
     grouped = experts._grouped(x_AD, n_tokens_E)
     assert (loop[18:] == 0).all() and (grouped[18:] == 0).all()
     torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_no_grad_forward_takes_the_grouped_path_with_the_same_result(
+        capacity_factor: float | None) -> None:
+    moe, _ = random_moe(capacity_factor=capacity_factor, n_shared_experts=1)
+    moe.float()
+    x = random_x().float()
+    calls = []
+    hook = moe.experts.register_forward_hook(
+        lambda m, args, out: calls.append(torch.is_grad_enabled()))
+    y_loop = moe(x)
+    from composer.blocks.moe import grouped_mm_ok
+
+    assert not grouped_mm_ok(x.reshape(-1, DR), moe.experts.up_proj)
+    with torch.no_grad():
+        assert grouped_mm_ok(x.reshape(-1, DR), moe.experts.up_proj)
+        y_grouped = moe(x)
+    hook.remove()
+    assert calls == [True, False]
+    torch.testing.assert_close(y_grouped, y_loop, rtol=1e-6, atol=1e-6)
