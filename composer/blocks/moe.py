@@ -24,9 +24,9 @@ for one layer:
 
 ``count_e`` counts the (token, k) assignments to expert e, so ``sum_e f_e = top_k`` and a
 perfectly balanced router gives ``aux = coeff * top_k`` (Megatron divides by ``top_k``, giving
-``coeff``: our coefficient is Megatron's ``moe_aux_loss_coeff * top_k``). ``p`` is the softmax
-probability, or for a sigmoid router the scores normalised to sum to 1 per token. ``f`` counts
-the experts chosen (after bias and group masking, before capacity dropping). The tokens ``N``
+``coeff``: Megatron's ``moe_aux_loss_coeff`` is our coefficient times ``top_k``). ``p`` is the
+softmax probability, or for a sigmoid router the scores normalised to sum to 1 per token. ``f``
+counts the experts chosen (after bias and group masking, before capacity dropping). The tokens ``N``
 (``moe.aux_loss_scope``): ``micro_batch``, one forward's tokens over every data-parallel rank
 (the statistics pass through ``token_sum``); ``global_batch``, ``count`` and ``N`` summed over the
 optimizer step's micro-batches so far (Megatron's ``global_aux_loss``; ``P`` stays the current
