@@ -77,7 +77,8 @@ def parallelize(model: nn.Module, dims: ParallelDims,
     if dims.mesh is not None:
         for moe in _moes(model):
             if dims.ep > 1:
-                apply_ep(moe, dims.mesh["ep"], dims.mesh["ep", "tp"] if dims.tp > 1 else None)
+                apply_ep(moe, dims.mesh["ep"], dims.mesh["ep", "tp"] if dims.tp > 1 else None,
+                         chunks=2 if dims.ep_overlap else 1)
             # the load-balancing statistics of the global batch, not of each rank's share; every
             # tp rank computes them whole while the router sums its gradients over tp
             group = dims.dp_mesh.get_group() if dims.dp > 1 else None

@@ -1,7 +1,8 @@
 """MoE balancing and capacity under parallelism (gloo): the aux-loss-free bias after three steps
 equals one process's at ep=2, dp=2 and tp=2 x ep=2 (bit for bit: the loads are integers summed
 over the global batch) and resumes exactly through the training engine at ep=2; token dropping
-under ep=2 drops exactly the assignments of the rule applied to each rank's own tokens."""
+under ep=2 drops exactly the assignments of the rule applied to each rank's own tokens; the
+overlapped (two-chunk) dispatch computes what the plain one does."""
 
 from __future__ import annotations
 
@@ -155,10 +156,50 @@ def capacity_under_ep() -> dict[str, Any]:
     return out
 
 
+def overlap_under_ep() -> dict[str, float]:
+    """The overlapped dispatch (two chunks) against the plain one on the same tokens, dropless
+    and with capacity: largest differences of the output and of every gradient."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from composer.parallel import expert
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    x, w = rank_tokens(dist.get_rank())
+    a2a = expert.funcol.all_to_all_single_autograd
+    calls: list[int] = []
+
+    def counted(t: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(t.shape[0])
+        return a2a(t, *args)
+
+    out: dict[str, Any] = {}
+    expert.funcol.all_to_all_single_autograd = counted
+    try:
+        for name, factor in (("dropless", None), ("capacity", 0.5)):
+            runs = []
+            for chunks in (1, 2):
+                moe, _ = capacity_moe(factor)
+                expert.apply_ep(moe, mesh, chunks=chunks)
+                xr = x.clone().requires_grad_()
+                calls.clear()
+                y = moe(xr)
+                out[f"{name}/sent {chunks}"] = calls[:chunks]  # the dispatches come first
+                (y * w).sum().backward()
+                runs.append([y, xr.grad] + [_whole(p.grad) for p in moe.parameters()])
+            out[name] = max((a - b).abs().max().item() / b.abs().max().clamp_min(1e-30).item()
+                            for a, b in zip(*runs, strict=True))
+    finally:
+        expert.funcol.all_to_all_single_autograd = a2a
+    return out
+
+
 def two_ranks(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {name: bias_case(layout, cfg_dict(), tokens())
-                           for name, layout in (("ep2", {"ep": 2}), ("dp2", {"dp": 2}))}
+                           for name, layout in (("ep2", {"ep": 2}), ("dp2", {"dp": 2}),
+                                                ("ep2-overlap", {"ep": 2, "ep_overlap": True}))}
     out["capacity"] = capacity_under_ep()
+    out["overlap"] = overlap_under_ep()
     model = {"pattern": "*EE", "set": {"d_model": 32, "vocab_size": 61, "attention.n_heads": 4,
                                        "attention.n_kv_heads": 2,
                                        **{f"moe.{k}": v for k, v in MOE.items()}}}
@@ -193,7 +234,7 @@ def ranks2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(two_ranks, 2, str(tmp_path_factory.mktemp("moe")), timeout=600)
 
 
-@pytest.mark.parametrize("name", ["ep2", "dp2"])
+@pytest.mark.parametrize("name", ["ep2", "dp2", "ep2-overlap"])
 def test_bias_update_equals_one_process(reference: dict, ranks2: list, name: str) -> None:
     for rank_result in ranks2:
         check_bias_case(rank_result[name], reference)
@@ -227,3 +268,12 @@ def test_capacity_under_ep_drops_exactly_the_rule(ranks2: list, name: str) -> No
             assert got["dropped"] >= 3 and errs["y_dropless"] > 1e-3, (rank, got)
         else:  # nothing dropped: the dropless layer's output
             assert got["dropped"] == 0 and errs["y_dropless"] < 1e-12, (rank, got)
+
+
+def test_overlapped_dispatch_equals_the_plain_one(ranks2: list) -> None:
+    for rank_result in ranks2:
+        got = rank_result["overlap"]
+        assert got["dropless"] < 1e-13 and got["capacity"] < 1e-13, got
+        for name in ("dropless", "capacity"):  # two dispatches of about half the rows each
+            (whole,), halves = got[f"{name}/sent 1"], got[f"{name}/sent 2"]
+            assert len(halves) == 2 and sum(halves) == whole and min(halves) >= whole // 3, got
