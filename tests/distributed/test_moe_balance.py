@@ -1,8 +1,9 @@
 """MoE balancing and capacity under parallelism (gloo): the aux-loss-free bias after three steps
 equals one process's at ep=2, dp=2 and tp=2 x ep=2 (bit for bit: the loads are integers summed
-over the global batch) and resumes exactly through the training engine at ep=2; token dropping
-under ep=2 drops exactly the assignments of the rule applied to each rank's own tokens; the
-overlapped (two-chunk) dispatch computes what the plain one does."""
+over the global batch), also with the global-batch and sequence-wise balance losses on (ep=2,
+dp=2, tp=2) and with capacity at tp=2, and resumes exactly through the training engine at ep=2;
+token dropping under ep=2 drops exactly the assignments of the rule applied to each rank's own
+tokens; the overlapped (two-chunk) dispatch computes what the plain one does."""
 
 from __future__ import annotations
 
@@ -30,6 +31,20 @@ def cfg_dict(**moe: Any) -> dict:
     return {"pattern": "*EE", "d_model": 32, "vocab_size": 61, "init_std": 0.1,
             "attention": {"n_heads": 4, "n_kv_heads": 2}, "mamba": None, "mlp": None,
             "moe": {**MOE, **moe}}
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    # the three balance losses together: global-batch loads, per-sequence statistics
+    "losses": {"aux_loss_coeff": 0.01, "aux_loss_scope": "global_batch",
+               "seq_aux_loss_coeff": 0.01},
+    # capacity is decided per forward: one process equals layouts without data parallel
+    "capacity": {"capacity_factor": 1.0},
+}
+"""Model variants checked at the layouts ``LAYOUTS_2`` name (beside the plain one)."""
+LAYOUTS_2 = {"ep2": ("plain", {"ep": 2}), "dp2": ("plain", {"dp": 2}),
+             "ep2-overlap": ("plain", {"ep": 2, "ep_overlap": True}),
+             "ep2-losses": ("losses", {"ep": 2}), "dp2-losses": ("losses", {"dp": 2}),
+             "tp2-losses": ("losses", {"tp": 2}), "tp2-capacity": ("capacity", {"tp": 2})}
 
 
 def tokens() -> np.ndarray:
@@ -74,10 +89,11 @@ def check_bias_case(got: dict, ref: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    out = bias_case({}, cfg_dict(), tokens())
+def references() -> dict[str, dict]:
+    out = {name: bias_case({}, cfg_dict(**kw), tokens())
+           for name, kw in {"plain": {}, **VARIANTS}.items()}
     # the rule moved every bias each step (a balanced expert would stay put)
-    last = out["history"][-1]
+    last = out["plain"]["history"][-1]
     assert all((v != 0).all() for v in last.values()), last
     return out
 
@@ -195,9 +211,9 @@ def overlap_under_ep() -> dict[str, float]:
 
 
 def two_ranks(tmp: str) -> dict[str, Any]:
-    out: dict[str, Any] = {name: bias_case(layout, cfg_dict(), tokens())
-                           for name, layout in (("ep2", {"ep": 2}), ("dp2", {"dp": 2}),
-                                                ("ep2-overlap", {"ep": 2, "ep_overlap": True}))}
+    out: dict[str, Any] = {
+        name: bias_case(layout, cfg_dict(**VARIANTS.get(variant, {})), tokens())
+        for name, (variant, layout) in LAYOUTS_2.items()}
     out["capacity"] = capacity_under_ep()
     out["overlap"] = overlap_under_ep()
     model = {"pattern": "*EE", "set": {"d_model": 32, "vocab_size": 61, "attention.n_heads": 4,
@@ -234,16 +250,16 @@ def ranks2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(two_ranks, 2, str(tmp_path_factory.mktemp("moe")), timeout=600)
 
 
-@pytest.mark.parametrize("name", ["ep2", "dp2", "ep2-overlap"])
-def test_bias_update_equals_one_process(reference: dict, ranks2: list, name: str) -> None:
+@pytest.mark.parametrize("name", list(LAYOUTS_2))
+def test_bias_update_equals_one_process(references: dict, ranks2: list, name: str) -> None:
     for rank_result in ranks2:
-        check_bias_case(rank_result[name], reference)
+        check_bias_case(rank_result[name], references[LAYOUTS_2[name][0]])
 
 
-def test_bias_update_equals_one_process_tp2_ep2(reference: dict) -> None:
+def test_bias_update_equals_one_process_tp2_ep2(references: dict) -> None:
     got = run_distributed(bias_case, 4, {"tp": 2, "ep": 2}, cfg_dict(), tokens(), timeout=600)
     for rank_result in got:
-        check_bias_case(rank_result, reference)
+        check_bias_case(rank_result, references["plain"])
 
 
 def test_bias_resumes_exactly_at_ep2(ranks2: list) -> None:
