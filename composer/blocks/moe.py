@@ -201,9 +201,12 @@ class MoE(nn.Module):
         # the sequence-wise statistics: this rank's own sequences (whole on every tp rank)
         self.seq_sum = TokenSum()
         self.aux_loss = torch.zeros(())
-        self._step_count_E: torch.Tensor | None = None
+        self.step_count_E: torch.Tensor | None = None
         """``aux_loss_scope="global_batch"``: assignments and tokens summed over the step's
         micro-batches so far (``[E + 1]``), reset by :meth:`end_step`."""
+
+    step_stats = ("step_count_E",)
+    """As :attr:`composer.blocks.router.Router.step_stats`."""
 
     def init_rules(self) -> dict[str, Init]:
         return {"router.weight": Normal(self.init_std), "router.score_bias": ZEROS,
@@ -257,10 +260,10 @@ class MoE(nn.Module):
         n_p = n
         if self.moe.aux_loss_scope == "global_batch" and self.training:
             step = torch.cat([count_E, n]).detach()
-            if self._step_count_E is not None:
-                step = step + self._step_count_E
+            if self.step_count_E is not None:
+                step = step + self.step_count_E
             if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-                self._step_count_E = step  # not again in a recomputation inside the backward
+                self.step_count_E = step  # not again in a recomputation inside the backward
             count_E, n = step.split([E, 1])
         return coeff * E * torch.sum((count_E / n) * (p_sum_E / n_p))
 
@@ -280,7 +283,7 @@ class MoE(nn.Module):
 
     def end_step(self) -> None:
         """Forget the statistics of the finished optimizer step (``global_batch`` scope)."""
-        self._step_count_E = None
+        self.step_count_E = None
 
     def parallel_plan(self) -> ParallelPlan:
         """The routed experts are the expert group (split over ep on dim 0); expert-tensor

@@ -57,6 +57,10 @@ class Router(nn.Module):
         """Assignments per expert counted by training forwards since the last bias update
         (fp32; an attribute, not state: it lives for one optimizer step)."""
 
+    step_stats = ("load_E",)
+    """Attributes that accumulate over an optimizer step's forwards (a forward that must not
+    count, such as a pipeline's shape inference, is undone by restoring them)."""
+
     @property
     def balancing(self) -> bool:
         """Whether aux-loss-free balancing moves ``score_bias`` (``moe.bias_update_rate > 0``)."""

@@ -27,9 +27,11 @@ MoE load-balancing losses of earlier layers stay on the stage that computes them
 weight ``1 / micro-batches``, as ``aux / k`` does without pipelining.
 
 The schedule's first step runs every stage once on placeholder tensors to learn the shapes it
-exchanges: the logs keep the last ``n_micro`` entries, and a new batch shape builds a new
-schedule. Under sequence parallelism the later stages are told that their inputs are
-sequence-sharded (the embedding, on the first stage, decides it).
+exchanges: the logs keep the last ``n_micro`` entries, that first forward leaves the MoE
+statistics of the step as they were (their ``step_stats``: expert loads for the balancing
+bias, global-batch loss counts), and a new batch shape builds a new schedule. Under sequence
+parallelism the later stages are told that their inputs are sequence-sharded (the embedding, on
+the first stage, decides it).
 
 Schedules: ``gpipe``, ``1f1b`` (default for ``V = 1``) and ``interleaved-1f1b`` (``V > 1``);
 the engine's micro-batches are the schedule's, and there must be at least ``pp`` of them.
@@ -129,9 +131,24 @@ class StageView(nn.Module):
         self.mtp_aux_log: list[torch.Tensor] = []
         self.tp: Any = None
         """The tensor-parallel context (set once the layout is applied)."""
+        self.placeholder = False
+        """The next forward is a new schedule's shape inference on placeholder tensors."""
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.placeholder:
+            return self._forward(x, labels, doc_ids)
+        self.placeholder = False
+        saved = [(m, name, getattr(m, name)) for m in self.modules()
+                 for name in getattr(m, "step_stats", ())]
+        try:
+            return self._forward(x, labels, doc_ids)
+        finally:  # placeholder tokens do not count towards the step's statistics
+            for module, name, value in saved:
+                setattr(module, name, value)
+
+    def _forward(self, x: torch.Tensor, labels: torch.Tensor | None,
+                 doc_ids: torch.Tensor | None) -> torch.Tensor:
         if self.tp is not None and not self.first and labels is not None:
             # The embedding decides sequence parallelism on the first stage; later stages get
             # its sequence-sharded hidden states and must know (the readout gathers them).
@@ -243,6 +260,8 @@ class Pipeline:
             # the stages learn the shapes they exchange on their first step: a new batch shape
             # needs a new schedule
             self._schedule, self._shape = self._build_schedule(), tuple(ids_BT.shape)
+            for view in self.views:
+                view.placeholder = True
         self._attach_tp()
         for view in self.views:
             view.aux_scale, view.loss_scale = 1.0 / self.n_micro, scale

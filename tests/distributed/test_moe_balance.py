@@ -216,17 +216,22 @@ def two_ranks(tmp: str) -> dict[str, Any]:
         for name, (variant, layout) in LAYOUTS_2.items()}
     out["capacity"] = capacity_under_ep()
     out["overlap"] = overlap_under_ep()
-    model = {"pattern": "*EE", "set": {"d_model": 32, "vocab_size": 61, "attention.n_heads": 4,
-                                       "attention.n_kv_heads": 2,
-                                       **{f"moe.{k}": v for k, v in MOE.items()}}}
-    recipe = {"model": model, "tokens": "synthetic", "seq_len": 16, "steps": 4,
-              "global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-3, "device": "cpu",
-              "precision": "fp32", "ep": 2}
+    recipe = {**RECIPE, "ep": 2}
     straight = engine_run({**recipe, "save": f"{tmp}/a"})
     engine_run({**recipe, "exit_at_step": 2, "save": f"{tmp}/b"})
     rest = engine_run({}, source=f"{tmp}/b")
     out["resume"] = {"straight": straight, "rest": rest}
+    out["engine-pp2"] = engine_run({**RECIPE, "pp": 2})  # each rank: its stage's layers
+    out["engine-ep2"] = straight
     return out
+
+
+RECIPE = {"model": {"pattern": "*EE", "set": {"d_model": 32, "vocab_size": 61,
+                                              "attention.n_heads": 4, "attention.n_kv_heads": 2,
+                                              **{f"moe.{k}": v for k, v in MOE.items()}}},
+          "tokens": "synthetic", "seq_len": 16, "steps": 4, "global_batch_size": 8,
+          "micro_batch_size": 2, "lr": 3e-3, "device": "cpu", "precision": "fp32"}
+"""The training engine's run (four micro-batches of two rows per step)."""
 
 
 def engine_run(values: dict, source: str | None = None) -> dict:
@@ -293,3 +298,15 @@ def test_overlapped_dispatch_equals_the_plain_one(ranks2: list) -> None:
         for name in ("dropless", "capacity"):  # two dispatches of about half the rows each
             (whole,), halves = got[f"{name}/sent 1"], got[f"{name}/sent 2"]
             assert len(halves) == 2 and sum(halves) == whole and min(halves) >= whole // 3, got
+
+
+@pytest.mark.parametrize("name", ["engine-ep2", "engine-pp2"])
+def test_engine_bias_equals_one_process(ranks2: list, name: str) -> None:
+    """Through ``composer train`` (accumulation over four micro-batches, fp32): pipeline ranks
+    update the layers they hold, expert-parallel ranks sum the loads over the batch."""
+    one = engine_run(dict(RECIPE))
+    biases = {k: v for r in ranks2 for k, v in r[name]["biases"].items()}
+    assert sorted(biases) == sorted(one["biases"]) and len(biases) == 2
+    for k, v in one["biases"].items():
+        assert torch.equal(biases[k], v) and (v != 0).any(), (k, biases[k], v)
+    np.testing.assert_allclose(ranks2[-1][name]["losses"], one["losses"], rtol=1e-5)
