@@ -52,17 +52,21 @@ def _expert_modules(mixer: nn.Module) -> list[nn.Module]:
     return out
 
 
-def shard_experts(layer: nn.Module, dims: ParallelDims, mp: MixedPrecisionPolicy) -> None:
+def shard_experts(layer: nn.Module, dims: ParallelDims,
+                  mp: MixedPrecisionPolicy) -> list[nn.Module]:
     """Expert FSDP: each expert group of ``layer`` its own unit over ``dp_outer``, on dim 0 (the
-    local experts) when they divide evenly, else on dim 1; gradients divided by ``dp``."""
+    local experts) when they divide evenly, else on dim 1; gradients divided by ``dp``.
+    Returns the units."""
     mesh = dims.mesh["dp_outer"]
-    for experts in _expert_modules(layer.mixer):
+    units = _expert_modules(layer.mixer)
+    for experts in units:
         n_local = next(iter(experts.parameters())).shape[0] // dims.ep
         dim = 0 if n_local % dims.dp_outer == 0 else 1
         fully_shard(experts, mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p, d=dim: Shard(d))
         experts.set_gradient_divide_factor(float(dims.dp))
         if dims.device.type != "cuda":  # gloo has no pre-multiplied sum: SUM, then divide
             experts.set_force_sum_reduction_for_comms(True)
+    return units
 
 
 def mixed_precision(dims: ParallelDims) -> MixedPrecisionPolicy:
@@ -79,15 +83,17 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims,
     mp = mixed_precision(dims)
     for root in roots or [model]:
         layers = [layer for _, layer in named_layers(root)]  # MTP depths' last, as they run
+        experts = [shard_experts(layer, dims, mp) if experts_sharded(dims) else []
+                   for layer in layers]
         for layer in layers:
-            if experts_sharded(dims):
-                shard_experts(layer, dims, mp)
             fully_shard(layer, mesh=dims.dp_mesh, ignored_params=_experts_apart(layer, dims),
                         mp_policy=mp)
         fully_shard(root, mesh=dims.dp_mesh, mp_policy=mp)
         for i, layer in enumerate(layers):
-            if i + 1 < len(layers):
-                layer.set_modules_to_forward_prefetch([layers[i + 1]])
+            # a layer gathers its own experts (their units sit inside it) and the next layer
+            ahead = experts[i] + ([layers[i + 1]] if i + 1 < len(layers) else [])
+            if ahead:
+                layer.set_modules_to_forward_prefetch(ahead)
             if i > 0:
                 layer.set_modules_to_backward_prefetch([layers[i - 1]])
 
