@@ -125,7 +125,7 @@ def parity_rows(device: str, dtypes: list[torch.dtype]) -> list[dict]:
         ref_ex.load_state_dict({k: v.to(dtype).double() for k, v in experts.state_dict().items()})
         ref = _leaves_grads(ref_ex, x.to(dtype).double(), n, "_loop", gy.to(dtype).double())
         experts.to(device, dtype)
-        # the grouped path runs in bf16 on CUDA (composer.blocks.moe.grouped_mm_ok)
+        # the grouped path runs in bf16 on CUDA (composer.blocks.moe.grouped_mm_dtype)
         for path in ("_grouped", "_loop") if dtype == torch.bfloat16 else ("_loop",):
             t0 = time.perf_counter()
             try:
@@ -152,28 +152,32 @@ def no_sync_row(device: str) -> dict:
 
     notes = []
     ok = True
-    for capacity_factor in (None, 1.0):
+    for capacity_factor, autocast in ((None, False), (1.0, False), (None, True)):
         moe_cfg = MoEConfig(n_experts=16, top_k=4, d_ff=128, score_func="sigmoid",
                             score_correction_bias=True, bias_update_rate=1e-3,
                             aux_loss_coeff=0.01, seq_aux_loss_coeff=0.001,
                             capacity_factor=capacity_factor)
         cfg = ModelConfig(pattern="E", d_model=256, attention=None, mamba=None,
                           moe=moe_cfg).validate()
-        moe = MoE(cfg).to(device, torch.bfloat16)
+        # fp32 masters under bf16 autocast (the single-device training path), else bf16
+        dtype = torch.float32 if autocast else torch.bfloat16
+        moe = MoE(cfg).to(device, dtype)
         moe.router.float()
         moe.reset_parameters()
-        x = torch.randn(4, 128, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
-        moe(x)  # warm-up outside the check (lazy initialisation may synchronise)
-        try:
-            torch.cuda.set_sync_debug_mode("error")
-            y = moe(x)
-            (y.float().square().mean() + moe.aux_loss).backward()
-            torch.cuda.set_sync_debug_mode(0)
-            notes.append(f"capacity {capacity_factor}: no sync")
-        except RuntimeError as e:
-            torch.cuda.set_sync_debug_mode(0)
-            ok = False
-            notes.append(f"capacity {capacity_factor}: {str(e).splitlines()[0][:60]}")
+        x = torch.randn(4, 128, 256, device=device, dtype=dtype, requires_grad=True)
+        what = f"capacity {capacity_factor}{', autocast' if autocast else ''}"
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            moe(x)  # warm-up outside the check (lazy initialisation may synchronise)
+            try:
+                torch.cuda.set_sync_debug_mode("error")
+                y = moe(x)
+                (y.float().square().mean() + moe.aux_loss).backward()
+                torch.cuda.set_sync_debug_mode(0)
+                notes.append(f"{what}: no sync")
+            except RuntimeError as e:
+                torch.cuda.set_sync_debug_mode(0)
+                ok = False
+                notes.append(f"{what}: {str(e).splitlines()[0][:60]}")
     return {"check": "MoE layer no sync", "dtype": "bfloat16", "path": "grouped", "err": None,
             "tol": None,
             "ok": ok, "ms": None, "note": "; ".join(notes)}

@@ -83,22 +83,26 @@ from composer.blocks.router import (
 from composer.config import ModelConfig, d_ff_shared_of, is_gated
 
 
-def grouped_mm_ok(x_AD: torch.Tensor, w_EFD: torch.Tensor) -> bool:
-    """Whether to use ``torch._grouped_mm``: on CUDA in bf16 (the dtype its fast kernels and
-    torchtitan use; other CUDA dtypes loop), or on the CPU in fp32/bf16 when no gradient is
-    needed (its CPU kernel has no backward in torch 2.13; forward it beats the loop,
-    ``bench/moe.py``); rows of a multiple of 16 bytes (its alignment). Chosen per call."""
+def grouped_mm_dtype(x_AD: torch.Tensor, w_EFD: torch.Tensor) -> torch.dtype | None:
+    """The dtype to run ``torch._grouped_mm`` in, or None for the loop. On CUDA: bf16 (the
+    dtype its fast kernels and torchtitan use), the input's or autocast's; other CUDA dtypes
+    loop. On the CPU: fp32/bf16 when no gradient is needed (its CPU kernel has no backward in
+    torch 2.13; forward it beats the loop, ``bench/moe.py``). Rows must be a multiple of 16
+    bytes (its alignment). Chosen per call, never at import."""
     if not hasattr(torch, "_grouped_mm"):
-        return False
+        return None
+    dtype = x_AD.dtype
     if x_AD.is_cuda:
-        if x_AD.dtype != torch.bfloat16:
-            return False
-    elif x_AD.device.type != "cpu" or x_AD.dtype not in (torch.float32, torch.bfloat16):
-        return False
+        if torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+        if dtype != torch.bfloat16:
+            return None
+    elif x_AD.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
     elif torch.is_grad_enabled() and (x_AD.requires_grad or w_EFD.requires_grad):
-        return False
-    align = 16 // x_AD.element_size()
-    return w_EFD.shape[1] % align == 0 and w_EFD.shape[2] % align == 0
+        return None
+    align = 16 // dtype.itemsize
+    return dtype if w_EFD.shape[1] % align == 0 and w_EFD.shape[2] % align == 0 else None
 
 
 class Experts(nn.Module):
@@ -121,8 +125,9 @@ class Experts(nn.Module):
         """Apply expert e to its contiguous slice of ``x_AD``: the rows are sorted by expert id,
         ``n_tokens_E[e]`` of them for expert e; rows after ``sum(n_tokens_E)`` are padding
         (dropped assignments) and their outputs are zero."""
-        if grouped_mm_ok(x_AD, self.up_proj):
-            return self._grouped(x_AD, n_tokens_E)
+        dtype = grouped_mm_dtype(x_AD, self.up_proj)
+        if dtype is not None:
+            return self._grouped(x_AD.to(dtype), n_tokens_E)
         return self._loop(x_AD, n_tokens_E)
 
     def _grouped(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:

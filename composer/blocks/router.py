@@ -95,7 +95,8 @@ class Router(nn.Module):
         """Return routing weights ``w_NK``, expert ids ``idx_NK`` and scores ``s_NE``."""
         moe = self.moe
         dtype = router_dtype(x_ND.dtype)
-        logits_NE = F.linear(x_ND.to(dtype), self.weight.to(dtype))
+        with torch.autocast(x_ND.device.type, enabled=False):  # fp32 even under bf16 autocast
+            logits_NE = F.linear(x_ND.to(dtype), self.weight.to(dtype))
         if moe.score_func == "softmax":
             s_NE = torch.softmax(logits_NE, dim=-1)
         else:

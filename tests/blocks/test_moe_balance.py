@@ -248,11 +248,11 @@ def test_no_grad_forward_takes_the_grouped_path_with_the_same_result(
     hook = moe.experts.register_forward_hook(
         lambda m, args, out: calls.append(torch.is_grad_enabled()))
     y_loop = moe(x)
-    from composer.blocks.moe import grouped_mm_ok
+    from composer.blocks.moe import grouped_mm_dtype
 
-    assert not grouped_mm_ok(x.reshape(-1, DR), moe.experts.up_proj)
+    assert grouped_mm_dtype(x.reshape(-1, DR), moe.experts.up_proj) is None
     with torch.no_grad():
-        assert grouped_mm_ok(x.reshape(-1, DR), moe.experts.up_proj)
+        assert grouped_mm_dtype(x.reshape(-1, DR), moe.experts.up_proj) == torch.float32
         y_grouped = moe(x)
     hook.remove()
     assert calls == [True, False]
