@@ -1,7 +1,8 @@
 """Expert FSDP (gloo): at ep=2 x dp_outer=2 the routed experts are FSDP units over dp_outer, so a
 rank holds half the expert weights and optimizer state it holds at ep=2 alone (counted on the
 shards); the layout computes what one process computes (fp64: eval loss, gradients, three AdamW
-steps); and its checkpoint, optimizer included, resumes at ep=2, dp=2 and on one process."""
+steps), also with tp=2 inside (8 ranks); and its checkpoint, optimizer included, resumes at
+ep=2, dp=2 and on one process."""
 
 from __future__ import annotations
 
@@ -108,13 +109,16 @@ def test_checkpoint_resumes_at_other_layouts(runs: dict, name: str) -> None:
         torch.testing.assert_close(got["params"][k], v, rtol=2e-5, atol=2e-6, msg=k)
 
 
-def test_equals_one_process_in_fp64() -> None:
-    """Eval loss, every gradient (gathered) and three AdamW steps at lr 1e-2."""
+@pytest.mark.parametrize("world, layout", [(4, {"ep": 2}), (8, {"tp": 2, "ep": 2})],
+                         ids=["ep2-dp_outer2", "tp2-ep2-dp_outer2"])
+def test_equals_one_process_in_fp64(world: int, layout: dict) -> None:
+    """Eval loss, every gradient (gathered) and three AdamW steps at lr 1e-2; with tp the
+    experts are split over (dp_outer, ep, tp) (expert-tensor parallel inside)."""
     from composer.testing import layout_case
 
     args = (cfg_dict(), tokens(), True, 1e-2)
     ref = layout_case({}, *args)
-    got = run_distributed(layout_case, 4, {"ep": 2}, *args, timeout=600)[0]
+    got = run_distributed(layout_case, world, layout, *args, timeout=600)[0]
     assert abs(got["eval"] - ref["eval"]) < 1e-12 * abs(ref["eval"])
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-12)
     for key in ("grads", "params"):
