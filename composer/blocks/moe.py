@@ -49,7 +49,7 @@ Expert computation: rows sorted by expert, then one grouped GEMM per projection 
 bf16 (``torch._grouped_mm``, no host synchronisation; other CUDA dtypes loop). On the CPU,
 training forwards loop over the experts' slices (``bench/moe.py``: nothing measured beats the
 loop forward + backward, and ``torch._grouped_mm`` has no CPU backward in torch 2.13); forwards
-without gradients (evaluation, generation) take ``torch._grouped_mm``, 10-25% faster there.
+without gradients (evaluation, generation) take ``torch._grouped_mm``, 10-27% faster there.
 
 Shape legend: B batch, T sequence, D d_model, N = B*T tokens, E experts, K top_k,
 F expert hidden width, G expert groups, A = N*K token-expert assignments.

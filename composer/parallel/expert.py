@@ -32,6 +32,12 @@ gradients of losses that add up to the global one, each rank adds ``aux_loss / e
 
 Gradient scaling, for whoever wires data parallel (see :func:`expert_grad_scale`).
 
+Capacity dropping happens before the dispatch (in ``MoE.forward``, on this rank's tokens): the
+dropped rows come last and never leave the rank. ``chunks = 2`` (``--ep-overlap``) overlaps the
+dispatch with the experts' computation (:class:`ExpertParallelExperts`). After each optimizer
+step :func:`finish_moe_step` sums every layer's expert loads over the data-parallel ranks and
+moves the balancing biases (aux-loss-free balancing).
+
 Shape legend (as in ``moe.py``): A routed rows this rank sends, R rows it receives, D d_model,
 E experts, P ep ranks, L = E / P local experts.
 """
