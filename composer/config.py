@@ -199,7 +199,8 @@ class MoEConfig:
     capacity_factor: float | None = None
     """Token dropping: each expert takes at most ``ceil(capacity_factor * N * top_k / E)`` of a
     forward's ``N`` tokens (per rank), those with the highest routing weight; the others skip
-    that expert (the residual carries them). ``None``: dropless."""
+    that expert (the residual carries them). It is part of the model: evaluation and generation
+    drop too (a decoding step's ``N`` is its batch). ``None``: dropless."""
     shared_expert_gate: bool = False
     """Scale the shared experts' output by ``sigmoid(shared_expert_gate(x))``, one scalar per
     token (``shared_expert_gate.weight [1, D]``; Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)."""
