@@ -109,8 +109,9 @@ def test_checkpoint_resumes_at_other_layouts(runs: dict, name: str) -> None:
         torch.testing.assert_close(got["params"][k], v, rtol=2e-5, atol=2e-6, msg=k)
 
 
-@pytest.mark.parametrize("world, layout", [(4, {"ep": 2}), (8, {"tp": 2, "ep": 2})],
-                         ids=["ep2-dp_outer2", "tp2-ep2-dp_outer2"])
+@pytest.mark.parametrize("world, layout", [(4, {"ep": 2}), (8, {"tp": 2, "ep": 2}),
+                                           (4, {"ep": 2, "ep_overlap": True})],
+                         ids=["ep2-dp_outer2", "tp2-ep2-dp_outer2", "ep2-dp_outer2-overlap"])
 def test_equals_one_process_in_fp64(world: int, layout: dict) -> None:
     """Eval loss, every gradient (gathered) and three AdamW steps at lr 1e-2; with tp the
     experts are split over (dp_outer, ep, tp) (expert-tensor parallel inside)."""
