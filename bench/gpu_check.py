@@ -36,6 +36,14 @@ kernels  parity of composer.kernels against the torch path, forward and backward
          operands), bf16 3e-2, FP8 1.5e-1. ``ms``: one forward + backward. A block row says "not
          wired" when the block does not call its composer.kernels hook. Rows are appended to
          kernels.jsonl after each check, then kernels.json holds them all.
+moe      routed experts (``bench/moe.py``): ``Experts._grouped`` (``torch._grouped_mm``, bf16) and
+         ``_loop`` (fp32, bf16) against an fp64 loop, forward and backward, with padding rows
+         (dropped assignments) and an empty expert (tolerances as for kernels); a whole MoE
+         layer's forward and backward (router, capacity, sort, grouped GEMMs, balance losses)
+         under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any host
+         synchronisation; then forward + backward time per token of the loop, padded bmm and
+         grouped_mm for 8, 64 and 128 experts (16384 tokens, d_model 2048, d_ff 1024, bf16)
+         -> moe.json
 summary  reads phases.tsv (``phase<TAB>exit status<TAB>seconds``, one line per phase, written by
          the shell script) and the tables -> summary.txt; exits 1 when a phase failed or timed
          out.
@@ -86,7 +94,7 @@ from composer.kernels import sdpa as ksdpa  # noqa: E402
 PEAK_TFLOPS = 989  # H200 SXM, dense bf16 (NVIDIA's spec sheet)
 TOL = {torch.float32: 1e-2, torch.bfloat16: 3e-2, "fp8": 1.5e-1}
 INF = float("inf")
-PHASES = ("setup", "train", "fp8", "kernels", "summary")
+PHASES = ("setup", "train", "fp8", "moe", "kernels", "summary")
 
 # ---------------------------------------------------------------- the model and the recipe
 
@@ -771,6 +779,27 @@ def phase_kernels(out: Path, dry: bool) -> int:
     return 0 if done == "complete" and not failed else 1
 
 
+# ---------------------------------------------------------------- moe
+
+
+def phase_moe(out: Path, dry: bool) -> int:
+    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "bench" / "moe.py")
+    bench_moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_moe)
+    try:
+        rows, timing, ok = bench_moe.gpu_phase(dry)
+        status = "complete"
+    except Interrupted:
+        rows, timing, ok, status = [], [], False, "interrupted (timeout)"
+    write_json(out / "moe.json", {"parity": rows, "timing": timing, "status": status})
+    failed = [r for r in rows if r["ok"] is False]
+    text = "\n".join([f"== moe ({status}; {len(failed)} failed)", parity_table(rows),
+                      "", "expert forward + backward per token (best of the repeats):",
+                      bench_moe.timing_table(timing)])
+    publish(out, "moe", text)
+    return 0 if ok and status == "complete" else 1
+
+
 # ---------------------------------------------------------------- summary
 
 
@@ -891,13 +920,13 @@ def dry_run(out: Path) -> int:
         print(p.stdout[-6000:], p.stderr[-2000:])
         for f in ("setup.json", "setup.txt", "train/recipe.yaml", "train/command.txt",
                   "train/report.json", "train.txt", "fp8/report.json", "kernels.jsonl",
-                  "kernels.json", "phases.tsv", "summary.txt"):
+                  "kernels.json", "moe.json", "moe.txt", "phases.tsv", "summary.txt"):
             assert (folder / f).exists(), f"{f} was not written"
         assert yaml.safe_load((folder / "train/recipe.yaml").read_text())["model"] == TINY
         assert len(read_jsonl(folder / "kernels.jsonl")) >= 10, "kernel rows missing"
         phases = dict(line.split("\t")[:2] for line in (folder / "phases.tsv").read_text()
                       .splitlines())
-        assert set(phases) == {"setup", "train", "fp8", "kernels"}, phases
+        assert set(phases) == {"setup", "train", "fp8", "moe", "kernels"}, phases
         failed = {k for k, v in phases.items() if v != "0"}
         train = json.loads((folder / "train/report.json").read_text())
         if failed == {"train"} and "cli_rejected" in train:
@@ -963,6 +992,8 @@ def main() -> int:
         return phase_setup(out, args.dry_run, args.pip)
     if args.phase == "kernels":
         return phase_kernels(out, args.dry_run)
+    if args.phase == "moe":
+        return phase_moe(out, args.dry_run)
     plan = DRY if args.dry_run else TRAIN if args.phase == "train" else FP8
     if args.steps and args.phase == "train" and not args.dry_run:
         plan = replace(plan, steps=args.steps, warm=min(plan.warm, args.steps // 3))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-GPU check of composer, written for an H200 with no network, in at most 7 minutes.
+# One-GPU check of composer, written for an H200 with no network, in at most 8 minutes.
 #
 #   bash bench/gpu_check.sh                    # results in $OUT, else bench/out/
 #   python bench/gpu_check.py --dry-run        # checks this script's logic on a CPU
@@ -24,21 +24,24 @@
 #            train.log, report.json)
 #   fp8      the same for 6 steps with --precision fp8 -> $OUT/fp8/ ("skipped: ..." without
 #            torchao)
+#   moe      grouped expert GEMMs against the loop (fp32, bf16, forward and backward), a whole
+#            MoE layer without host synchronisation, and the expert time per token for 8, 64
+#            and 128 experts (bench/moe.py) -> $OUT/moe.json
 #   kernels  parity of composer.kernels against the torch path -> $OUT/kernels.jsonl (rows as
 #            they come), $OUT/kernels.json
 #   summary  one line per phase -> $OUT/summary.txt; exit status 0 when every phase passed
 # bench/gpu_check.py (its docstring) says what each phase checks and measures.
 #
-# Budget (GPU_CHECK_BUDGET, 420 s, counted from the start): the setup steps have their own
-# timeouts (60 s each; about 10 s in all as a rule); then train gets at most 240 s, fp8 60 s and
-# kernels the rest, each less what the phases after it need at least (fp8 50 s, kernels 100 s,
-# summary 15 s, and 10 s for a last `timeout -k`); a phase left under 30 s is skipped, which the
-# summary counts as not passed.
+# Budget (GPU_CHECK_BUDGET, 460 s, counted from the start): the setup steps have their own
+# timeouts (60 s each; about 10 s in all as a rule); then train gets at most 240 s, fp8 60 s,
+# moe 60 s and kernels the rest, each less what the phases after it need at least (fp8 50 s,
+# moe 40 s, kernels 100 s, summary 15 s, and 10 s for a last `timeout -k`); a phase left under
+# 30 s is skipped, which the summary counts as not passed.
 #
 # Environment:
 #   OUT                 results folder (default bench/out)
-#   GPU_CHECK_BUDGET    seconds in all (420)
-#   GPU_CHECK_PHASES    which of train,fp8,kernels to run (all three); setup always runs
+#   GPU_CHECK_BUDGET    seconds in all (460)
+#   GPU_CHECK_PHASES    which of train,fp8,moe,kernels to run (all four); setup always runs
 #   GPU_CHECK_STEPS     train steps (30)
 #   PYTHON              the interpreter to use (default: the first of .venv/bin/python,
 #                       python3, python whose torch sees CUDA)
@@ -50,16 +53,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$(pwd)
 START=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET:-420}
-PHASES=${GPU_CHECK_PHASES:-train,fp8,kernels}
+BUDGET=${GPU_CHECK_BUDGET:-460}
+PHASES=${GPU_CHECK_PHASES:-train,fp8,moe,kernels}
 STEPS=${GPU_CHECK_STEPS:-30}
 OUT=${OUT:-$ROOT/bench/out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1
 export OUT
 for p in ${PHASES//,/ }; do
   case $p in
-    train | fp8 | kernels) ;;
-    *) echo "GPU_CHECK_PHASES: unknown phase $p (train, fp8, kernels)" >&2; exit 2 ;;
+    train | fp8 | moe | kernels) ;;
+    *) echo "GPU_CHECK_PHASES: unknown phase $p (train, fp8, moe, kernels)" >&2; exit 2 ;;
   esac
 done
 left() { echo $((BUDGET - ($(date +%s) - START))); }
@@ -157,11 +160,13 @@ phase() {
   printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >>"$OUT/phases.tsv"
 }
 R_FP8=0; selected fp8 && R_FP8=50
+R_MOE=0; selected moe && R_MOE=40
 R_KERNELS=0; selected kernels && R_KERNELS=100
 
 phase setup 60 0 --pip "$PIP_STATUS"
-selected train && phase train 240 $((R_FP8 + R_KERNELS + 25)) --steps "$STEPS"
-selected fp8 && phase fp8 60 $((R_KERNELS + 25))
+selected train && phase train 240 $((R_FP8 + R_MOE + R_KERNELS + 25)) --steps "$STEPS"
+selected fp8 && phase fp8 60 $((R_MOE + R_KERNELS + 25))
+selected moe && phase moe 60 $((R_KERNELS + 25))
 selected kernels && phase kernels 300 25
 
 timeout 15 "$PY" bench/gpu_check.py summary --out "$OUT"

@@ -181,7 +181,26 @@ class MoEConfig:
     n_expert_groups: int = 1
     topk_groups: int = 1
     aux_loss_coeff: float = 0.0
-    """Weight of the switch-style load-balancing loss added to the training loss."""
+    """Weight of the switch-style load-balancing loss of each MoE layer, added to the training
+    loss (Megatron-Core ``moe_aux_loss_coeff``; :mod:`composer.blocks.moe` has the formula)."""
+    aux_loss_scope: Literal["micro_batch", "global_batch"] = "micro_batch"
+    """Over which tokens that loss counts the expert loads ``f_e``: ``micro_batch`` (each
+    micro-batch's tokens over every data-parallel rank; Megatron ``aux_loss`` counts one rank's
+    micro-batch) or ``global_batch`` (the running sum over the step's micro-batches so far,
+    Megatron ``global_aux_loss``)."""
+    seq_aux_loss_coeff: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss (eq. 17-20; Megatron ``seq_aux_loss``),
+    each sequence balanced on its own, averaged over the sequences; 0 = off."""
+    bias_update_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3 §2.1.2): after each optimizer step the score bias of
+    every MoE layer moves by ``rate * sign(mean load - load_e)``, the loads counted over the
+    global batch; 0 = off (needs ``score_correction_bias``; Megatron
+    ``moe_router_bias_update_rate``, typically 1e-3)."""
+    capacity_factor: float | None = None
+    """Token dropping: each expert takes at most ``ceil(capacity_factor * N * top_k / E)`` of a
+    forward's ``N`` tokens (per rank), those with the highest routing weight; the others skip
+    that expert (the residual carries them). It is part of the model: evaluation and generation
+    drop too (a decoding step's ``N`` is its batch). ``None``: dropless."""
     shared_expert_gate: bool = False
     """Scale the shared experts' output by ``sigmoid(shared_expert_gate(x))``, one scalar per
     token (``shared_expert_gate.weight [1, D]``; Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)."""
@@ -583,8 +602,15 @@ def _validate_moe(e: MoEConfig, cfg: ModelConfig) -> None:
                           "exceed it")
     if e.n_expert_groups > 1 and e.top_k > e.topk_groups * (e.n_experts // e.n_expert_groups):
         raise ConfigError(f"moe.top_k ({e.top_k}) exceeds the experts in moe.topk_groups groups")
-    if e.aux_loss_coeff < 0:
-        raise ConfigError(f"moe.aux_loss_coeff must be >= 0, got {e.aux_loss_coeff}")
+    for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "bias_update_rate"):
+        if getattr(e, name) < 0:
+            raise ConfigError(f"moe.{name} must be >= 0, got {getattr(e, name)}")
+    if e.bias_update_rate and not e.score_correction_bias:
+        raise ConfigError("moe.bias_update_rate needs the score bias it updates "
+                          "(moe.score_correction_bias: true)")
+    if e.capacity_factor is not None and not e.capacity_factor > 0:
+        raise ConfigError(f"moe.capacity_factor must be > 0 (or null: dropless), got "
+                          f"{e.capacity_factor}")
     if e.shared_expert_gate and not e.n_shared_experts:
         raise ConfigError("moe.shared_expert_gate needs shared experts (moe.n_shared_experts >= 1)")
 

@@ -37,10 +37,13 @@ def mla(n_heads: int, theta: float, yarn: YarnScaling | None, q_rank: int | None
 
 def moe(n_experts: int, groups: int, topk_groups: int, scaling: float, top_k: int = 8,
         d_ff: int = 2048) -> MoEConfig:
+    """The training of DeepSeek-V3 §4.2: aux-loss-free balancing at bias update speed 0.001 and
+    the sequence-wise balance loss at alpha = 0.0001 (not in the HF config)."""
     return MoEConfig(n_experts=n_experts, top_k=top_k, d_ff=d_ff, activation="swiglu",
                      n_shared_experts=1, score_func="sigmoid", renormalize=True,
                      score_correction_bias=True, routed_scaling_factor=scaling,
-                     n_expert_groups=groups, topk_groups=topk_groups)
+                     n_expert_groups=groups, topk_groups=topk_groups, bias_update_rate=1e-3,
+                     seq_aux_loss_coeff=1e-4)
 
 
 PRESETS = [

@@ -36,11 +36,13 @@ def nemotron_h(pattern: str, d_model: int, n_heads: int, n_kv_heads: int, d_ff: 
 
 def nemotron3_moe(n_experts: int, top_k: int, d_ff: int, d_ff_shared: int,
                   scaling: float) -> MoEConfig:
-    """Nemotron 3 MoE: sigmoid router with score-correction bias, renormalised top-k, scaled."""
+    """Nemotron 3 MoE: sigmoid router with score-correction bias, renormalised top-k, scaled;
+    trained with aux-loss-free balancing (the bias moved at Megatron-Core's default rate 1e-3)
+    next to a small load-balancing loss."""
     return MoEConfig(n_experts=n_experts, top_k=top_k, d_ff=d_ff, activation="relu2",
                      n_shared_experts=1, d_ff_shared=d_ff_shared, score_func="sigmoid",
                      renormalize=True, score_correction_bias=True, routed_scaling_factor=scaling,
-                     aux_loss_coeff=1e-4)
+                     aux_loss_coeff=1e-4, bias_update_rate=1e-3)
 
 
 P_4B_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"

@@ -16,21 +16,40 @@ Router math runs in fp32 (fp64 when the input is fp64, so the fp64 reference can
 math); expert matmuls run in the input dtype; their outputs are scaled by the routing weights and
 summed in the router dtype, then cast back to the input dtype (as NemotronHExperts does).
 
-Load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4), normalised exactly as
-transformers' ``load_balancing_loss_func`` for one layer:
+Load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4), per MoE layer (the model's
+``aux_loss`` sums the layers), normalised exactly as transformers' ``load_balancing_loss_func``
+for one layer:
 
-    aux = n_experts * sum_e f_e * P_e,   f_e = count_e / N,   P_e = mean_n p_ne
+    aux = aux_loss_coeff * E * sum_e f_e * P_e,   f_e = count_e / N,   P_e = mean_n p_ne
 
 ``count_e`` counts the (token, k) assignments to expert e, so ``sum_e f_e = top_k`` and a
-perfectly balanced router gives ``aux = top_k`` (Megatron also divides by ``top_k``, giving 1).
-``p`` is the softmax probability, or for a sigmoid router the scores normalised to sum to 1 per
-token. ``f`` counts the experts actually chosen (after bias and group masking).
+perfectly balanced router gives ``aux = coeff * top_k`` (Megatron divides by ``top_k``, giving
+``coeff``: Megatron's ``moe_aux_loss_coeff`` is our coefficient times ``top_k``). ``p`` is the
+softmax probability, or for a sigmoid router the scores normalised to sum to 1 per token. ``f``
+counts the experts chosen (after bias and group masking, before capacity dropping). The tokens ``N``
+(``moe.aux_loss_scope``): ``micro_batch``, one forward's tokens over every data-parallel rank
+(the statistics pass through ``token_sum``); ``global_batch``, ``count`` and ``N`` summed over the
+optimizer step's micro-batches so far (Megatron's ``global_aux_loss``; ``P`` stays the current
+micro-batch's), reset by :meth:`MoE.end_step`.
+
+Sequence-wise balance loss (DeepSeek-V3 eq. 17-20; ``moe.seq_aux_loss_coeff``), per sequence
+``b`` of ``T`` tokens, then averaged over the sequences:
+
+    seq_aux = coeff * mean_b sum_e (E / (K T)) count_be * mean_t p_bte
+
+Capacity and aux-loss-free balancing: :mod:`composer.blocks.router`.
 
 The block is single-device. Its plan (``parallel_plan``) names the expert group and the token
 sums; expert parallelism (``composer/parallel/expert.py``) then shards the experts' dim 0 over
 the ep ranks and swaps in an ``Experts`` that sends the routed rows by all-to-all to the rank
 holding their expert, and replaces ``token_sum`` by a sum over the ranks that share the batch, so
 ``aux`` is the loss of the global batch. Same math, same keys.
+
+Expert computation: rows sorted by expert, then one grouped GEMM per projection on CUDA in
+bf16 (``torch._grouped_mm``, no host synchronisation; other CUDA dtypes loop). On the CPU,
+training forwards loop over the experts' slices (``bench/moe.py``: nothing measured beats the
+loop forward + backward, and ``torch._grouped_mm`` has no CPU backward in torch 2.13); forwards
+without gradients (evaluation, generation) take ``torch._grouped_mm``, 10-27% faster there.
 
 Shape legend: B batch, T sequence, D d_model, N = B*T tokens, E experts, K top_k,
 F expert hidden width, G expert groups, A = N*K token-expert assignments.
@@ -52,53 +71,38 @@ from composer.blocks.plan import (
     TokenSum,
     init_module,
 )
-from composer.config import ModelConfig, MoEConfig, d_ff_shared_of, is_gated
+from composer.blocks.router import (
+    Router,
+    capacity,
+    count_assignments,
+    drop_ref,
+    router_dtype,
+    router_ref,
+    within_capacity,
+)
+from composer.config import ModelConfig, d_ff_shared_of, is_gated
 
 
-def _router_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-class Router(nn.Module):
-    """``router.weight [E, D]`` (fp32) and, if ``score_correction_bias``, ``router.score_bias``."""
-
-    def __init__(self, d_model: int, moe: MoEConfig) -> None:
-        super().__init__()
-        self.moe = moe
-        self.weight = nn.Parameter(torch.empty(moe.n_experts, d_model, dtype=torch.float32))
-        if moe.score_correction_bias:
-            # A buffer: it is steered by load statistics (aux-loss-free balancing), not by gradient.
-            self.register_buffer("score_bias", torch.zeros(moe.n_experts, dtype=torch.float32))
-        else:
-            self.score_bias: torch.Tensor | None = None
-
-    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return routing weights ``w_NK``, expert ids ``idx_NK`` and scores ``s_NE``."""
-        moe = self.moe
-        dtype = _router_dtype(x_ND.dtype)
-        logits_NE = F.linear(x_ND.to(dtype), self.weight.to(dtype))
-        if moe.score_func == "softmax":
-            s_NE = torch.softmax(logits_NE, dim=-1)
-        else:
-            s_NE = torch.sigmoid(logits_NE)
-        choose_NE = s_NE if self.score_bias is None else s_NE + self.score_bias.to(dtype)
-        if moe.n_expert_groups > 1:
-            choose_NE = self._mask_groups(choose_NE)
-        idx_NK = torch.topk(choose_NE, moe.top_k, dim=-1).indices
-        w_NK = s_NE.gather(1, idx_NK)
-        if moe.renormalize:
-            w_NK = w_NK / (w_NK.sum(dim=-1, keepdim=True) + 1e-20)
-        return w_NK * moe.routed_scaling_factor, idx_NK, s_NE
-
-    def _mask_groups(self, choose_NE: torch.Tensor) -> torch.Tensor:
-        n, n_groups = choose_NE.shape[0], self.moe.n_expert_groups
-        choose_NGe = choose_NE.view(n, n_groups, -1)
-        # transformers takes top-2 per group and so fails on groups of one expert; we take top-1.
-        top = min(2, choose_NGe.shape[-1])
-        group_score_NG = choose_NGe.topk(top, dim=-1).values.sum(dim=-1)
-        keep_NG = torch.zeros_like(group_score_NG, dtype=torch.bool)
-        keep_NG.scatter_(1, group_score_NG.topk(self.moe.topk_groups, dim=-1).indices, True)
-        return choose_NGe.masked_fill(~keep_NG[..., None], float("-inf")).view(n, -1)
+def grouped_mm_dtype(x_AD: torch.Tensor, w_EFD: torch.Tensor) -> torch.dtype | None:
+    """The dtype to run ``torch._grouped_mm`` in, or None for the loop. On CUDA: bf16 (the
+    dtype its fast kernels and torchtitan use), the input's or autocast's; other CUDA dtypes
+    loop. On the CPU: fp32/bf16 when no gradient is needed (its CPU kernel has no backward in
+    torch 2.13; forward it beats the loop, ``bench/moe.py``). Rows must be a multiple of 16
+    bytes (its alignment). Chosen per call, never at import."""
+    if not hasattr(torch, "_grouped_mm"):
+        return None
+    dtype = x_AD.dtype
+    if x_AD.is_cuda:
+        if torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+        if dtype != torch.bfloat16:
+            return None
+    elif x_AD.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    elif torch.is_grad_enabled() and (x_AD.requires_grad or w_EFD.requires_grad):
+        return None
+    align = 16 // dtype.itemsize
+    return dtype if w_EFD.shape[1] % align == 0 and w_EFD.shape[2] % align == 0 else None
 
 
 class Experts(nn.Module):
@@ -118,18 +122,45 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
 
     def forward(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
-        """Apply expert e to its contiguous slice of ``x_AD`` (rows sorted by expert id,
-        ``n_tokens_E`` rows for expert e; one host sync for the split sizes)."""
+        """Apply expert e to its contiguous slice of ``x_AD``: the rows are sorted by expert id,
+        ``n_tokens_E[e]`` of them for expert e; rows after ``sum(n_tokens_E)`` are padding
+        (dropped assignments) and their outputs are zero."""
+        dtype = grouped_mm_dtype(x_AD, self.up_proj)
+        if dtype is not None:
+            return self._grouped(x_AD.to(dtype), n_tokens_E)
+        return self._loop(x_AD, n_tokens_E)
+
+    def _grouped(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
+        """One ``torch._grouped_mm`` per projection, without host synchronisation: the group
+        offsets stay on the device, the padding rows join the last group as zeros."""
+        A = x_AD.shape[0]
+        ends_E = torch.cumsum(n_tokens_E, 0)
+        valid_A1 = (torch.arange(A, device=x_AD.device) < ends_E[-1])[:, None]
+        offs_E = torch.cat([ends_E[:-1], ends_E.new_full((1,), A)]).to(torch.int32)
+        x_AD = torch.where(valid_A1, x_AD, 0)  # its backward zeroes the padding rows' grads
+
+        def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offs_E)
+
+        if self.gated:
+            h_AF = self.act(mm(x_AD, self.gate_proj)) * mm(x_AD, self.up_proj)
+        else:
+            h_AF = self.act(mm(x_AD, self.up_proj))
+        return torch.where(valid_A1, mm(h_AF, self.down_proj), 0)
+
+    def _loop(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
+        """A loop over the experts (never over tokens), skipping empty ones; one host sync for
+        the split sizes."""
         gate = self.gate_proj if self.gated else None
         up, down = self.up_proj, self.down_proj
-        # torch._grouped_mm would replace this loop, but on CPU (torch 2.13) it rejects fp64 and
-        # its backward fails, so we loop over experts (never over tokens) and skip empty ones.
         # unbind/split once: indexing w[e] per expert makes the backward zero-fill a whole-weight
         # gradient per expert.
         gates = gate.unbind(0) if gate is not None else None
         ups, downs = up.unbind(0), down.unbind(0)
+        sizes = n_tokens_E.tolist()
+        n_pad = x_AD.shape[0] - sum(sizes)
         y_AD = []
-        for e, x_nD in enumerate(x_AD.split(n_tokens_E.tolist(), dim=0)):
+        for e, x_nD in enumerate(x_AD.split([*sizes, n_pad], dim=0)[:-1]):
             if x_nD.shape[0] == 0:
                 continue
             if gates is not None:
@@ -143,6 +174,8 @@ class Experts(nn.Module):
             # zero gradients rather than none.
             anchor = sum(w.sum() for w in (gate, up, down) if w is not None)
             return x_AD * 0 + anchor * 0
+        if n_pad:
+            y_AD.append(x_AD.new_zeros(n_pad, x_AD.shape[1]))
         return torch.cat(y_AD)
 
 
@@ -170,7 +203,15 @@ class MoE(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False)
         # the load-balancing statistics pass through it: the global batch's under parallelism
         self.token_sum = TokenSum()
+        # the sequence-wise statistics: this rank's own sequences (whole on every tp rank)
+        self.seq_sum = TokenSum()
         self.aux_loss = torch.zeros(())
+        self.step_count_E: torch.Tensor | None = None
+        """``aux_loss_scope="global_batch"``: assignments and tokens summed over the step's
+        micro-batches so far (``[E + 1]``), reset by :meth:`end_step`."""
+
+    step_stats = ("step_count_E",)
+    """As :attr:`composer.blocks.router.Router.step_stats`."""
 
     def init_rules(self) -> dict[str, Init]:
         return {"router.weight": Normal(self.init_std), "router.score_bias": ZEROS,
@@ -182,16 +223,21 @@ class MoE(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
+        E, K = self.moe.n_experts, self.moe.top_k
         x_ND = x_BTD.reshape(B * T, D)
         w_NK, idx_NK, s_NE = self.router(x_ND)
-        n_tokens_E = torch.bincount(idx_NK.flatten(), minlength=self.moe.n_experts)
-        self.aux_loss = self._aux_loss(s_NE, n_tokens_E)
-
-        # Sorting the assignments by expert makes each expert's tokens one contiguous slice.
         expert_A = idx_NK.flatten()
+        n_chosen_E = count_assignments(expert_A, E)
+        self.router.count_load(n_chosen_E)
+        self.aux_loss = self._aux_loss(s_NE, n_chosen_E) + self._seq_aux_loss(s_NE, idx_NK, B)
+
+        if self.moe.capacity_factor is not None:  # dropped assignments sort last, as padding
+            keep_A = within_capacity(idx_NK, w_NK, E, capacity(self.moe, B * T))
+            expert_A = torch.where(keep_A, expert_A, E)
+        # Sorting the assignments by expert makes each expert's tokens one contiguous slice.
         order_A = torch.argsort(expert_A, stable=True)
-        token_A = order_A // self.moe.top_k
-        y_AD = self.experts(x_ND[token_A], n_tokens_E)
+        token_A = order_A // K
+        y_AD = self.experts(x_ND[token_A], count_assignments(expert_A, E))
         y_AD = y_AD.to(w_NK.dtype) * w_NK.flatten()[order_A, None]
         y_ND = torch.zeros_like(x_ND, dtype=w_NK.dtype).index_add_(0, token_A, y_AD)
 
@@ -203,17 +249,48 @@ class MoE(nn.Module):
             y_BTD = y_BTD + shared_BTD
         return y_BTD
 
-    def _aux_loss(self, s_NE: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
+    def _probs(self, s_NE: torch.Tensor) -> torch.Tensor:
+        return s_NE if self.moe.score_func == "softmax" else s_NE / s_NE.sum(-1, keepdim=True)
+
+    def _aux_loss(self, s_NE: torch.Tensor, n_chosen_E: torch.Tensor) -> torch.Tensor:
         coeff = self.moe.aux_loss_coeff
         if coeff == 0:
             return s_NE.new_zeros(())
-        p_NE = s_NE if self.moe.score_func == "softmax" else s_NE / s_NE.sum(-1, keepdim=True)
+        p_NE = self._probs(s_NE)
         # Sums rather than means, so that they add up over the ranks holding the batch.
         n_tokens = p_NE.new_full((1,), p_NE.shape[0])
-        stats = self.token_sum(torch.cat([p_NE.sum(dim=0), n_tokens_E.to(p_NE.dtype), n_tokens]))
+        stats = self.token_sum(torch.cat([p_NE.sum(dim=0), n_chosen_E.to(p_NE.dtype), n_tokens]))
         E = self.moe.n_experts
         p_sum_E, count_E, n = stats.split([E, E, 1])
-        return coeff * E * torch.sum((count_E / n) * (p_sum_E / n))
+        n_p = n
+        if self.moe.aux_loss_scope == "global_batch" and self.training:
+            step = torch.cat([count_E, n]).detach()
+            if self.step_count_E is not None:
+                step = step + self.step_count_E
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+                self.step_count_E = step  # not again in a recomputation inside the backward
+            count_E, n = step.split([E, 1])
+        return coeff * E * torch.sum((count_E / n) * (p_sum_E / n_p))
+
+    def _seq_aux_loss(self, s_NE: torch.Tensor, idx_NK: torch.Tensor, B: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss (module docstring), over the ``B`` sequences
+        of this forward."""
+        coeff = self.moe.seq_aux_loss_coeff
+        if coeff == 0:
+            return s_NE.new_zeros(())
+        E, K = self.moe.n_experts, self.moe.top_k
+        p_BTE = self._probs(s_NE).view(B, -1, E)
+        chosen_BTE = torch.zeros_like(p_BTE).scatter_(2, idx_NK.view(B, p_BTE.shape[1], K), 1.0)
+        stats_B2E = self.seq_sum(torch.stack([chosen_BTE.sum(1), p_BTE.sum(1)], dim=1))
+        # each token picks K experts: the sequences' lengths from the (summed) counts, which
+        # stay whole when context parallelism cuts the sequences
+        T_B1 = stats_B2E[:, 0].sum(-1, keepdim=True) / K
+        f_BE = stats_B2E[:, 0] * E / (K * T_B1)
+        return coeff * torch.sum(f_BE * stats_B2E[:, 1] / T_B1) / B
+
+    def end_step(self) -> None:
+        """Forget the statistics of the finished optimizer step (``global_batch`` scope)."""
+        self.step_count_E = None
 
     def parallel_plan(self) -> ParallelPlan:
         """The routed experts are the expert group (split over ep on dim 0); expert-tensor
@@ -222,7 +299,7 @@ class MoE(nn.Module):
         return ParallelPlan(partial=("router.weight", "shared_expert_gate.weight"),
                             experts="experts",
                             expert_hidden={"gate_proj": 1, "up_proj": 1, "down_proj": 2},
-                            token_sums=("token_sum",))
+                            token_sums=("token_sum",), local_sums=("seq_sum",))
 
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Divisible]:
@@ -251,37 +328,14 @@ class MoE(nn.Module):
 # ---------------------------------------------------------------- plain-math twins
 
 
-def router_ref(x_ND: torch.Tensor, weight: torch.Tensor, moe: MoEConfig,
-               score_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense routing weights ``w_NE`` (zero for unchosen experts), chosen by sorting."""
-    dtype = _router_dtype(x_ND.dtype)
-    logits_NE = x_ND.to(dtype) @ weight.to(dtype).T
-    if moe.score_func == "softmax":
-        z_NE = torch.exp(logits_NE - logits_NE.max(dim=-1, keepdim=True).values)
-        s_NE = z_NE / z_NE.sum(dim=-1, keepdim=True)
-    else:
-        s_NE = 1 / (1 + torch.exp(-logits_NE))
-    choose_NE = s_NE if score_bias is None else s_NE + score_bias.to(dtype)
-    n, n_groups = choose_NE.shape[0], moe.n_expert_groups
-    if n_groups > 1:
-        sorted_NGe = choose_NE.view(n, n_groups, -1).sort(dim=-1, descending=True).values
-        group_score_NG = sorted_NGe[..., :2].sum(dim=-1)
-        rank_NG = group_score_NG.argsort(dim=-1, descending=True).argsort(dim=-1)
-        dropped_NE = (rank_NG >= moe.topk_groups).repeat_interleave(moe.n_experts // n_groups, 1)
-        choose_NE = torch.where(dropped_NE, float("-inf"), choose_NE)
-    rank_NE = choose_NE.argsort(dim=-1, descending=True).argsort(dim=-1)
-    w_NE = torch.where(rank_NE < moe.top_k, s_NE, torch.zeros_like(s_NE))
-    if moe.renormalize:
-        w_NE = w_NE / (w_NE.sum(dim=-1, keepdim=True) + 1e-20)
-    return w_NE * moe.routed_scaling_factor
-
-
 def moe_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     """Every expert on every token, mixed by the dense ``w_NE``; ``weights`` uses MoE's keys."""
     moe = cfg.moe
     assert moe is not None
     x_ND = x.reshape(-1, x.shape[-1])
     w_NE = router_ref(x_ND, weights["router.weight"], moe, weights.get("router.score_bias"))
+    if moe.capacity_factor is not None:
+        w_NE = drop_ref(w_NE, capacity(moe, x_ND.shape[0]))
     y_ND = torch.zeros_like(x_ND)
     for e in range(moe.n_experts):
         gate = weights["experts.gate_proj"][e] if is_gated(moe.activation) else None
@@ -296,3 +350,23 @@ def moe_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig)
         y_ND = y_ND + shared
     return y_ND.view(x.shape)
 
+
+
+def seq_aux_loss_ref(x_BTD: torch.Tensor, weights: dict[str, torch.Tensor],
+                     cfg: ModelConfig) -> torch.Tensor:
+    """DeepSeek-V3 eq. 17-20 term by term: ``coeff * mean_b sum_i f_i P_i`` with
+    ``f_i = E / (K T) * #{t: i chosen}`` and ``P_i = mean_t s_it / sum_j s_jt``."""
+    moe = cfg.moe
+    assert moe is not None
+    E, K = moe.n_experts, moe.top_k
+    total = x_BTD.new_zeros((), dtype=router_dtype(x_BTD.dtype))
+    for x_TD in x_BTD:
+        w_TE = router_ref(x_TD, weights["router.weight"], moe, weights.get("router.score_bias"))
+        logits_TE = x_TD.to(total.dtype) @ weights["router.weight"].to(total.dtype).T
+        s_TE = torch.softmax(logits_TE, -1) if moe.score_func == "softmax" else \
+            torch.sigmoid(logits_TE)
+        T = x_TD.shape[0]
+        f_E = (w_TE > 0).to(total.dtype).sum(0) * E / (K * T)
+        P_E = (s_TE / s_TE.sum(-1, keepdim=True)).mean(0)
+        total = total + (f_E * P_E).sum()
+    return moe.seq_aux_loss_coeff * total / x_BTD.shape[0]

@@ -150,6 +150,9 @@ class ParallelPlan:
     """Expert weights (names inside ``experts``) -> their hidden dimension, split over ``tp``."""
     token_sums: tuple[str, ...] = ()
     """:class:`TokenSum` submodules: sums over tokens that must cover the global batch."""
+    local_sums: tuple[str, ...] = ()
+    """:class:`TokenSum` submodules: sums over this rank's own tokens (whole sequences, e.g.
+    per-sequence statistics), which every tensor-parallel rank computes whole."""
 
 
 class TokenSum(nn.Module):

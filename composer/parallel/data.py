@@ -6,10 +6,15 @@ Every layer (MTP depths' too) and then the root are wrapped over the ``dp`` mesh
 (``dp x cp`` with context parallelism: its ranks hold different tokens of the same rows); the
 sharded mode also prefetches the neighbouring layer's parameters (forward and backward) so
 gathers overlap compute.
-Under expert parallelism the routed experts are left out (already split over ep; their replicas
-over ``dp_outer`` are reduced by :func:`finish_grads`, in buckets): an expert on an ep rank
-receives tokens from every rank of its ep group, so its gradient sums ep ranks' mean losses and
-is divided by the whole ``dp`` after the sum over ``dp_outer``.
+
+Under expert parallelism the routed experts are already split over ep and replicated over
+``dp_outer``. The sharded mode makes them FSDP units of their own over ``dp_outer`` (torchtitan's
+expert-FSDP mesh: weights, gradients and optimizer state ``1 / (ep * dp_outer)`` per rank; the
+tensors are DTensors on ``(dp_outer, ep[, tp])``, so checkpoints reshard across ep and dp);
+with ``dp_outer = 1`` or ``--dp-mode replicate`` they are left out and their replicas are
+reduced by :func:`finish_grads`, in buckets. Either way an expert on an ep rank receives tokens
+from every rank of its ep group, so its gradient sums ep ranks' mean losses and is divided by
+the whole ``dp`` (:func:`composer.parallel.expert.expert_grad_scale`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from composer.blocks.model import named_layers
 from composer.parallel.comm import all_reduce_coalesced
@@ -25,11 +31,43 @@ from composer.parallel.mesh import ParallelDims
 from composer.parallel.tensor import expert_params, local_grad, reduce_tp_grads
 
 
+def experts_sharded(dims: ParallelDims) -> bool:
+    """Whether the routed experts are FSDP units over ``dp_outer`` (module docstring)."""
+    return dims.ep > 1 and dims.dp_outer > 1 and dims.dp_mode == "shard"
+
+
 def _experts_apart(layer: nn.Module, dims: ParallelDims) -> set[nn.Parameter] | None:
-    """The routed experts FSDP leaves alone (already split over ep), or None."""
-    if dims.ep == 1:
+    """The routed experts data parallel leaves alone (already split over ep and, when
+    :func:`experts_sharded`, FSDP units of their own), or None."""
+    if dims.ep == 1 or experts_sharded(dims):
         return None
     return set(expert_params(layer.mixer)) or None
+
+
+def _expert_modules(mixer: nn.Module) -> list[nn.Module]:
+    out = []
+    for module in mixer.modules():
+        plan = module.parallel_plan() if hasattr(module, "parallel_plan") else None
+        if plan is not None and plan.experts is not None:
+            out.append(module.get_submodule(plan.experts))
+    return out
+
+
+def shard_experts(layer: nn.Module, dims: ParallelDims,
+                  mp: MixedPrecisionPolicy) -> list[nn.Module]:
+    """Expert FSDP: each expert group of ``layer`` its own unit over ``dp_outer``, on dim 0 (the
+    local experts) when they divide evenly, else on dim 1; gradients divided by ``dp``.
+    Returns the units."""
+    mesh = dims.mesh["dp_outer"]
+    units = _expert_modules(layer.mixer)
+    for experts in units:
+        n_local = next(iter(experts.parameters())).shape[0] // dims.ep
+        dim = 0 if n_local % dims.dp_outer == 0 else 1
+        fully_shard(experts, mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p, d=dim: Shard(d))
+        experts.set_gradient_divide_factor(float(dims.dp))
+        if dims.device.type != "cuda":  # gloo has no pre-multiplied sum: SUM, then divide
+            experts.set_force_sum_reduction_for_comms(True)
+    return units
 
 
 def mixed_precision(dims: ParallelDims) -> MixedPrecisionPolicy:
@@ -46,13 +84,17 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims,
     mp = mixed_precision(dims)
     for root in roots or [model]:
         layers = [layer for _, layer in named_layers(root)]  # MTP depths' last, as they run
+        experts = [shard_experts(layer, dims, mp) if experts_sharded(dims) else []
+                   for layer in layers]
         for layer in layers:
             fully_shard(layer, mesh=dims.fsdp_mesh, ignored_params=_experts_apart(layer, dims),
                         mp_policy=mp)
         fully_shard(root, mesh=dims.fsdp_mesh, mp_policy=mp)
         for i, layer in enumerate(layers):
-            if i + 1 < len(layers):
-                layer.set_modules_to_forward_prefetch([layers[i + 1]])
+            # a layer gathers its own experts (their units sit inside it) and the next layer
+            ahead = experts[i] + ([layers[i + 1]] if i + 1 < len(layers) else [])
+            if ahead:
+                layer.set_modules_to_forward_prefetch(ahead)
             if i > 0:
                 layer.set_modules_to_backward_prefetch([layers[i - 1]])
 
@@ -79,9 +121,10 @@ def reshard(model: nn.Module) -> None:
 
 def finish_grads(model: nn.Module, dims: ParallelDims) -> None:
     """Complete the gradient reductions that FSDP2 / replicate do not do: partial sums over
-    ``tp``, and routed experts over their ``dp_outer`` replicas. Call after backward."""
+    ``tp``, and routed experts that are no FSDP units over their ``dp_outer`` replicas (scaled
+    by ``1 / dp``). Call after backward."""
     reduce_tp_grads(model, dims.tp_context)
-    if dims.dp == 1 or dims.ep == 1:
+    if dims.dp == 1 or dims.ep == 1 or experts_sharded(dims):
         return
     grads = [local_grad(p) for layer in model.all_layers()
              for p in expert_params(layer.mixer) if p.grad is not None]

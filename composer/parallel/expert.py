@@ -32,6 +32,12 @@ gradients of losses that add up to the global one, each rank adds ``aux_loss / e
 
 Gradient scaling, for whoever wires data parallel (see :func:`expert_grad_scale`).
 
+Capacity dropping happens before the dispatch (in ``MoE.forward``, on this rank's tokens): the
+dropped rows come last and never leave the rank. ``chunks = 2`` (``--ep-overlap``) overlaps the
+dispatch with the experts' computation (:class:`ExpertParallelExperts`). After each optimizer
+step :func:`finish_moe_step` sums every layer's expert loads over the data-parallel ranks and
+moves the balancing biases (aux-loss-free balancing).
+
 Shape legend (as in ``moe.py``): A routed rows this rank sends, R rows it receives, D d_model,
 E experts, P ep ranks, L = E / P local experts.
 """
@@ -47,6 +53,7 @@ from torch.distributed.tensor import Shard
 
 from composer.blocks.plan import TokenSum
 from composer.parallel.comm import AllReduceSum, ScaleGrad
+from composer.parallel.mesh import ParallelDims
 from composer.parallel.tensor import distribute_param, install_local_views
 
 
@@ -93,23 +100,34 @@ def make_global(token_sum: nn.Module, group: dist.ProcessGroup | None = None,
 
 
 class ExpertParallel:
-    """The ep group of one expert module: its mesh, group and local expert count."""
+    """The ep group of one expert module: its mesh, group, local expert count, and into how
+    many chunks a forward splits its rows to overlap dispatch with compute (1: none)."""
 
-    def __init__(self, ep_mesh: DeviceMesh, n_experts: int) -> None:
+    def __init__(self, ep_mesh: DeviceMesh, n_experts: int, chunks: int = 1) -> None:
         if ep_mesh.ndim != 1:
             raise ValueError(f"apply_ep needs a 1-D ep mesh, got {ep_mesh.ndim} dimensions")
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
         self.mesh = ep_mesh
         self.group = ep_mesh.get_group()
         self.size = ep_mesh.size()
         if n_experts % self.size:
             raise ValueError(f"moe.n_experts ({n_experts}) is not divisible by ep ({self.size})")
         self.n_local = n_experts // self.size
+        self.chunks = chunks
 
 
 class ExpertParallelExperts(nn.Module):
     """Mixed in front of an experts class: the rows (sorted by global expert, ``n_tokens_E``
     per expert) go to the ranks holding their experts, are computed there by the original
     class's forward on the local experts, and come back in the same order.
+
+    With ``ep.chunks = C > 1`` (all-to-all / compute overlap) each expert's rows are cut into
+    C consecutive parts, chunk c holding rows ``floor(c n / C) .. floor((c + 1) n / C)`` of an
+    expert with n rows; every chunk's dispatch is issued first (asynchronous collectives), then
+    chunk c is computed while the later ones are in flight, and its combine is issued before
+    chunk c + 1 is computed. Same rows, same experts: the same result up to the summation order
+    of the weight gradients.
 
     The ep group's ranks must call every forward (and, when they train, every backward) of this
     module together, since both hold collectives, even when a rank has no token for another.
@@ -119,22 +137,57 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
         ep = self.ep
-        P, L = ep.size, ep.n_local
-        send_PL = n_tokens_E.reshape(P, L).contiguous()
-        recv_PL = torch.empty_like(send_PL)
-        dist.all_to_all_single(recv_PL.view(-1), send_PL.view(-1), group=ep.group)
+        P, L, C = ep.size, ep.n_local, ep.chunks
+        steps_C1 = torch.arange(C + 1, device=n_tokens_E.device)[:, None]
+        bounds_CE = n_tokens_E[None] * steps_C1 // C
+        send_PCL = (bounds_CE[1:] - bounds_CE[:-1]).view(C, P, L).transpose(0, 1).contiguous()
+        recv_PCL = torch.empty_like(send_PCL)
+        dist.all_to_all_single(recv_PCL.view(-1), send_PCL.view(-1), group=ep.group)
         # One host sync for all split sizes: the collectives and the expert loop need ints.
-        send_counts_PL, recv_counts_PL = torch.stack([send_PL, recv_PL]).cpu().unbind(0)
-        send_P, recv_P = send_counts_PL.sum(1).tolist(), recv_counts_PL.sum(1).tolist()
-        x_RD = funcol.all_to_all_single_autograd(x_AD.contiguous(), recv_P, send_P, ep.group)
+        send_counts_PCL, recv_counts_PCL = torch.stack([send_PCL, recv_PCL]).cpu().unbind(0)
+        n_sent = int(send_counts_PCL.sum())
+        n_pad = x_AD.shape[0] - n_sent  # dropped assignments (capacity) stay here
+        x_AD = x_AD[:n_sent]
+        perm_A = self._chunk_order(n_tokens_E, n_sent) if C > 1 else None
+        if perm_A is not None:
+            x_AD = x_AD[perm_A]
+        send_CP = send_counts_PCL.sum(2).T.tolist()
+        recv_CP = recv_counts_PCL.sum(2).T.tolist()
+        x_parts = x_AD.contiguous().split([sum(sizes) for sizes in send_CP])
+        x_RDs = [funcol.all_to_all_single_autograd(x_c, recv_CP[c], send_CP[c], ep.group)
+                 for c, x_c in enumerate(x_parts)]  # all dispatches in flight
+        y_parts = []
+        for c, x_RD in enumerate(x_RDs):
+            y_RD = self._compute(x_RD, recv_counts_PCL[:, c])
+            y_parts.append(funcol.all_to_all_single_autograd(y_RD, send_CP[c], recv_CP[c],
+                                                             ep.group))
+        y_AD = torch.cat(y_parts) if C > 1 else y_parts[0]
+        if perm_A is not None:
+            y_AD = torch.empty_like(y_AD).index_copy(0, perm_A, y_AD)
+        if n_pad:
+            y_AD = torch.cat([y_AD, y_AD.new_zeros(n_pad, y_AD.shape[1])])
+        return y_AD
 
-        # Arrived rows are grouped by (source rank, local expert); the experts want them by
-        # expert.
+    def _chunk_order(self, n_tokens_E: torch.Tensor, n_sent: int) -> torch.Tensor:
+        """The row order that puts chunk 0's rows first, then chunk 1's, ..., each chunk still
+        sorted by expert: row ``pos`` of an expert with ``n`` rows is in chunk
+        ``ceil((pos + 1) C / n) - 1``."""
+        C, E = self.ep.chunks, n_tokens_E.shape[0]
+        expert_A = torch.repeat_interleave(torch.arange(E, device=n_tokens_E.device), n_tokens_E,
+                                           output_size=n_sent)
+        start_E = torch.cumsum(n_tokens_E, 0) - n_tokens_E
+        pos_A = torch.arange(n_sent, device=n_tokens_E.device) - start_E[expert_A]
+        chunk_A = ((pos_A + 1) * C - 1) // n_tokens_E[expert_A]
+        return torch.argsort(chunk_A, stable=True)
+
+    def _compute(self, x_RD: torch.Tensor, recv_counts_PL: torch.Tensor) -> torch.Tensor:
+        """The local experts on arrived rows, which come grouped by (source rank, local
+        expert): regrouped by expert for the computation, then put back."""
+        P, L = recv_counts_PL.shape
         local_R = torch.arange(L).repeat(P).repeat_interleave(recv_counts_PL.flatten())
-        order_R = torch.argsort(local_R, stable=True).to(x_AD.device)
+        order_R = torch.argsort(local_R, stable=True).to(x_RD.device)
         y_sorted_RD = super().forward(x_RD[order_R], recv_counts_PL.sum(0))
-        y_RD = torch.empty_like(y_sorted_RD).index_copy(0, order_R, y_sorted_RD)
-        return funcol.all_to_all_single_autograd(y_RD, send_P, recv_P, ep.group)
+        return torch.empty_like(y_sorted_RD).index_copy(0, order_R, y_sorted_RD)
 
 
 _EP_CLASSES: dict[type, type] = {}
@@ -146,9 +199,11 @@ def _ep_class(cls: type) -> type:
     return _EP_CLASSES[cls]
 
 
-def apply_ep(moe: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> None:
+def apply_ep(moe: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None,
+             chunks: int = 1) -> None:
     """Shard the expert group of ``moe`` (its plan's ``experts``) over the 1-D ``ep_mesh`` and
-    route through all-to-all; its token sums become sums over the ep group.
+    route through all-to-all; its token sums become sums over the ep group. ``chunks > 1``
+    overlaps the dispatch of later chunks with the computation of earlier ones.
 
     With ``ep_tp_mesh`` (the 2-D ``("ep", "tp")`` mesh) each expert's hidden units are also split
     over tp (expert-tensor parallel), ``[Shard(0), Shard(hidden dim)]``.
@@ -168,7 +223,31 @@ def apply_ep(moe: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None 
             hidden = plan.expert_hidden[name]
             distribute_param(experts, name, ep_tp_mesh, [Shard(0), Shard(hidden)])
     experts.__class__ = _ep_class(type(experts))
-    experts.ep = ExpertParallel(ep_mesh, n_experts)
+    experts.ep = ExpertParallel(ep_mesh, n_experts, chunks)
     install_local_views(experts)
     for name in plan.token_sums:
         make_global(moe.get_submodule(name), group=ep_mesh.get_group())
+
+
+def finish_moe_step(model: nn.Module, dims: ParallelDims | None = None,
+                    stepped: bool = True) -> None:
+    """After each optimizer step (``stepped``; a skipped step changes nothing): aux-loss-free
+    balancing moves every balancing router's score bias by its layer's loads over the global
+    batch (``Router.update_bias``), and every MoE forgets its per-step statistics.
+
+    The loads of all layers go in one all-reduce over the ranks that split the batch: data
+    parallel (ep lies inside dp) and context parallel (``dp x cp``); tensor-parallel ranks route
+    the same tokens (gathered over the sequence) and count them whole, and pipeline ranks hold
+    other layers, so neither joins."""
+    routers = [m for m in model.modules() if getattr(m, "balancing", False)]
+    for module in model.modules():
+        if hasattr(module, "end_step"):
+            module.end_step()
+    loads = [router.take_load() for router in routers]
+    if not stepped or not loads:
+        return
+    flat = torch.cat(loads)
+    if dims is not None and dims.grad_replicas > 1:
+        dist.all_reduce(flat, group=dims.fsdp_mesh.get_group())
+    for router, load_E in zip(routers, flat.split([x.numel() for x in loads]), strict=True):
+        router.update_bias(load_E)

@@ -42,6 +42,9 @@ class ParallelConfig:
     """``None`` fills the world: ``world // (pp * cp * tp)``."""
     dp_mode: Literal["shard", "replicate"] = "shard"
     sequence_parallel: bool = True
+    ep_overlap: bool = False
+    """Expert parallel: dispatch one half of a forward's rows while the experts compute the
+    other (``composer.parallel.expert``; the same results)."""
     pp: int = 1
     cp: int = 1
     cp_adaptive: bool = False
@@ -69,6 +72,7 @@ class ParallelDims:
     dp_mode: str
     sequence_parallel: bool
     world_size: int
+    ep_overlap: bool = False
     mesh: DeviceMesh | None = None
     dp_mesh: DeviceMesh | None = None
     """The flattened ``dp_outer x ep`` dimension (kept here: slicing it from the root mesh is
@@ -142,6 +146,7 @@ def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
                           "data-parallel ranks")
     return ParallelDims(tp=pc.tp, ep=pc.ep, dp=dp, dp_mode=pc.dp_mode,
                         sequence_parallel=pc.sequence_parallel, world_size=world_size,
+                        ep_overlap=pc.ep_overlap,
                         ac="full" if pc.activation_checkpointing else pc.ac,
                         compile=pc.compile, precision=pc.precision, pp=pc.pp, cp=pc.cp,
                         cp_adaptive=pc.cp_adaptive, cp_min_tokens=pc.cp_min_tokens)

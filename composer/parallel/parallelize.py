@@ -80,12 +80,18 @@ def parallelize(model: nn.Module, dims: ParallelDims,
     if dims.mesh is not None:
         for moe in _moes(model):
             if dims.ep > 1:
-                apply_ep(moe, dims.mesh["ep"], dims.mesh["ep", "tp"] if dims.tp > 1 else None)
+                apply_ep(moe, dims.mesh["ep"], dims.mesh["ep", "tp"] if dims.tp > 1 else None,
+                         chunks=2 if dims.ep_overlap else 1)
             # the load-balancing statistics of the global batch, not of each rank's share; every
             # tp rank computes them whole while the router sums its gradients over tp
             group = dims.fsdp_mesh.get_group() if dims.grad_replicas > 1 else None
-            for name in moe.parallel_plan().token_sums:
+            plan = moe.parallel_plan()
+            for name in plan.token_sums:
                 make_global(moe.get_submodule(name), group=group, grad_scale=1.0 / dims.tp)
+            # per-sequence sums: a sequence is cut over the cp ranks
+            seq_group = dims.cp_mesh.get_group() if dims.cp > 1 else None
+            for name in plan.local_sums:
+                make_global(moe.get_submodule(name), group=seq_group, grad_scale=1.0 / dims.tp)
     if dims.cp > 1:
         apply_cp(model, dims)
     apply_ac(model, dims.ac)

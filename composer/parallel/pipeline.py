@@ -27,9 +27,11 @@ MoE load-balancing losses of earlier layers stay on the stage that computes them
 weight ``1 / micro-batches``, as ``aux / k`` does without pipelining.
 
 The schedule's first step runs every stage once on placeholder tensors to learn the shapes it
-exchanges: the logs keep the last ``n_micro`` entries, and a new batch shape builds a new
-schedule. Under sequence parallelism the later stages are told that their inputs are
-sequence-sharded (the embedding, on the first stage, decides it).
+exchanges: the logs keep the last ``n_micro`` entries, that first forward leaves the MoE
+statistics of the step as they were (their ``step_stats``: expert loads for the balancing
+bias, global-batch loss counts), and a new batch shape builds a new schedule. Under sequence
+parallelism the later stages are told that their inputs are sequence-sharded (the embedding, on
+the first stage, decides it).
 
 Schedules: ``gpipe``, ``1f1b`` (default for ``V = 1``) and ``interleaved-1f1b`` (``V > 1``);
 the engine's micro-batches are the schedule's, and there must be at least ``pp`` of them.
@@ -130,6 +132,8 @@ class StageView(nn.Module):
         """The tensor-parallel context (set once the layout is applied)."""
         self.cp: Any = None
         """The context-parallel one (:class:`composer.parallel.context.CPContext`), or None."""
+        self.placeholder = False
+        """The next forward is a new schedule's shape inference on placeholder tensors."""
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
@@ -139,6 +143,22 @@ class StageView(nn.Module):
         ``cp_pos`` (the local tokens' RoPE positions) and ``cp_ids`` (the whole rows' ids, for
         multi-token prediction): context parallelism's cut rows
         (:mod:`composer.parallel.context`), which reach every stage with each micro-batch."""
+        args = (x, labels, doc_ids, targets, cp_doc, cp_pos, cp_ids)
+        if not self.placeholder:
+            return self._forward(*args)
+        self.placeholder = False
+        saved = [(m, name, getattr(m, name)) for m in self.modules()
+                 for name in getattr(m, "step_stats", ())]
+        try:
+            return self._forward(*args)
+        finally:  # placeholder tokens do not count towards the step's statistics
+            for module, name, value in saved:
+                setattr(module, name, value)
+
+    def _forward(self, x: torch.Tensor, labels: torch.Tensor | None,
+                 doc_ids: torch.Tensor | None, targets: torch.Tensor | None,
+                 cp_doc: torch.Tensor | None, cp_pos: torch.Tensor | None,
+                 cp_ids: torch.Tensor | None) -> torch.Tensor:
         given = labels if labels is not None else targets
         if self.cp is not None and cp_pos is not None:
             self.cp.set_rows(cp_pos.shape[1] * self.cp.size, cp_pos, cp_doc, cp_ids)
@@ -281,6 +301,8 @@ class Pipeline:
             # the stages learn the shapes they exchange on their first step: a new batch shape
             # needs a new schedule
             self._schedule, self._shape = self._build_schedule(), tuple(ids_BT.shape)
+            for view in self.views:
+                view.placeholder = True
         self._attach_tp()
         for view in self.views:
             view.aux_scale, view.loss_scale = 1.0 / self.n_micro, scale

@@ -230,6 +230,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         cfg, tensors = _model_config(recipe)
     pc = ParallelConfig(tp=recipe.tp, ep=recipe.ep, dp=recipe.dp, dp_mode=recipe.dp_mode,
                         sequence_parallel=recipe.sequence_parallel, ac=recipe.ac,
+                        ep_overlap=recipe.ep_overlap,
                         compile=recipe.compile, pp=recipe.pp, cp=recipe.cp,
                         cp_adaptive=recipe.cp_adaptive, cp_min_tokens=recipe.cp_min_tokens)
     try:

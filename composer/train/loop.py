@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from composer.blocks.model import HybridModel
 from composer.parallel.data import finish_grads, reshard
+from composer.parallel.expert import finish_moe_step
 from composer.parallel.grads import clip_grads, grad_norm
 from composer.parallel.mesh import ParallelDims
 from composer.parallel.pipeline import embed_on_last
@@ -305,6 +306,7 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
         run.optimizers.step()
     else:
         run.skipped += 1
+    finish_moe_step(run.model, run.dims, stepped=stats.finite)  # aux-loss-free balancing
     run.optimizers.zero_grad()
     run.consumed += r.global_batch_size
     run.tokens += r.global_batch_size * run.seq_len

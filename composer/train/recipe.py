@@ -65,6 +65,7 @@ class Recipe:
     dp: int | None = None
     dp_mode: str = "shard"
     sequence_parallel: bool = True
+    ep_overlap: bool = False
     pp: int = 1
     pp_schedule: str | None = None
     cp: int = 1
@@ -219,6 +220,7 @@ HELP = {
     "tp": "tensor-parallel size", "ep": "expert-parallel size (divides dp)",
     "dp": "data-parallel size (default: the rest of the world)",
     "dp_mode": "FSDP2 sharding (default) or replication",
+    "ep_overlap": "expert parallel: dispatch half the tokens while the experts compute the rest",
     "pp": "pipeline-parallel size: the pattern's '|' segments, or balanced stages",
     "pp_schedule": "gpipe, 1f1b (default) or interleaved-1f1b (default with virtual stages)",
     "cp": "context-parallel size: each sequence split into 2 x cp chunks over cp ranks",

@@ -262,6 +262,10 @@ def _adaptive_cut(model: nn.Module, cp: CPContext, ids: torch.Tensor, labels: to
                           "doc ids (--document-isolation)")
     if model.mtp is not None:
         raise LayoutError("--cp-adaptive with multi-token prediction is not built yet")
+    moe = model.config.moe
+    if moe is not None and moe.seq_aux_loss_coeff:
+        raise LayoutError("--cp-adaptive with the sequence-wise balance loss "
+                          "(moe.seq_aux_loss_coeff) is not built yet: its sequences are the rows")
     b, t = ids.shape
     targets = shift_labels(mask_doc_boundaries(labels, doc))
     layout = adaptive_layout(doc.cpu().numpy(), cp.size, cp.min_tokens or t // cp.size,
