@@ -107,12 +107,20 @@ def test_adaptive_engine_equals_one_process(engine) -> None:
         assert (got["params"][k] - p).abs().max() < 1e-5, k
 
 
+BALANCE_MODEL = {"pattern": "M*-E", "set": {
+    **MODEL["set"], "moe.score_correction_bias": True, "moe.bias_update_rate": 0.05,
+    "moe.seq_aux_loss_coeff": 0.01, "moe.aux_loss_scope": "global_batch"}}
+"""Every MoE balancing statistic across the cp ranks: the aux-loss-free bias update (loads over
+dp x cp), the sequence-wise loss (sums over the cut sequences), the global-batch aux loss."""
+
+
 def engine_cases(tmp: str) -> dict:
     """Synthetic rows of 16 tokens; packed documents (rows of seq_len + 1 = 13 tokens: the last
     is only a target, so the MoE statistics, which count it at cp=1, are left out)."""
     return {"synthetic": {**BASE, "model": GDN_MODEL},
             "isolated": {**BASE, **isolated(tmp), "model": NO_AUX_MODEL},
-            "mtp": {**BASE, **isolated(tmp), "model": {**NO_AUX_MODEL, "pattern": "M*-E/*E"}}}
+            "mtp": {**BASE, **isolated(tmp), "model": {**NO_AUX_MODEL, "pattern": "M*-E/*E"}},
+            "balance": {**BASE, "model": BALANCE_MODEL}}
 
 
 ENGINE_LAYOUTS = {"cp2": ({"cp": 2}, 2), "cp2-pp2": ({"cp": 2, "pp": 2}, 4)}
@@ -131,7 +139,7 @@ def engine(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", list(ENGINE_LAYOUTS))
-@pytest.mark.parametrize("name", ["synthetic", "isolated", "mtp"])
+@pytest.mark.parametrize("name", ["synthetic", "isolated", "mtp", "balance"])
 def test_engine_equals_one_process(engine, layout: str, name: str) -> None:
     tmp, got = engine
     ref = train_case(engine_cases(tmp)[name])
