@@ -653,6 +653,12 @@ register_section("gdn", GDNConfig, _validate_gdn)
 register_section("mtp", MTPConfig, _validate_mtp)
 
 
+MOE_TRAINING_ONLY = ("aux_loss_scope", "seq_aux_loss_coeff", "bias_update_rate")
+"""MoE settings of training alone: they change the losses and the bias updates, never a forward's
+outputs, and no Hugging Face config has them (an export leaves them out, an import gives the
+defaults)."""
+
+
 def config_diff(a: ModelConfig, b: ModelConfig) -> str | None:
     """The first dotted field where two configs differ, as ``field: a != b``; None if equal."""
     def walk(x: Any, y: Any, prefix: str) -> str | None:

@@ -7,7 +7,7 @@ refused."""
 import pytest
 import torch
 
-from composer.config import ConfigError
+from composer.config import MOE_TRAINING_ONLY, ConfigError
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -277,6 +277,11 @@ def test_a_built_model_with_mtp_exports_and_comes_back(tmp_path):
     assert torch.equal(hf[f"model.layers.{n}.embed_tokens.weight"], hf["model.embed_tokens.weight"])
     assert torch.equal(hf[f"model.layers.{n}.shared_head.head.weight"], hf["lm_head.weight"])
     back = from_hf(tmp_path / "hf", tmp_path / "ours")
+    # the preset's training-only MoE settings (bias update rate, sequence-wise loss) have no HF
+    # field: the import gives the defaults, and everything else comes back
+    assert back.moe.bias_update_rate == back.moe.seq_aux_loss_coeff == 0.0
+    for name in MOE_TRAINING_ONLY:
+        setattr(back.moe, name, getattr(cfg.moe, name))
     assert back.canonical() == cfg.canonical()
     ours, built = read_all(tmp_path / "ours"), read_all(tmp_path / "built")
     assert ours.keys() == built.keys()

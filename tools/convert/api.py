@@ -32,7 +32,7 @@ from composer.checkpoint import (
     atomic_folder,
     check_destination,
 )
-from composer.config import ConfigError, ModelConfig, config_diff
+from composer.config import MOE_TRAINING_ONLY, ConfigError, ModelConfig, config_diff
 from composer.convert.base import Adapter, encode_floats, load_hf_config, without_mtp
 from composer.convert.plan import (
     Link,
@@ -252,6 +252,9 @@ def round_trip_problem(adapter: Adapter, cfg: ModelConfig, base: dict[str, Any])
         return str(exc)
     if not cfg.parsed.mtp:  # declared MTP layers without their tensors are not built on import
         back = without_mtp(back)
+    if cfg.moe is not None and back.moe is not None:  # no HF field, no change to the forward
+        for name in MOE_TRAINING_ONLY:
+            setattr(back.moe, name, getattr(cfg.moe, name))
     diff = config_diff(cfg.canonical(), back.canonical())
     return f"the HF config would change {diff}" if diff else None
 

@@ -266,6 +266,8 @@ class MiniMaxM2Adapter(MixtralAdapter):
             raise layer_pattern_error(self.family, cfg.pattern,
                                       "multi-token-prediction parts are not supported yet")
         a = cfg.attention
+        if a is None:
+            raise layer_pattern_error(self.family, cfg.pattern, "every layer must be '*-' or '*E'")
         if not a.qk_norm or a.qk_norm_scope != "all" or a.qkv_bias or a.out_bias:
             raise ConfigError("MiniMax-M2 attention has no biases and a qk-norm over the whole "
                               "projection; set attention.qk_norm=true, qk_norm_scope='all', "
