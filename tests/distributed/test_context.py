@@ -183,8 +183,20 @@ def _same(got: dict, ref: dict) -> None:
         assert (got["grads"][k] - g).abs().max() < 1e-10, k
 
 
+def isolated_in_ranks() -> dict:
+    return {"cp2-tp2": docs_case({"cp": 2, "tp": 2}, None, DOCS32),
+            "cp2-dp2": docs_case({"cp": 2, "dp": 2}, None, DOCS32)}
+
+
 def test_isolated_documents_across_ranks_fp64() -> None:
+    """Packed documents across the chunks (a 28-token one over all 4 of cp=2): the loss and
+    gradients of one process, at cp=2 and with tp and dp (fp64, 1e-10; with pp: the engine
+    tests below)."""
     _same(run_distributed(docs_case, 2, {"cp": 2})[0], docs_case({}))
+    got = run_distributed(isolated_in_ranks, 4)[0]
+    ref = docs_case({}, None, DOCS32)
+    for name in ("cp2-tp2", "cp2-dp2"):
+        _same(got[name], ref)
 
 
 ADAPTIVE = {"default": ({"cp": 2}, None, DOCS), "all-whole": ({"cp": 2, "cp_min_tokens": 100},
