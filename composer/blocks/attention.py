@@ -222,7 +222,8 @@ class Attention(nn.Module):
         # with the output gate a head is 2 * d_head contiguous q rows: an even split keeps heads
         return ParallelPlan(colwise=("q_proj",), heads={"k_proj": self.n_kv_heads,
                                                         "v_proj": self.n_kv_heads},
-                            rowwise=("o_proj",), partial=("q_norm.weight", "k_norm.weight"))
+                            rowwise=("o_proj",), partial=("q_norm.weight", "k_norm.weight"),
+                            context="kv_gather")
 
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Divisible | DivideEachOther | Unsplit]:

@@ -214,7 +214,7 @@ class GatedDeltaNet(nn.Module):
         row parallel; the norm weight (one head wide, shared) replicated with partial grads."""
         return ParallelPlan(colwise=("q_proj", "k_proj", "v_proj", "z_proj", "b_proj", "a_proj"),
                             rowwise=("o_proj",), shard={"conv1d.*": 0, "A_log": 0, "dt_bias": 0},
-                            partial=("norm.weight",))
+                            partial=("norm.weight",), context="delta_state")
 
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Divisible]:

@@ -222,7 +222,8 @@ class Mamba2Mixer(nn.Module):
         its own (Megatron's per-component sharding), the per-head vectors and the norm split;
         out_proj row parallel."""
         return ParallelPlan(shard={"in_proj.*": 0, "conv1d.*": 0, "dt_bias": 0, "A_log": 0,
-                                   "D": 0, "norm.weight": 0}, rowwise=("out_proj",))
+                                   "D": 0, "norm.weight": 0}, rowwise=("out_proj",),
+                            context="ssd_state")
 
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Divisible | DividesShard]:

@@ -253,7 +253,7 @@ class MLA(nn.Module):
         q = ("q_proj",) if self.q_lora_rank is None else ("q_b_proj",)
         return ParallelPlan(colwise=(*q, "kv_b_proj"), rowwise=("o_proj",),
                             partial=("q_a_proj.weight", "q_a_norm.weight", "kv_a_proj.weight",
-                                     "kv_a_norm.weight"))
+                                     "kv_a_norm.weight"), context="latent_gather")
 
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Divisible]:

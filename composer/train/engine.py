@@ -218,6 +218,20 @@ def save_data_tokenizer(recipe: Recipe) -> None:
         save_tokenizer(load_tokenizer(str(folder)), Path(recipe.save) / TOKENIZER_DIR)
 
 
+def _check_cp(recipe: Recipe, cfg: ModelConfig, seq_len: int) -> None:
+    """Context parallelism's row checks (:mod:`composer.parallel.context`)."""
+    if recipe.cp <= 1:
+        return
+    if recipe.cp_adaptive:
+        if not recipe.document_isolation:
+            raise LayoutError("--cp-adaptive places whole documents: it needs "
+                              "--document-isolation (packed documents)")
+        return
+    from composer.parallel.context import check_cp_length
+
+    check_cp_length(cfg, recipe.cp, seq_len)
+
+
 def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run, int]:
     """Build the run; returns it and the last step to take."""
     from composer.run import build_sharded
@@ -233,6 +247,8 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
                         ep_overlap=recipe.ep_overlap,
                         compile=recipe.compile, pp=recipe.pp, cp=recipe.cp,
                         cp_adaptive=recipe.cp_adaptive, cp_min_tokens=recipe.cp_min_tokens)
+    batches, valid, seq_len = open_data(recipe, cfg)
+    _check_cp(recipe, cfg, seq_len)  # before the mesh: a refusal leaves no peer waiting
     try:
         dims = build_parallel_dims(pc, recipe.device)
     except LayoutError as exc:
@@ -249,15 +265,6 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
 
         _, schedule = check_pipeline(cfg, dims.pp, recipe.pp_schedule,
                                      recipe.global_batch_size // (micro * dims.dp))
-    batches, valid, seq_len = open_data(recipe, cfg)
-    if dims.cp > 1 and dims.cp_adaptive:
-        if not recipe.document_isolation:
-            raise LayoutError("--cp-adaptive places whole documents: it needs "
-                              "--document-isolation (packed documents)")
-    elif dims.cp > 1:
-        from composer.parallel.context import check_cp_length
-
-        check_cp_length(cfg, dims.cp, seq_len)
     if recipe.eval_every and valid is None:
         raise ConfigError("--eval-every needs validation data: an indexed dataset (--data) "
                           "with a valid share in --split, e.g. --split 98,2,0")

@@ -7,7 +7,10 @@ chunks are cheap and the late ones dear, and each rank gets one of each). The ra
 group read the same rows; each computes its two chunks, side by side, as a ``(B, 2L)`` row
 (:mod:`.layout`).
 
-What crosses ranks, per layer kind:
+What crosses ranks, per layer kind (each block names its strategy in its plan,
+``ParallelPlan.context``; :data:`.model.FORMS` maps a strategy to the block's cp form, which
+reuses the block's own stages: ``_project`` / ``_output``, ``project`` / ``scan_inputs`` or
+``rule_inputs`` / ``finish``):
 
 - **Attention** (:mod:`.attention`): keys and values are all-gathered (Megatron's
   ``all_gather`` CP; the point-to-point ring is not built), and each local chunk ``c`` attends

@@ -68,14 +68,14 @@ def _cp_class(cls: type, forward: Any) -> type:
 _CLASSES: dict = {}
 
 
-def _forwards() -> dict[type, Any]:
-    from composer.blocks.attention import Attention
-    from composer.blocks.gdn import GatedDeltaNet
-    from composer.blocks.mamba2 import Mamba2Mixer
-    from composer.blocks.mla import MLA
+FORMS = {"kv_gather": cp_attention_forward, "latent_gather": cp_mla_forward,
+         "ssd_state": cp_mamba_forward, "delta_state": cp_gdn_forward}
+"""The cp form of each ``ParallelPlan.context`` strategy (the package docstring)."""
 
-    return {Attention: cp_attention_forward, Mamba2Mixer: cp_mamba_forward,
-            GatedDeltaNet: cp_gdn_forward, MLA: cp_mla_forward}
+
+def _form(mixer: nn.Module) -> Any:
+    plan = mixer.parallel_plan() if hasattr(mixer, "parallel_plan") else None
+    return FORMS.get(getattr(plan, "context", None))
 
 
 def check_cp(model: nn.Module, cp: int) -> None:
@@ -84,10 +84,9 @@ def check_cp(model: nn.Module, cp: int) -> None:
         return
     from composer.blocks.model import named_layers
 
-    forwards = _forwards()
     for key, layer in named_layers(model):
         mixer = layer.mixer
-        if getattr(mixer, "stateless", False) or type(mixer) in forwards:
+        if getattr(mixer, "stateless", False) or _form(mixer) is not None:
             continue
         raise LayoutError(f"--cp: {key} ({getattr(layer, 'symbol', '?')!r}, "
                           f"{type(mixer).__name__}) has no context-parallel form yet")
@@ -178,10 +177,9 @@ def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
     mesh = dims.cp_mesh
     cp = CPContext(group=mesh.get_group(), size=dims.cp, rank=mesh.get_local_rank(),
                    adaptive=dims.cp_adaptive, min_tokens=dims.cp_min_tokens)
-    forwards = _forwards()
     for _, layer in named_layers(model):  # the MTP depths' layers too
         mixer = layer.mixer
-        fwd = forwards.get(type(mixer))
+        fwd = _form(mixer)
         if fwd is not None:
             mixer.__class__ = _cp_class(type(mixer), fwd)
             mixer.cp = cp
