@@ -4,7 +4,8 @@ All-gather and reduce-scatter use ``all_gather_single`` / ``reduce_scatter_singl
 ``*_into_tensor`` ops of older torch) into one contiguous buffer: NCCL's native collectives on
 GPUs, and gloo has them too in torch >= 2.x. Only a backend that lacks them falls back to an
 all-reduce (:func:`reduce_scatter`). :func:`all_reduce_coalesced` sums many tensors with one
-collective per bucket instead of one per tensor.
+collective per bucket instead of one per tensor. :func:`send_tensor` / :func:`recv_tensor`
+move a tensor of a shape the receiver does not know (the pipeline's forward-only path).
 """
 
 from __future__ import annotations
@@ -122,3 +123,29 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup,
                 for b, part in zip(bucket, flat.split([b.numel() for b in bucket]), strict=True):
                     b.copy_(part.view_as(b))
             bucket, size = ([t], t.numel() * dtype.itemsize) if t is not None else ([], 0)
+
+
+P2P_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def send_tensor(x: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    """Send ``x`` with its shape and dtype (three point-to-point messages: the header's length,
+    the header, the data) to global rank ``dst``; :func:`recv_tensor` receives it."""
+    meta = torch.tensor([x.dim(), *x.shape, P2P_DTYPES.index(x.dtype)], dtype=torch.long,
+                        device=x.device)
+    dist.send(torch.tensor([meta.numel()], dtype=torch.long, device=x.device), dst, group=group)
+    dist.send(meta, dst, group=group)
+    dist.send(x.contiguous(), dst, group=group)
+
+
+def recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    """The tensor :func:`send_tensor` sent from global rank ``src``."""
+    n = torch.zeros(1, dtype=torch.long, device=device)
+    dist.recv(n, src, group=group)
+    meta = torch.zeros(int(n), dtype=torch.long, device=device)
+    dist.recv(meta, src, group=group)
+    ndim = int(meta[0])
+    shape, dtype = meta[1:1 + ndim].tolist(), P2P_DTYPES[int(meta[1 + ndim])]
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, src, group=group)
+    return x

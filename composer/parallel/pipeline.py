@@ -48,6 +48,7 @@ from torch import nn
 
 from composer.blocks.loss import IGNORE_INDEX
 from composer.blocks.model import HybridModel, embed_tokens, mask_doc_boundaries, shift_labels
+from composer.parallel.comm import recv_tensor, send_tensor
 from composer.parallel.mesh import ParallelDims
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -373,13 +374,13 @@ class Pipeline:
             if s == 0:
                 x = first_in
             else:
-                x = _recv(dist.get_global_rank(group, (s - 1) % pp), group, self.dims.device)
+                x = recv_tensor(dist.get_global_rank(group, (s - 1) % pp), group, self.dims.device)
             view.aux_log.clear()
             view.loss_scale, view.aux_scale = 1.0, 0.0  # the main cross-entropy only
             x = view(x, **kwargs)
             out[1] += sum(view.aux_log) if view.aux_log else 0.0
             if s + 1 < self.n_stages:
-                _send(x, dist.get_global_rank(group, (s + 1) % pp), group)
+                send_tensor(x, dist.get_global_rank(group, (s + 1) % pp), group)
         if self.has_last:
             if rows is None:
                 labels = ids_BT if doc_ids_BT is None else mask_doc_boundaries(ids_BT, doc_ids_BT)
@@ -392,26 +393,3 @@ class Pipeline:
         dist.all_reduce(out, group=group)  # the loss from the last stage, aux from all
         self.reshard()
         return out[0], out[1]
-
-
-def _send(x: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
-    meta = torch.tensor([x.dim(), *x.shape, _DTYPES.index(x.dtype)], dtype=torch.long,
-                        device=x.device)
-    dist.send(torch.tensor([meta.numel()], dtype=torch.long, device=x.device), dst, group=group)
-    dist.send(meta, dst, group=group)
-    dist.send(x.contiguous(), dst, group=group)
-
-
-def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
-    n = torch.zeros(1, dtype=torch.long, device=device)
-    dist.recv(n, src, group=group)
-    meta = torch.zeros(int(n), dtype=torch.long, device=device)
-    dist.recv(meta, src, group=group)
-    ndim = int(meta[0])
-    shape, dtype = meta[1:1 + ndim].tolist(), _DTYPES[int(meta[1 + ndim])]
-    x = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(x, src, group=group)
-    return x
-
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
