@@ -1,0 +1,161 @@
+"""``composer build`` and ``composer zoo``: a model from a pattern or preset, its parameter and
+FLOP statistics, its pipeline stages, and the presets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from composer.cli.base import DEFAULT_PATTERN, UsageError
+from composer.config import ModelConfig, apply_overrides
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def resolve_config(args: argparse.Namespace) -> ModelConfig:
+    from composer.zoo import get_preset
+
+    if args.preset and args.pattern is not None:
+        raise UsageError("give --pattern or --preset, not both")
+    if args.preset:
+        cfg = get_preset(args.preset).config()
+    else:  # an explicitly empty --pattern "" is an error, not the default
+        cfg = ModelConfig(pattern=DEFAULT_PATTERN if args.pattern is None else args.pattern)
+    apply_overrides(cfg, args.set or [])
+    return cfg.validate()
+
+
+def stats_dict(cfg: ModelConfig, seq_len: int) -> dict[str, Any]:
+    from composer.specs.builder import build_model, model_stats
+
+    stats = model_stats(build_model(cfg, device="meta"), seq_len=seq_len)
+    return {
+        "pattern": cfg.parsed.format(),
+        "n_layers": stats.n_layers,
+        "layer_counts": stats.layer_counts,
+        "params_by_kind": stats.params_by_kind,
+        "n_params": stats.n_params,
+        "n_active_params": stats.n_active_params,
+        "flops_per_token": stats.flops_per_token,
+        "forward_flops_per_token": stats.forward_flops_per_token,
+        "seq_len": seq_len,
+        "bf16_bytes": stats.bf16_bytes,
+    }
+
+
+def print_stats(info: dict[str, Any]) -> None:
+    from composer.specs.registry import REGISTRY
+
+    rows = [("pattern", info["pattern"]), ("layers", str(info["n_layers"]))]
+    for sym, n in info["layer_counts"].items():
+        rows.append((f"  {sym} {REGISTRY[sym].name}", str(n)))
+    rows.append(("parameters", ""))
+    for kind, n in info["params_by_kind"].items():
+        rows.append((f"  {kind}", f"{n:,}"))
+    rows += [
+        ("total parameters", f"{info['n_params']:,} ({_human(info['n_params'])})"),
+        ("active parameters", f"{info['n_active_params']:,} ({_human(info['n_active_params'])})"),
+        (f"FLOPs/token (train, seq {info['seq_len']})", _human(info["flops_per_token"])),
+        ("FLOPs/token (forward)", _human(info["forward_flops_per_token"])),
+        ("weights in bf16", _bytes(info["bf16_bytes"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    if info.get("stages"):
+        print(f"\npipeline stages (--pp {info['pp']}; rank r holds stages r, r + pp, ...)")
+        print(f"{'stage':>5} {'rank':>4} {'layers':>9} {'params':>9} {'FLOPs/token':>12}  pattern")
+        for st in info["stages"]:
+            first, last = st["first_layer"], st["first_layer"] + len(st["layers"]) - 1
+            print(f"{st['stage']:>5} {st['rank']:>4} {f'{first}-{last}':>9} "
+                  f"{_human(st['n_params']):>9} {_human(st['flops_per_token']):>12}  "
+                  f"{st['layers']}")
+
+
+def stages_dict(cfg: ModelConfig, pp: int, seq_len: int) -> list[dict[str, Any]]:
+    from composer.specs.stages import split_stages
+
+    return [{"stage": st.index, "rank": st.index % pp, "layers": st.pattern,
+             "first_layer": st.layers[0], "n_params": st.n_params,
+             "flops_per_token": st.flops_per_token}
+            for st in split_stages(cfg, pp, seq_len)]
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    info = stats_dict(cfg, args.seq_len)
+    if args.pp is not None:
+        info["pp"] = args.pp
+        info["stages"] = stages_dict(cfg, args.pp, args.seq_len)
+    if args.out:
+        from composer.specs.builder import build_model, save
+        from composer.zoo import get_preset
+
+        start = time.perf_counter()
+        model = build_model(cfg, device="cpu", seed=args.seed)
+        family = get_preset(args.preset).family if args.preset else None
+        save(model, args.out, force=args.force, family=family)
+        info["out"] = str(args.out)
+        info["build_seconds"] = round(time.perf_counter() - start, 3)
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print_stats(info)
+        if args.out:
+            print(f"wrote {args.out} (config.yaml, model.safetensors) "
+                  f"in {info['build_seconds']:.2f}s")
+    return 0
+
+
+def cmd_zoo_list(args: argparse.Namespace) -> int:
+    from composer.specs.builder import build_model, model_stats
+    from composer.zoo import presets
+
+    items = []
+    for preset in presets().values():
+        stats = model_stats(build_model(preset.config(), device="meta"))
+        items.append({"name": preset.name, "family": preset.family, "hf_id": preset.hf_id,
+                      "pattern": preset.config().parsed.format(), "n_params": stats.n_params,
+                      "n_active_params": stats.n_active_params})
+    if args.json:
+        print(json.dumps(items))
+        return 0
+    width = max(len(i["name"]) for i in items)
+    print(f"{'name':<{width}}  {'family':<10} {'params':>8} {'active':>8}  hf id")
+    for i in items:
+        print(f"{i['name']:<{width}}  {i['family']:<10} {_human(i['n_params']):>8} "
+              f"{_human(i['n_active_params']):>8}  {i['hf_id']}")
+    return 0
+
+
+def cmd_zoo_show(args: argparse.Namespace) -> int:
+    import yaml
+
+    from composer.zoo import get_preset
+
+    preset = get_preset(args.name)
+    cfg = preset.config()
+    info = stats_dict(cfg, args.seq_len)
+    if args.json:
+        print(json.dumps({"name": preset.name, "family": preset.family, "hf_id": preset.hf_id,
+                          "source": preset.source, "config": cfg.to_dict(), **info}))
+        return 0
+    print(f"{preset.name}  ({preset.family}; {preset.hf_id})\nsource: {preset.source}\n")
+    print_stats(info)
+    print("\nconfig:")
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+    return 0
