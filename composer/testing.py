@@ -50,8 +50,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def train_case(values: dict, source: str | None = None) -> dict:
     """Run ``composer train`` with recipe ``values`` in this process (every rank calls it) and
-    return its per-step ``losses``, logged ``rows`` and final ``params`` (whole tensors, by
-    name): what tests of the engine compare between layouts."""
+    return its per-step ``losses``, logged ``rows``, final ``params`` and ``buffers`` (whole
+    tensors, by name): what tests of the engine compare between layouts."""
     from composer.train.engine import resolve, setup
     from composer.train.loop import train_loop
 
@@ -61,10 +61,12 @@ def train_case(values: dict, source: str | None = None) -> dict:
         summary = train_loop(run, last, quiet=True)
     finally:
         run.log.close()
-    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-              for k, v in run.model.named_parameters()}
-    return {"losses": summary.losses, "rows": summary.rows, "params": params,
-            "step": summary.step}
+    def whole(v: torch.Tensor) -> torch.Tensor:
+        return (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+
+    return {"losses": summary.losses, "rows": summary.rows, "step": summary.step,
+            "params": {k: whole(v) for k, v in run.model.named_parameters()},
+            "buffers": {k: whole(v) for k, v in run.model.named_buffers()}}
 
 
 @dataclass

@@ -193,29 +193,24 @@ class HybridModel(nn.Module):
         sequence, so a chunk's last target is the first token of another rank's chunk). Multi-
         token prediction, whose shifted inputs need the whole rows, then needs an MTP module
         that reads them elsewhere (``takes_targets``: context parallelism's)."""
-        if targets is not None:
-            if labels is not None:
-                raise ValueError("give labels or targets, not both")
-            if self.mtp is not None and not getattr(self.mtp, "takes_targets", False):
-                raise ValueError("targets cannot drive multi-token prediction (it shifts the "
-                                 "labels itself); give labels")
-            h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids)
-            loss, logits = self.readout(h_BTD, self.output_weight(), None, return_logits,
-                                        targets_BT=targets)
-            mtp, mtp_losses = self.mtp_loss(h_BTD, input_ids, None, doc_ids=doc_ids)
-            aux = self.aux_loss(loss)
-            return ModelOutput(loss=loss + aux + mtp, logits=logits, aux_loss=aux,
-                               mtp_loss=mtp, mtp_losses=mtp_losses)
+        if targets is not None and labels is not None:
+            raise ValueError("give labels or targets, not both")
+        if targets is not None and self.mtp is not None and \
+                not getattr(self.mtp, "takes_targets", False):
+            raise ValueError("targets cannot drive multi-token prediction (it shifts the labels "
+                             "itself); give labels")
         if doc_ids is not None:
             if doc_ids.shape != input_ids.shape or doc_ids.is_floating_point():
                 raise ValueError(f"doc_ids must be integers shaped like input_ids "
                                  f"{tuple(input_ids.shape)}, got {doc_ids.dtype} "
                                  f"{tuple(doc_ids.shape)}")
         h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids)
-        main_labels = labels if labels is None or doc_ids is None else \
-            mask_doc_boundaries(labels, doc_ids)
-        loss, logits = self.readout(h_BTD, self.output_weight(), main_labels, return_logits)
-        if labels is None:
+        if labels is not None:
+            targets = shift_labels(labels if doc_ids is None else
+                                   mask_doc_boundaries(labels, doc_ids))
+        loss, logits = self.readout(h_BTD, self.output_weight(), None, return_logits,
+                                    targets_BT=targets)
+        if targets is None:
             return logits
         mtp, mtp_losses = self.mtp_loss(h_BTD, input_ids, labels, doc_ids=doc_ids)
         aux = self.aux_loss(loss)  # after the MTP depths: their MoE layers count too

@@ -1,13 +1,7 @@
 """Mixture of experts: top-k routed experts plus optional shared experts.
 
-Routing (Shazeer et al. 2017; Mixtral; DeepSeek-V3 §2.1.2 for sigmoid + bias + groups):
+Routing (which experts, with what weights ``w``): :mod:`composer.blocks.router`. Then
 
-    logits = x W_r^T,   s = softmax(logits)  or  sigmoid(logits)
-    choose = s + b                                   (b: score_bias, for choosing only)
-    if G > 1: group score = sum of the top-2 ``choose`` in each group; keep the best
-              ``topk_groups`` groups, the others are masked to -inf before the top-k
-    idx = topk(choose, k),   w = s[idx]   (the scores *without* the bias)
-    if renormalize: w = w / (sum(w) + 1e-20);   w = w * routed_scaling_factor
     y = sum_k w_k * expert_{idx_k}(x) + shared(x)     (shared(x) * sigmoid(x W_s^T) with
                                                        shared_expert_gate, W_s [1, D]: Qwen3-Next)
 

@@ -21,6 +21,13 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", 
                "float16": "float16", "fp16": "float16", "keep": None}
 
 
+def _print_pairs(pairs: dict[str, Any]) -> None:
+    """``key  value`` lines, the keys padded to one width."""
+    width = max(map(len, pairs))
+    for key, value in pairs.items():
+        print(f"{key:<{width}}  {value}")
+
+
 def _progress_bar(total: int, label: str):
     """A byte-counting progress bar on stderr that shows only if the work takes > 1 s."""
     from tqdm.auto import tqdm
@@ -124,9 +131,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(recipes))
         else:
-            width = max(map(len, recipes))
-            for name, text in recipes.items():
-                print(f"{name:<{width}}  {text}")
+            _print_pairs(recipes)
         return 0
     from composer.train.engine import resolve, train
 
@@ -174,9 +179,7 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info))
     else:
-        width = max(map(len, info))
-        for key, value in info.items():
-            print(f"{key:<{width}}  {f'{value:,}' if isinstance(value, int) else value}")
+        _print_pairs({k: f"{v:,}" if isinstance(v, int) else v for k, v in info.items()})
     return 0
 
 

@@ -269,3 +269,21 @@ def gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, chunk_size: int = 
                           return_final_state, doc_ids=doc_ids)
     return gdn_chunked(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, chunk_size, scale,
                        initial_state_BHKV, return_final_state, doc_ids=doc_ids)
+
+
+def gdn_end_state(q_BTGK: torch.Tensor, k_BTGK: torch.Tensor, v_BTHV: torch.Tensor,
+                  g_BTH: torch.Tensor, beta_BTH: torch.Tensor, chunk_size: int = 64, *,
+                  doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's end state from a zero start ``[B, H, K, V]`` and its transition ``M``
+    ``[B, H, K, K]``: a start state ``S`` ends as ``M @ S + end`` (the rule is linear in the
+    state). One :func:`gated_delta_rule` pass with ``v`` widened by ``K`` zero columns started
+    from ``[0 | I]``: the extra columns come out as ``M``. With ``doc_ids`` a start state does not
+    survive a document start (``M`` is 0 then)."""
+    b, T, H, V = v_BTHV.shape
+    K = q_BTGK.shape[-1]
+    v_aug = torch.cat([v_BTHV, v_BTHV.new_zeros(b, T, H, K)], -1)
+    init = v_BTHV.new_zeros(b, H, K, V + K)
+    init[..., V:] = torch.eye(K, dtype=init.dtype, device=init.device)
+    _, end = gated_delta_rule(q_BTGK, k_BTGK, v_aug, g_BTH, beta_BTH, chunk_size,
+                              initial_state_BHKV=init, return_final_state=True, doc_ids=doc_ids)
+    return end[..., :V], end[..., V:]

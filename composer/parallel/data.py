@@ -113,10 +113,13 @@ def reshard(model: nn.Module) -> None:
     """Free every FSDP2 unit's gathered weights. A root keeps its own parameters (embedding,
     final norm, head) gathered after a forward without backward (evaluation; a pipeline
     schedule's shape inference), and the model then holds those gathered copies instead of
-    the shards the optimizer and the checkpoints know."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    the shards the optimizer and the checkpoints know. A pipeline rank's roots are its stages
+    (``model.pipeline.views``), which are not submodules of the model."""
+    roots = [model, *getattr(getattr(model, "pipeline", None), "views", ())]
+    for root in roots:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def finish_grads(model: nn.Module, dims: ParallelDims) -> None:

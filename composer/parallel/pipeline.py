@@ -329,16 +329,7 @@ class Pipeline:
             dist.all_reduce(ce, group=cp.group)
         aux = torch.stack(aux_terms).sum() / self.n_micro if aux_terms else zero
         mtp = torch.stack(mtp_terms).sum() / self.n_micro if mtp_terms else zero
-        self.reshard()
         return ce, aux, mtp
-
-    def reshard(self) -> None:
-        """Free the stages' gathered weights after a step or an evaluation
-        (:func:`composer.parallel.data.reshard`: the roots are the stages, not the model)."""
-        from composer.parallel.data import reshard
-
-        for view in self.views:
-            reshard(view)
 
     def sync_tied(self) -> None:
         """Sum the gradients of the two copies of the embedding (first and last stage; tied
@@ -391,5 +382,4 @@ class Pipeline:
                 dist.all_reduce(x, group=self.model.cp.group)
             out[0] = x.double() / n.clamp(min=1)
         dist.all_reduce(out, group=group)  # the loss from the last stage, aux from all
-        self.reshard()
         return out[0], out[1]

@@ -18,6 +18,7 @@ import torch
 
 from composer.config import ModelConfig
 from composer.parallel.launch import run_distributed
+from composer.testing import train_case
 
 ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:  # spawned ranks unpickle this module's functions by name
@@ -236,18 +237,9 @@ RECIPE = {"model": {"pattern": "*EE", "set": {"d_model": 32, "vocab_size": 61,
 
 def engine_run(values: dict, source: str | None = None) -> dict:
     """``composer train`` in this process; its losses, final parameters and score biases."""
-    from composer.train.engine import resolve, setup
-    from composer.train.loop import train_loop
-
-    recipe, resume = resolve(source, None, values)
-    run, last = setup(recipe, resume, quiet=True)
-    try:
-        summary = train_loop(run, last, quiet=True)
-    finally:
-        run.log.close()
-    return {"losses": summary.losses, "step": summary.step,
-            "params": {k: _whole(v.detach()).clone() for k, v in run.model.named_parameters()},
-            "biases": {k: v.clone() for k, v in run.model.named_buffers() if "score_bias" in k}}
+    out = train_case(values, source)
+    return {"losses": out["losses"], "step": out["step"], "params": out["params"],
+            "biases": {k: v for k, v in out["buffers"].items() if "score_bias" in k}}
 
 
 @pytest.fixture(scope="module")

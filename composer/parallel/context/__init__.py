@@ -27,9 +27,11 @@ reuses the block's own stages: ``_project`` / ``_output``, ``project`` / ``scan_
 - **Mamba-2 and gated delta nets** (:mod:`.recurrent`): chunk state passing. Both recurrences
   are linear in the state, ``S_end = M S_start + S_local`` per chunk, where ``S_local`` is the
   chunk's end state from zero and ``M`` its transition (a decay per head for Mamba-2; a
-  ``K x K`` matrix per head for the delta rule). Each rank computes both for its chunks in one
-  scan (the input widened by columns of zeros started from ``[0 | I]``: the extra columns come
-  out as ``M``), the ``(S_local, M)`` of every chunk are all-gathered (state-sized tensors),
+  ``K x K`` matrix per head for the delta rule). Each rank computes both for its chunks
+  (Mamba-2 in closed form, :func:`composer.kernels.scan.ssd_end_state`; the delta rule in one
+  pass widened by zero columns started from ``[0 | I]``, which come out as ``M``,
+  :func:`composer.kernels.gdn.gdn_end_state`), the ``(S_local, M)`` of every chunk are
+  all-gathered (state-sized tensors),
   every rank runs the recurrence over the ``2N`` chunks, and scans its chunks again from their
   true starting states. That is exact, needs no divisibility of heads or groups, and keeps
   communication at the state's size; its cost is a second scan per layer. (The alternative,

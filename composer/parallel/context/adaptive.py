@@ -38,19 +38,21 @@ class Layout:
     size: int
     T: int
 
+    def __post_init__(self) -> None:  # what every layer of the batch asks, counted once
+        self._by_rank = [[i for i, p in enumerate(self.pieces) if p.rank == r]
+                         for r in range(self.size)]
+        self._tokens = [sum(self.pieces[i].length for i in mine) for mine in self._by_rank]
+        self.max_tokens = max(self._tokens)
+        self.max_pieces = max(len(mine) for mine in self._by_rank)
+        self.slot = {g: r * self.max_pieces + j for r, mine in enumerate(self._by_rank)
+                     for j, g in enumerate(mine)}
+        """Global piece -> its row among every rank's pieces gathered (``max_pieces`` a rank)."""
+
     def of_rank(self, r: int) -> list[int]:
-        return [i for i, p in enumerate(self.pieces) if p.rank == r]
+        return self._by_rank[r]
 
     def tokens(self, r: int) -> int:
-        return sum(self.pieces[i].length for i in self.of_rank(r))
-
-    @property
-    def max_tokens(self) -> int:
-        return max(self.tokens(r) for r in range(self.size))
-
-    @property
-    def max_pieces(self) -> int:
-        return max(len(self.of_rank(r)) for r in range(self.size))
+        return self._tokens[r]
 
 
 def adaptive_layout(doc_BT: Any, n: int, min_tokens: int, halo: int) -> Layout:
@@ -150,8 +152,9 @@ def _adaptive_meta(cp: CPContext, device: torch.device) -> None:
     mask = (q_doc[:, None] == k_doc[None, :]) & (k_pos[None, :] <= q_pos[:, None])
     cp.extra["mask"] = mask[None, None]
     cp.extra["rows"] = _piece_rows(layout, cp.rank, device)
-    starts = torch.tensor([layout.pieces[i].doc_start for i in layout.of_rank(cp.rank)
-                           for _ in range(layout.pieces[i].length)], dtype=torch.long)
+    mine = [layout.pieces[i] for i in layout.of_rank(cp.rank)]
+    starts = torch.repeat_interleave(torch.tensor([p.doc_start for p in mine]),
+                                     torch.tensor([p.length for p in mine]))
     cp.pos_BT = (q_pos - starts.to(device))[None]
 
 
@@ -168,11 +171,8 @@ def adaptive_halo_conv(x_1TX: torch.Tensor, conv: nn.Module, cp: CPContext) -> t
     lengths = torch.tensor([layout.pieces[i].length for i in rows.ids], device=x_PLX.device)
     tail_idx = (lengths[:, None] - h + torch.arange(h, device=x_PLX.device)).clamp(min=0)
     tails = torch.gather(x_PLX, 1, tail_idx[..., None].expand(-1, -1, x_PLX.shape[-1]))
-    p_max = layout.max_pieces
-    all_tails = gather_padded(tails, cp, 0, p_max)  # [N * p_max, h, X]
-    slot = {g: r * p_max + layout.of_rank(r).index(g) for r in range(cp.size)
-            for g in layout.of_rank(r)}
-    halo = torch.stack([all_tails[slot[layout.pieces[g].prev]]
+    all_tails = gather_padded(tails, cp, 0, layout.max_pieces)  # [N * max_pieces, h, X]
+    halo = torch.stack([all_tails[layout.slot[layout.pieces[g].prev]]
                         if layout.pieces[g].prev is not None else torch.zeros_like(tails[0])
                         for g in rows.ids])
     return conv_silu(torch.cat([halo, x_PLX], 1), conv)[:, h:]
@@ -185,15 +185,13 @@ def adaptive_pass_states(local_P_: torch.Tensor, trans_P_: torch.Tensor, cp: CPC
     layout, rows, p_max = cp.layout, cp.extra["rows"], cp.layout.max_pieces
     local = gather_padded(local_P_, cp, 0, p_max)
     trans = gather_padded(trans_P_, cp, 0, p_max)
-    slot = {g: r * p_max + layout.of_rank(r).index(g) for r in range(cp.size)
-            for g in layout.of_rank(r)}
     start: dict[int, torch.Tensor] = {}
     zero = torch.zeros_like(local[0])
     for g, p in enumerate(layout.pieces):  # global order: a piece's prev comes first
         if p.prev is None:
             start[g] = zero
         else:
-            q = slot[p.prev]
+            q = layout.slot[p.prev]
             start[g] = apply(trans[q], start[p.prev]) + local[q]
     return torch.stack([start[g] for g in rows.ids])
 
@@ -221,7 +219,7 @@ def adaptive_mamba_forward(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor
 
 
 def adaptive_gdn_forward(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
-    from composer.kernels.gdn import gated_delta_rule
+    from composer.kernels.gdn import gated_delta_rule, gdn_end_state
 
     cp: CPContext = self.cp
     rows = cp.extra["rows"]
@@ -233,15 +231,8 @@ def adaptive_gdn_forward(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
     valid = rows.valid.to(g.dtype)
     q, k = q * valid[..., None, None], k * valid[..., None, None]
     g, beta = g * valid[..., None], beta * valid[..., None]
-    R, L, H, V = v.shape
-    K = q.shape[-1]
-    v_aug = torch.cat([v, v.new_zeros(R, L, H, K)], -1)
-    init = v.new_zeros(R, H, K, V + K)
-    init[..., V:] = torch.eye(K, dtype=init.dtype, device=init.device)
-    _, end = gated_delta_rule(q, k, v_aug, g, beta, chunk, initial_state_BHKV=init,
-                              return_final_state=True)
-    start = adaptive_pass_states(end[..., :V].contiguous(), end[..., V:].contiguous(), cp,
-                                 lambda m, s: m @ s)
+    end, trans = gdn_end_state(q, k, v, g, beta, chunk)
+    start = adaptive_pass_states(end, trans, cp, lambda m, s: m @ s)
     o = gated_delta_rule(q, k, v, g, beta, chunk, initial_state_BHKV=start)
     return self.finish(from_rows(o, rows, n), x_BTD)
 

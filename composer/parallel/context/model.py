@@ -192,7 +192,3 @@ def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
     if dims.pp == 1:
         model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         model.register_forward_hook(_post_hook, with_kwargs=True)
-
-
-def is_context_parallel(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "cp", None), CPContext)

@@ -111,7 +111,7 @@ def cp_gdn_forward(self: nn.Module, x_BTD: torch.Tensor, *,
                    doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """:class:`composer.blocks.gdn.GatedDeltaNet` over the whole rows: the convolution with its
     halo, the delta rule with chunk state passing (module docstring)."""
-    from composer.kernels.gdn import gated_delta_rule
+    from composer.kernels.gdn import gated_delta_rule, gdn_end_state
 
     cp: CPContext = self.cp
     if cp.layout is not None:
@@ -123,16 +123,10 @@ def cp_gdn_forward(self: nn.Module, x_BTD: torch.Tensor, *,
     q, k, v_RLHV, g, beta = self.rule_inputs(conv_RLX, x_RLD)
     docs = _chunk_docs(cp, b, 0)
     R, _, H, V = v_RLHV.shape
-    K = q.shape[-1]
-    # one pass for each chunk's (S_local, M): v widened by K zero columns, started at [0 | I]
-    v_aug = torch.cat([v_RLHV, v_RLHV.new_zeros(R, L, H, K)], -1)
-    init = v_RLHV.new_zeros(R, H, K, V + K)
-    init[..., V:] = torch.eye(K, dtype=init.dtype, device=init.device)
-    _, end_RHKW = gated_delta_rule(q, k, v_aug, g, beta, chunk, initial_state_BHKV=init,
-                                   return_final_state=True, doc_ids=docs)
-    local = end_RHKW[..., :V].reshape(b, 2, H, K, V)
-    trans = end_RHKW[..., V:].reshape(b, 2, H, K, K)
+    end_RHKV, trans_RHKK = gdn_end_state(q, k, v_RLHV, g, beta, chunk, doc_ids=docs)
+    local = end_RHKV.reshape(b, 2, H, -1, V)
+    trans = trans_RHKK.reshape(b, 2, H, *trans_RHKK.shape[-2:])
     start = pass_states(local, trans, cp, lambda m, s: m @ s)
     o_RLHV = gated_delta_rule(q, k, v_RLHV, g, beta, chunk, doc_ids=docs,
-                              initial_state_BHKV=start.reshape(R, H, K, V))
+                              initial_state_BHKV=start.reshape(R, H, -1, V))
     return self.finish(o_RLHV.reshape(b, T, H, V), x_BTD)
