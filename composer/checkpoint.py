@@ -13,7 +13,9 @@ and memory holds one piece at a time.
 
 :class:`ShardedWriter` is given the full plan (names, dtypes, shapes) first, writes each shard's
 header, then takes each tensor's bytes in order and checks that every planned tensor is written
-exactly once with exactly its size. :func:`atomic_folder` makes the output appear only complete.
+exactly once with exactly its size (a tensor may come in pieces: ``composer build --out`` streams
+row blocks), and knows its files' exact size up front (:meth:`ShardedWriter.total_bytes`, for
+:func:`check_free_space`). :func:`atomic_folder` makes the output appear only complete.
 """
 
 from __future__ import annotations
