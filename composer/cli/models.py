@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from composer.cli.base import DEFAULT_PATTERN, UsageError
@@ -158,7 +159,9 @@ def write_built(cfg: ModelConfig, folder: str, seed: int, force: bool, max_shard
                            max_shard)  # the same split write_portable makes, for the sizes
     check_free_space(out, writer.total_bytes() + CONFIG_ALLOWANCE)
     try:
-        write_portable(out, cfg, plan, initial_pieces(model, seed), force, max_shard, family)
+        write_portable(out, cfg, plan, _counted(initial_pieces(model, seed),
+                                                writer.total_bytes(), f"build {out}"),
+                       force, max_shard, family)
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
             raise
@@ -166,6 +169,21 @@ def write_built(cfg: ModelConfig, folder: str, seed: int, force: bool, max_shard
     if len(writer.files) == 1:
         return ["config.yaml", *writer.files]
     return ["config.yaml", f"{len(writer.files)} safetensors shards", INDEX_NAME]
+
+
+def _counted(pieces: Iterator[tuple[str, Any]], total: int,
+             label: str) -> Iterator[tuple[str, Any]]:
+    """``pieces`` with a byte-counting progress bar on stderr (a terminal only, after 1 s):
+    a large model takes hours."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc=label, delay=1.0, leave=False,
+              file=sys.stderr, dynamic_ncols=True, disable=not sys.stderr.isatty()) as bar:
+        for key, piece in pieces:
+            yield key, piece
+            bar.update(piece.numel() * piece.element_size())
 
 
 def cmd_zoo_list(args: argparse.Namespace) -> int:
