@@ -13,7 +13,9 @@ and memory holds one piece at a time.
 
 :class:`ShardedWriter` is given the full plan (names, dtypes, shapes) first, writes each shard's
 header, then takes each tensor's bytes in order and checks that every planned tensor is written
-exactly once with exactly its size. :func:`atomic_folder` makes the output appear only complete.
+exactly once with exactly its size (a tensor may come in pieces: ``composer build --out`` streams
+row blocks), and knows its files' exact size up front (:meth:`ShardedWriter.total_bytes`, for
+:func:`check_free_space`). :func:`atomic_folder` makes the output appear only complete.
 """
 
 from __future__ import annotations
@@ -248,9 +250,8 @@ class ShardedWriter:
         """The order in which tensors must be written (shard by shard)."""
         return list(self._order)
 
-    def _open_shard(self, i: int) -> None:
-        if self._handle is not None:
-            self._handle.close()
+    def _header(self, i: int) -> bytes:
+        """Shard ``i``'s 8-byte header length and JSON header (safetensors' layout)."""
         header: dict[str, object] = {"__metadata__": self.metadata}
         offset = 0
         for t in self.shards[i]:
@@ -259,8 +260,27 @@ class ShardedWriter:
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned
+        return struct.pack("<Q", len(raw)) + raw
+
+    def _index(self) -> str | None:
+        if len(self.files) == 1:
+            return None
+        weight_map = {t.name: self.files[i] for i, s in enumerate(self.shards) for t in s}
+        total = sum(t.nbytes for t in self.plan)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        return json.dumps(index, indent=2) + "\n"
+
+    def total_bytes(self) -> int:
+        """The size of every file this writer writes (shards with headers, and the index)."""
+        index = self._index()
+        return sum(len(self._header(i)) for i in range(len(self.shards))) + \
+            sum(t.nbytes for t in self.plan) + (len(index.encode()) if index else 0)
+
+    def _open_shard(self, i: int) -> None:
+        if self._handle is not None:
+            self._handle.close()
         self._handle = open(self.folder / self.files[i], "wb")
-        self._handle.write(struct.pack("<Q", len(raw)) + raw)
+        self._handle.write(self._header(i))
         self._shard = i
 
     def write(self, name: str, data: memoryview | bytes | bytearray) -> None:
@@ -295,11 +315,9 @@ class ShardedWriter:
         if self._handle is not None:
             self._handle.close()
             self._handle = None
-        if len(self.files) > 1:
-            weight_map = {t.name: self.files[i] for i, s in enumerate(self.shards) for t in s}
-            total = sum(t.nbytes for t in self.plan)
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        index = self._index()
+        if index is not None:
+            (self.folder / INDEX_NAME).write_text(index)
 
 
 def _split_into_shards(plan: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
@@ -338,6 +356,24 @@ def check_destination(dst: Path, force: bool) -> None:
         raise FileExistsError(f"{dst} exists and is not a folder")
     if dst.exists() and any(dst.iterdir()) and not force:
         raise FileExistsError(f"{dst} is not empty; pass --force to replace it")
+
+
+class NotEnoughSpace(ValueError):
+    """The destination's file system cannot hold what is about to be written."""
+
+
+def check_free_space(dst: Path, needed: int) -> None:
+    """Refuse (one line) before writing ``needed`` bytes into ``dst`` (made beside it, then
+    renamed) when its file system has less free: a failure halfway wastes the time and fills
+    the disk for everyone else."""
+    probe = dst.resolve().parent
+    while not probe.exists():  # atomic_folder will create the missing parents
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise NotEnoughSpace(f"not enough disk space for {dst}: it needs {needed:,} bytes "
+                             f"({needed / 1e9:.2f} GB), {probe} has {free:,} bytes "
+                             f"({free / 1e9:.2f} GB) free")
 
 
 @contextmanager

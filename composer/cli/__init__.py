@@ -257,6 +257,8 @@ def make_parser() -> Parser:
                        help="print the split into pipeline stages for N ranks")
     build.add_argument("--out", help="materialise and write a portable checkpoint here")
     build.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
+    build.add_argument("--max-shard-size", default="50GB",
+                       help="largest --out safetensors file before sharding (default 50GB)")
     build.add_argument("--json", action="store_true", help="one line of JSON on stdout")
     build.set_defaults(func=cmd_build)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from composer.cli.base import DEFAULT_PATTERN, UsageError
@@ -102,13 +103,12 @@ def cmd_build(args: argparse.Namespace) -> int:
         info["pp"] = args.pp
         info["stages"] = stages_dict(cfg, args.pp, args.seq_len)
     if args.out:
-        from composer.specs.builder import build_model, save
         from composer.zoo import get_preset
 
         start = time.perf_counter()
-        model = build_model(cfg, device="cpu", seed=args.seed)
         family = get_preset(args.preset).family if args.preset else None
-        save(model, args.out, force=args.force, family=family)
+        info["files"] = write_built(cfg, args.out, args.seed, args.force,
+                                    getattr(args, "max_shard_size", None), family)
         info["out"] = str(args.out)
         info["build_seconds"] = round(time.perf_counter() - start, 3)
     if args.json:
@@ -116,9 +116,74 @@ def cmd_build(args: argparse.Namespace) -> int:
     else:
         print_stats(info)
         if args.out:
-            print(f"wrote {args.out} (config.yaml, model.safetensors) "
+            print(f"wrote {args.out} ({', '.join(info['files'])}) "
                   f"in {info['build_seconds']:.2f}s")
     return 0
+
+
+CONFIG_ALLOWANCE = 2**20
+"""Bytes allowed for ``config.yaml``, ``origin.json`` and the file system's rounding."""
+
+
+def write_built(cfg: ModelConfig, folder: str, seed: int, force: bool, max_shard_size: str | None,
+                family: str | None) -> list[str]:
+    """Initialise ``cfg`` from ``seed`` straight into a portable checkpoint in ``folder``, row block
+    by row block (:func:`~composer.specs.init.initial_pieces`): memory is bounded by a block,
+    never the model, and the bytes equal ``composer.save(build_model(cfg, seed=seed))``'s. The
+    free disk is checked against the files' exact size first. Returns the files' names."""
+    import errno
+    from pathlib import Path
+
+    from composer.checkpoint import (
+        DEFAULT_MAX_SHARD,
+        DTYPE_NAMES,
+        INDEX_NAME,
+        PlannedTensor,
+        ShardedWriter,
+        check_destination,
+        check_free_space,
+        parse_size,
+    )
+    from composer.specs.builder import build_model, write_portable
+    from composer.specs.init import initial_pieces
+
+    try:
+        max_shard = parse_size(max_shard_size) if max_shard_size else DEFAULT_MAX_SHARD
+    except ValueError as exc:
+        raise UsageError(f"--max-shard-size: {exc}") from None
+    out = Path(folder)
+    check_destination(out, force)
+    model = build_model(cfg, device="meta")
+    plan = [(k, v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()]
+    writer = ShardedWriter(out, [PlannedTensor(k, DTYPE_NAMES[d], s) for k, d, s in plan],
+                           max_shard)  # the same split write_portable makes, for the sizes
+    check_free_space(out, writer.total_bytes() + CONFIG_ALLOWANCE)
+    try:
+        write_portable(out, cfg, plan, _counted(initial_pieces(model, seed),
+                                                writer.total_bytes(), f"build {out}"),
+                       force, max_shard, family)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise UsageError(f"the disk filled up while writing {out}; nothing was kept") from None
+    if len(writer.files) == 1:
+        return ["config.yaml", *writer.files]
+    return ["config.yaml", f"{len(writer.files)} safetensors shards", INDEX_NAME]
+
+
+def _counted(pieces: Iterator[tuple[str, Any]], total: int,
+             label: str) -> Iterator[tuple[str, Any]]:
+    """``pieces`` with a byte-counting progress bar on stderr (a terminal only, after 1 s):
+    a large model takes hours."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc=label, delay=1.0, leave=False,
+              file=sys.stderr, dynamic_ncols=True, disable=not sys.stderr.isatty()) as bar:
+        for key, piece in pieces:
+            yield key, piece
+            bar.update(piece.numel() * piece.element_size())
 
 
 def cmd_zoo_list(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from composer.blocks.plan import named_state, rule_for
+from composer.blocks.plan import Init, named_state, rule_for
 from composer.checkpoint import CheckpointError, TensorSource, bytes_to_tensor
 
 BLOCK_ELEMENTS = 1 << 22
@@ -61,6 +61,20 @@ def _block_rows(shape: tuple[int, ...]) -> int:
 def _block_seed(seed: int, name: str, block: int) -> int:
     digest = hashlib.sha256(f"{seed}\0{name}\0{block}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _fill_block(rule: Init, seed: int, name: str, full: tuple[int, ...], b: int,
+                scratch: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """Rows ``lo:hi`` of tensor ``name`` (full shape ``full``): its block ``b``, filled in fp32
+    in ``scratch`` when it fits (so the result is valid until the next call), else fresh."""
+    rows = _block_rows(full)
+    lo, hi = b * rows, min((b + 1) * rows, full[0])
+    shape = (hi - lo, *full[1:])
+    n = math.prod(shape)
+    block = scratch[:n].view(shape) if n <= scratch.numel() else \
+        torch.empty(shape, dtype=torch.float32)
+    rule.fill(block, torch.Generator().manual_seed(_block_seed(seed, name, b)))
+    return lo, hi, block
 
 
 def owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -98,18 +112,13 @@ def init_weights(model: nn.Module, seed: int) -> None:
             rule.fill(value, torch.Generator().manual_seed(_block_seed(seed, name, 0)))
             out.copy_(value)
             continue
-        rows = _block_rows(full)
         start, stop = offsets[0], offsets[0] + sizes[0]
         inner = tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True))
+        rows = _block_rows(full)
         for b in range(start // rows, (stop - 1) // rows + 1):
-            lo, hi = b * rows, min((b + 1) * rows, full[0])
-            shape = (hi - lo, *full[1:])
-            block = scratch[:math.prod(shape)].view(shape) if math.prod(shape) <= \
-                BLOCK_ELEMENTS else torch.empty(shape, dtype=torch.float32)
-            rule.fill(block, torch.Generator().manual_seed(_block_seed(seed, name, b)))
+            lo, hi, block = _fill_block(rule, seed, name, full, b, scratch)
             a, z = max(lo, start), min(hi, stop)
             out[a - start:z - start].copy_(block[(slice(a - lo, z - lo), *inner)])
-
 
     for holder, tensors in fallback.items():
         _init_by_reset(model, holder, tensors, seed)
@@ -126,8 +135,10 @@ def _reset_holder(model: nn.Module, name: str) -> str | None:
     return None
 
 
-def _init_by_reset(model: nn.Module, holder: str, tensors: list[tuple[str, torch.Tensor]],
-                   seed: int) -> None:
+def _reset_values(model: nn.Module, holder: str, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor of module ``holder`` as its ``reset_parameters`` fills it, whole, in fp32 on
+    the CPU, from generators seeded by ``(seed, holder)``; the model itself (meta or not) is
+    left as it was."""
     module = model.get_submodule(holder)
     originals: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
     full: dict[str, torch.Tensor] = {}
@@ -150,10 +161,75 @@ def _init_by_reset(model: nn.Module, holder: str, tensors: list[tuple[str, torch
     finally:
         for sub, leaf, is_param, t in originals:
             (sub._parameters if is_param else sub._buffers)[leaf] = t
+    return full
+
+
+def _init_by_reset(model: nn.Module, holder: str, tensors: list[tuple[str, torch.Tensor]],
+                   seed: int) -> None:
+    full = _reset_values(model, holder, seed)
     for name, t in tensors:
         offsets, sizes = local_region(t)
         region = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
         local_tensor(t).copy_(full[name][region])
+
+
+# ---------------------------------------------------------------- streaming
+
+
+@torch.no_grad()
+def initial_pieces(model: nn.Module, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The values :func:`init_weights` gives ``model`` (a meta model will do), without holding
+    the model: ``(state-dict key, piece)`` in ``model.state_dict()`` order, each key's pieces
+    (row blocks, a fused key's parts in row order) concatenating to its tensor in row-major
+    order, in the tensor's dtype. Memory is one row block (a module, for a tensor initialised
+    by ``reset_parameters``); a piece is valid only until the next one is drawn, so write it
+    out (``composer build --out`` streams a model of any size to disk this way)."""
+    parts: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
+    resets: dict[str, set[str]] = {}  # holder -> its rule-less tensors still to yield
+    for name, t in named_state(model):
+        key, row = stored_as(model, name)
+        parts.setdefault(key, []).append((row, name, t))
+        if rule_for(model, name) is None:
+            holder = _reset_holder(model, name)
+            if holder is None:
+                raise ValueError(f"no initialisation declared for {name!r}: add it to the "
+                                 "init_rules() of the block that holds it")
+            resets.setdefault(holder, set()).add(name)
+    scratch = torch.empty(BLOCK_ELEMENTS, dtype=torch.float32)
+    done: dict[str, dict[str, torch.Tensor]] = {}  # holder -> its reset values, while needed
+    for key, planned in model.state_dict().items():
+        if key not in parts:
+            raise ValueError(f"state-dict key {key!r} is no parameter or buffer of its own")
+        if planned.numel() == 0:  # the writer still wants to hear of it, in its place
+            parts.pop(key)
+            yield key, torch.empty(0, dtype=planned.dtype)
+            continue
+        for _, name, t in sorted(parts.pop(key), key=lambda p: p[0]):
+            rule = rule_for(model, name)
+            holder = _reset_holder(model, name) if rule is None else None
+            if holder is not None:
+                if holder not in done:
+                    done[holder] = _reset_values(model, holder, seed)
+                resets[holder].discard(name)
+                yield key, done[holder][name].to(t.dtype)
+                if not resets[holder]:
+                    del done[holder]
+            elif rule is not None and t.numel():
+                for piece in _rule_pieces(rule, name, tuple(t.shape), seed, scratch):
+                    yield key, piece.to(t.dtype)
+
+
+def _rule_pieces(rule: Init, name: str, full: tuple[int, ...], seed: int,
+                 scratch: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Tensor ``name``'s row blocks in order, filled from ``rule`` exactly as
+    :func:`init_weights` fills them."""
+    if not full:
+        value = torch.empty((), dtype=torch.float32)
+        rule.fill(value, torch.Generator().manual_seed(_block_seed(seed, name, 0)))
+        yield value
+        return
+    for b in range(-(-full[0] // _block_rows(full))):
+        yield _fill_block(rule, seed, name, full, b, scratch)[2]
 
 
 def stored_as(model: nn.Module, name: str) -> tuple[str, int]:
