@@ -54,29 +54,28 @@ def test_a_run_prints_what_torchrun_prints(tmp_path):
     assert ours.stderr == ""
 
 
-def _lines(stream, into: queue.Queue) -> None:
-    for line in stream:
-        into.put(line)
-
-
 def test_sigint_to_the_launcher_saves_and_exits_0(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([*LAUNCH, *DEBUG, "--steps", "400", "--save", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=tmp_path, env=ENV)
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout])
+    reader.start()
+    err = []
+    err_reader = threading.Thread(target=lambda: err.append(proc.stderr.read()))
+    err_reader.start()
     out = []
     try:
         deadline = time.monotonic() + 300
         while not out or not out[-1].startswith("step"):  # the ranks are training
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline and proc.poll() is None, "no step in time"
             try:
                 out.append(lines.get(timeout=1.0))
             except queue.Empty:
                 continue
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=300)
+        proc.wait(timeout=300)
     finally:
         if proc.poll() is None:  # SIGTERM goes on to the ranks, which stop; then make sure
             proc.terminate()
@@ -84,9 +83,11 @@ def test_sigint_to_the_launcher_saves_and_exits_0(tmp_path):
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    time.sleep(0.2)  # the reader thread drains the pipe
+        reader.join(timeout=10)
+        err_reader.join(timeout=10)
     while not lines.empty():
         out.append(lines.get())
+    err = "".join(err)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "rank" not in err, err
     step = int([line for line in out if line.startswith("step")][-1].split()[1])
