@@ -346,10 +346,12 @@ def make_parser() -> Parser:
 
     la = sub.add_parser("launch", help="run a command on N local processes (torchrun's job; "
                         "one line per failing rank, Ctrl-C saves)")
-    la.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True,
+    la.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True, metavar="N",
                     help="processes (ranks) to start on this machine")
-    la.add_argument("--log-dir", help="keep the stderr of ranks 1 to N-1 here (rank 0's is yours)")
-    la.add_argument("argv", nargs=argparse.REMAINDER, help="the composer command and its flags")
+    la.add_argument("--log-dir", metavar="DIR",
+                    help="keep the stderr of ranks 1 to N-1 here (rank 0's is yours)")
+    la.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND ...",
+                    help="the composer command and its flags")
     la.set_defaults(func=cmd_launch)
 
     zoo = sub.add_parser("zoo", help="list and show model presets")
