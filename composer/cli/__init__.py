@@ -221,6 +221,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from composer.cli.launch import launch
+
+    return launch(args.nproc_per_node, args.argv, args.log_dir)
+
+
 def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages: the "
@@ -340,6 +346,16 @@ def make_parser() -> Parser:
 
     add_generate(sub)
 
+    la = sub.add_parser("launch", help="run a command on N local processes (torchrun's job; "
+                        "one line per failing rank, Ctrl-C saves)")
+    la.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True, metavar="N",
+                    help="processes (ranks) to start on this machine")
+    la.add_argument("--log-dir", metavar="DIR",
+                    help="keep the stderr of ranks 1 to N-1 here (rank 0's is yours)")
+    la.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND ...",
+                    help="the composer command and its flags")
+    la.set_defaults(func=cmd_launch)
+
     zoo = sub.add_parser("zoo", help="list and show model presets")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True, parser_class=Parser)
     zl = zoo_sub.add_parser("list", help="list presets")
@@ -353,10 +369,16 @@ def make_parser() -> Parser:
     return parser
 
 
-def _is_main_rank() -> bool:
-    import os
+def _report(line: str, code: int) -> None:
+    """A one-line error on stderr, from rank 0 only; under `composer launch` every rank hands
+    it to the launcher, which prints one line per failing rank."""
+    if os.environ.get("COMPOSER_LAUNCH_DIR"):
+        from composer.cli.launch import hand_over
 
-    return os.environ.get("RANK", "0") == "0"
+        if hand_over(line, code):
+            return
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
 
 
 def _leave_process_group() -> bool:
@@ -392,17 +414,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except (UsageError, ValueError, FileExistsError, FileNotFoundError,
             PermissionError) as exc:  # ConfigError, PatternError, CheckpointError are ValueErrors
-        if _is_main_rank():
-            print(f"composer: error: {exc}".replace("\n", " "), file=sys.stderr)
+        _report(f"composer: error: {exc}".replace("\n", " "), 2)
         return 2
     except RuntimeError as exc:
         from composer.train.loop import TrainingHalted
 
         if not isinstance(exc, TrainingHalted):
             raise
-        if _is_main_rank():
-            print(f"composer: error: {exc}".replace("\n", " "), file=sys.stderr)
+        _report(f"composer: error: {exc}".replace("\n", " "), exc.exit_code)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("composer: interrupted", file=sys.stderr)
+        _report("composer: interrupted", 130)
         return 130
