@@ -45,11 +45,11 @@ def test_available_cpus_is_the_affinity_shared_by_local_ranks():
 
 
 def test_the_debug_recipe_gets_one_thread():
-    from composer.cli import _train_work
+    from composer.cli.base import train_work
     from composer.train.engine import resolve
 
     recipe, _ = resolve(None, "debug", {})
-    n_params, tokens = _train_work(recipe)
+    n_params, tokens = train_work(recipe)
     assert (n_params, tokens) == (419_400, 4 * 64)  # micro-batch 4 x seq 64
     assert intra_op_threads(n_params, tokens, 1024, NO_ENV) == 1
 

@@ -17,7 +17,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from composer.cli.base import DEFAULT_PATTERN, Parser, UsageError, source_params, version
+from composer.cli.base import (
+    DEFAULT_PATTERN,
+    Parser,
+    UsageError,
+    source_params,
+    train_work,
+    version,
+)
 from composer.cli.models import cmd_build, cmd_zoo_list, cmd_zoo_show
 from composer.threads import restore_threads, use_threads
 
@@ -125,31 +132,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_work(recipe: Any) -> tuple[int, int]:
-    """(parameters, tokens per forward) of a resolved recipe, for the thread count; a model
-    that does not resolve counts 0 (train itself then says what is wrong)."""
-    from composer.cli.base import config_params
-    from composer.config import ModelConfig, apply_overrides
-    from composer.train.engine import DEFAULT_SYNTHETIC_SEQ_LEN
-    from composer.train.recipe import model_source
-
-    try:
-        name, pattern, overrides = model_source(recipe.model)
-        if pattern is None and name is not None and os.path.isdir(name):
-            n_params = source_params(name)
-        else:
-            from composer.zoo import get_preset
-
-            cfg = ModelConfig(pattern=pattern) if pattern is not None else \
-                get_preset(str(name)).config()
-            apply_overrides(cfg, overrides + list(recipe.set or []))
-            n_params = config_params(cfg.validate())
-    except ValueError:
-        n_params = 0
-    rows = recipe.micro_batch_size or recipe.global_batch_size or 1
-    return n_params, rows * (recipe.seq_len or DEFAULT_SYNTHETIC_SEQ_LEN)
-
-
 TRAIN_ONLY = {"func", "command", "config", "list_recipes", "json", "source"}
 
 
@@ -170,7 +152,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if flags.pop("activation_checkpointing", False):
         flags.setdefault("ac", "full")
     recipe, resume = resolve(args.source, args.config, flags)
-    use_threads(*_train_work(recipe))
+    use_threads(*train_work(recipe))
     init_distributed(recipe.device, recipe.timeout_s)
     summary = train(recipe, resume, quiet=args.json)
     if is_main_process():

@@ -66,3 +66,27 @@ def source_params(source: str | Path | None) -> int:
         return config_params(get_preset(str(source)).config())
     except (ValueError, OSError):
         return 0
+
+
+def train_work(recipe: Any) -> tuple[int, int]:
+    """(parameters, tokens per forward) of a resolved recipe, for the thread count; a model
+    that does not resolve counts 0 (train itself then says what is wrong)."""
+    from composer.config import ModelConfig, apply_overrides
+    from composer.train.engine import DEFAULT_SYNTHETIC_SEQ_LEN
+    from composer.train.recipe import model_source
+
+    try:
+        name, pattern, overrides = model_source(recipe.model)
+        if pattern is None and name is not None and Path(name).is_dir():
+            n_params = source_params(name)
+        else:
+            from composer.zoo import get_preset
+
+            cfg = ModelConfig(pattern=pattern) if pattern is not None else \
+                get_preset(str(name)).config()
+            apply_overrides(cfg, overrides + list(recipe.set or []))
+            n_params = config_params(cfg.validate())
+    except ValueError:
+        n_params = 0
+    rows = recipe.micro_batch_size or recipe.global_batch_size or 1
+    return n_params, rows * (recipe.seq_len or DEFAULT_SYNTHETIC_SEQ_LEN)

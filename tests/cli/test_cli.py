@@ -259,3 +259,11 @@ def test_light_commands_do_not_import_torch(tmp_path):
     assert exits == ["exit 0", "exit 0", "exit 0", "exit 2", "exit 0", "exit 0", "exit 0",
                      "exit 2", "exit 2"], proc.stderr
     assert proc.stderr.splitlines()[-1] == "torch imported: False", proc.stderr
+
+
+def test_the_light_parser_lists_generate_as_the_full_one_does():
+    # without `generate` on the command line its options (which import torch) are not loaded;
+    # the command list must not tell the difference
+    from composer.cli import make_parser
+
+    assert make_parser(["build"]).format_help() == make_parser(None).format_help()
