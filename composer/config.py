@@ -12,7 +12,6 @@ built-in ones (it lives at the top level of the YAML, beside ``attention`` and `
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from composer.pattern import Pattern, PatternError, parse_pattern
+from composer.suggest import closest
 
 Activation = Literal["swiglu", "geglu", "relu2", "gelu", "gelu_tanh", "silu", "relu"]
 GATED_ACTIVATIONS = ("swiglu", "geglu")
@@ -30,6 +30,18 @@ GATED_ACTIVATIONS = ("swiglu", "geglu")
 
 class ConfigError(ValueError):
     """An invalid configuration value or override; the message is one line."""
+
+
+class _FromPattern:
+    """The default of a section that exists only when the pattern uses it (``mla``, ``gdn``):
+    :meth:`ModelConfig.__post_init__` turns it into that section, sized by ``d_model``, or into
+    None. An explicit None stays None (and a pattern that needs the section is refused)."""
+
+    def __repr__(self) -> str:
+        return "<from the pattern>"
+
+
+FROM_PATTERN: Any = _FromPattern()
 
 
 @dataclass
@@ -239,12 +251,22 @@ class ModelConfig:
     mamba: MambaConfig | None = field(default_factory=MambaConfig)
     mlp: MLPConfig | None = field(default_factory=MLPConfig)
     moe: MoEConfig | None = field(default_factory=MoEConfig)
-    mla: MLAConfig | None = None
-    gdn: GDNConfig | None = None
+    mla: MLAConfig | None = FROM_PATTERN
+    """Given when the pattern has ``+`` and none is passed: :func:`default_section`."""
+    gdn: GDNConfig | None = FROM_PATTERN
+    """Given when the pattern has ``G`` and none is passed: :func:`default_section`."""
     mtp: MTPConfig | None = field(default_factory=MTPConfig)
     """Read only when the pattern has multi-token-prediction parts (``"main/mtp"``)."""
     extra_sections: dict[str, Any] = field(default_factory=dict, repr=False)
     """Sections of user-registered kinds, by name (also reachable as attributes)."""
+
+    def __post_init__(self) -> None:
+        used = _used_sections(self.pattern)
+        for name in BUILTIN_SECTIONS:
+            if getattr(self, name) is FROM_PATTERN:
+                setattr(self, name, default_section(name, self.d_model) if name in used else None)
+        for name in used - set(BUILTIN_SECTIONS) - set(self.extra_sections):
+            self.extra_sections[name] = default_section(name, self.d_model)
 
     def __getattr__(self, name: str) -> Any:
         extra = self.__dict__.get("extra_sections")
@@ -324,6 +346,38 @@ SECTIONS: dict[str, Section] = {}
 """Config sections by name, built-in and registered; see :func:`register_section`."""
 
 
+def default_section(name: str, d_model: int) -> Any:
+    """The section ``name`` with its defaults for a model ``d_model`` wide; None for a registered
+    section whose dataclass has required fields.
+
+    ``attention``, ``mamba``, ``mlp`` and ``moe`` are their dataclasses' defaults (attention's
+    head width is already ``d_model / n_heads``). ``mla`` and ``gdn`` keep the per-head widths of
+    their defaults and scale the head count with ``d_model``, so that at ``d_model`` 256 (the
+    default) they equal their dataclasses' defaults: GDN's value width is ``2 * d_model`` (as
+    Mamba-2's ``expand`` 2), MLA has one 32+16-channel head per 64 model channels and a kv
+    latent of ``d_model / 4``."""
+    width = d_model if isinstance(d_model, int) and d_model > 0 else 256
+    if name == "mla":
+        return MLAConfig(n_heads=max(1, width // 64), kv_lora_rank=max(8, width // 4))
+    if name == "gdn":
+        return GDNConfig(n_heads=max(1, 2 * width // GDNConfig.d_head_v))
+    try:
+        return SECTIONS[name].cls()
+    except TypeError:
+        return None
+
+
+def _used_sections(pattern: Any) -> set[str]:
+    """The sections a pattern's symbols read; empty for a pattern that does not parse (the
+    validation reports it)."""
+    try:
+        parsed = parse_pattern(pattern)
+    except PatternError:
+        return set()
+    used = {SYMBOL_NEEDS[s] for s in parsed.layers + "".join(parsed.mtp) if s in SYMBOL_NEEDS}
+    return used | ({"mtp"} if parsed.mtp else set())
+
+
 def register_section(name: str, cls: type,
                      validate: Callable[[Any, ModelConfig], None] | None = None) -> None:
     """Make ``name`` a config section holding a ``cls`` dataclass (for a user-registered kind)."""
@@ -361,9 +415,9 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _unknown(key: str, valid: list[str], where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f"; did you mean {where}{close[0]!r}?" if close else ""
-    return ConfigError(f"unknown config key {where}{key!r}{hint} (valid: {', '.join(valid)})")
+    close = closest(key, valid)
+    hint = f"; did you mean '{where}{close}'?" if close else ""
+    return ConfigError(f"unknown config key '{where}{key}'{hint} (valid: {', '.join(valid)})")
 
 
 def _from_plain(cls: type, data: Any, where: str) -> Any:
@@ -444,9 +498,15 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
 def apply_overrides(config: ModelConfig, overrides: list[str]) -> ModelConfig:
     """Apply ``key=value`` strings such as ``attention.n_heads=8`` (values parsed as YAML).
 
-    Setting a field of a sub-config that is ``None`` creates it with its defaults first;
-    ``moe=null`` removes one. Unknown keys are rejected with the nearest valid key.
+    Setting a field of a sub-config that is ``None`` creates it with its defaults first
+    (:func:`default_section`); ``moe=null`` removes one. A new ``pattern`` gets the sections its
+    symbols read (unless nulled here); ``mla`` and ``gdn`` sections still at their defaults and
+    not touched here follow a new ``d_model``. Unknown keys are rejected with the nearest valid
+    key.
     """
+    d_model = config.d_model
+    derived = {n for n in ("mla", "gdn") if getattr(config, n) == default_section(n, d_model)}
+    touched = set()
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
@@ -457,6 +517,14 @@ def apply_overrides(config: ModelConfig, overrides: list[str]) -> ModelConfig:
         except yaml.YAMLError:
             value = raw
         set_field(config, key, value)
+        touched.add(key.partition(".")[0])
+    if config.d_model != d_model:
+        for name in derived - touched:
+            config.set_section(name, default_section(name, config.d_model))
+    if "pattern" in touched:
+        for name in _used_sections(config.pattern) - touched:
+            if config.section(name) is None:
+                config.set_section(name, default_section(name, config.d_model))
     return config
 
 
@@ -471,11 +539,13 @@ def set_field(config: Any, dotted: str, value: Any) -> None:
             raise _unknown(part, list(hints), where)
         child = getattr(target, part)
         if not dataclasses.is_dataclass(child):
-            sub = SECTIONS[part].cls if part in SECTIONS else \
-                (_subconfig(hints[part]) or SUBCONFIGS.get(part))
-            if sub is None:
+            if isinstance(target, ModelConfig) and part in SECTIONS:
+                child = default_section(part, target.d_model)
+            else:
+                sub = _subconfig(hints[part]) or SUBCONFIGS.get(part)
+                child = sub() if sub is not None else None
+            if child is None:
                 raise ConfigError(f"{where}{part} is not a section; set it as {where}{part}=VALUE")
-            child = sub()
             _set(target, part, child)
         target = child
         where += part + "."
@@ -539,8 +609,8 @@ def validate(cfg: ModelConfig) -> None:
     for sym in sorted(set(pattern.layers + "".join(pattern.mtp))):
         section = SYMBOL_NEEDS.get(sym)
         if section and getattr(cfg, section) is None:
-            raise ConfigError(
-                f"pattern symbol {sym!r} needs the '{section}' section, which is None")
+            raise ConfigError(f"pattern symbol {sym!r} needs the '{section}' section, which is "
+                              f"None; {_how_to_give(section, cfg.d_model)}")
     if pattern.mtp and cfg.mtp is None:
         raise ConfigError(f"the multi-token-prediction parts ('/{pattern.mtp[0]}') need the "
                           "'mtp' section, which is None")
@@ -548,6 +618,17 @@ def validate(cfg: ModelConfig) -> None:
         value = cfg.section(name)
         if value is not None and section.validate is not None:
             section.validate(value, cfg)
+
+
+def _how_to_give(section: str, d_model: int) -> str:
+    """The ``--set`` that creates a missing section (any of its keys does, with the rest at
+    :func:`default_section`'s values)."""
+    default = default_section(section, d_model)
+    if default is None:
+        return f"give it with --set {section}.KEY=VALUE for each of its fields"
+    first = dataclasses.fields(default)[0].name
+    return (f"give it one, e.g. --set {section}.{first}={getattr(default, first)} (its other "
+            f"keys then take their defaults for d_model {d_model})")
 
 
 def _validate_attention(a: AttentionConfig, cfg: ModelConfig) -> None:

@@ -158,6 +158,10 @@ def _parse_tokens(text: str, tokens: list[tuple[str, int]]) -> list:
             top.append((tok, col))
         elif tok.isdigit():
             raise _error(text, col, "a number must follow '(...)x'")
+        elif tok == "x" and len(stack) > 1:  # "(M-x2": the group was left open, not a bad x
+            open_col = stack[-1][1]
+            raise _error(text, open_col, f"unclosed '(' (a ')' must come before the 'x' at "
+                                         f"column {col})")
         else:
             raise _error(text, col, "invalid symbol")
         i += 1

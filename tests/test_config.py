@@ -63,7 +63,7 @@ def test_override_creates_missing_section_and_removes_one():
     "override, message",
     [
         ("attention.n_head=8",
-         "unknown config key attention.'n_head'; did you mean attention.'n_heads'?"),
+         "unknown config key 'attention.n_head'; did you mean 'attention.n_heads'?"),
         ("atention.n_heads=8", "unknown config key 'atention'; did you mean 'attention'?"),
         ("d_modle=3", "unknown config key 'd_modle'; did you mean 'd_model'?"),
         ("d_model=abc", "d_model expects int, got 'abc'"),
@@ -109,7 +109,7 @@ def test_validation(changes, message):
 
 def test_load_rejects_unknown_yaml_key(tmp_path):
     (tmp_path / "c.yaml").write_text("pattern: M\nmamba:\n  n_head: 4\n")
-    with pytest.raises(ConfigError, match="did you mean mamba.'n_heads'"):
+    with pytest.raises(ConfigError, match="did you mean 'mamba.n_heads'"):
         ModelConfig.load(tmp_path / "c.yaml")
     (tmp_path / "d.yaml").write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
@@ -119,3 +119,76 @@ def test_load_rejects_unknown_yaml_key(tmp_path):
 def test_a_literal_none_choice_is_not_null():
     cfg = apply_overrides(ModelConfig(pattern="M*"), ["attention.position=none"])
     assert cfg.attention.position == "none"
+
+
+# ------------------------------------------- issue 21: a pattern symbol gets its section
+
+
+def test_every_symbol_gets_its_section_sized_by_d_model():
+    from composer.config import GDNConfig, MLAConfig, default_section
+
+    # at the default width the derived sections are the dataclasses' defaults
+    assert default_section("gdn", 256) == GDNConfig() and default_section("mla", 256) == MLAConfig()
+    cfg = ModelConfig(pattern="G-+E", d_model=64)
+    assert cfg.gdn == GDNConfig(n_heads=2)  # value width 2 x 64 in heads of 64
+    assert cfg.mla == MLAConfig(n_heads=1, kv_lora_rank=16)
+    assert cfg.mla == default_section("mla", 64)
+    assert ModelConfig(pattern="M*").mla is None and ModelConfig(pattern="M*").gdn is None
+    assert cfg.validate() is cfg
+
+
+def test_a_pattern_of_g_and_plus_builds_and_runs():
+    import torch
+
+    import composer
+    from composer.config import GDNConfig, MLAConfig
+
+    cfg = composer.ModelConfig(pattern="G-+E", d_model=64, vocab_size=97)
+    spelled = composer.ModelConfig(pattern="G-+E", d_model=64, vocab_size=97,
+                                   gdn=GDNConfig(n_heads=2),
+                                   mla=MLAConfig(n_heads=1, kv_lora_rank=16))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = composer.build_model(cfg, seed=0)(ids)
+    assert logits.shape == (2, 9, 97) and bool(torch.isfinite(logits).all())
+    # the defaulted config is the spelled-out one: same seed, same ops, the same bits
+    assert torch.equal(logits, composer.build_model(spelled, seed=0)(ids))
+
+
+def test_overrides_keep_derived_sections_in_step():
+    from composer.config import GDNConfig, MLAConfig, default_section
+
+    cfg = apply_overrides(ModelConfig(pattern="G+"), ["d_model=64"])
+    assert cfg.gdn == default_section("gdn", 64) and cfg.mla == default_section("mla", 64)
+    cfg = apply_overrides(ModelConfig(pattern="G+"), ["gdn.d_head_k=32", "d_model=64"])
+    assert cfg.gdn == GDNConfig(d_head_k=32)  # touched: kept, not re-derived
+    assert cfg.mla == default_section("mla", 64)
+    cfg = apply_overrides(ModelConfig(d_model=128), ["pattern=G+"])  # a new pattern
+    assert cfg.gdn == GDNConfig(n_heads=4) and cfg.mla == MLAConfig(n_heads=2, kv_lora_rank=32)
+    cfg = apply_overrides(ModelConfig(d_model=128), ["mla.n_heads=3"])  # created at d_model
+    assert cfg.mla == MLAConfig(n_heads=3, kv_lora_rank=32)
+
+
+def test_an_explicit_none_is_refused_with_the_keys_that_fix_it():
+    for cfg in (ModelConfig(pattern="G", gdn=None),
+                apply_overrides(ModelConfig(pattern="G", d_model=32), ["gdn=null"])):
+        with pytest.raises(ConfigError) as info:
+            cfg.validate()
+        assert str(info.value) == (
+            f"pattern symbol 'G' needs the 'gdn' section, which is None; give it one, e.g. "
+            f"--set gdn.n_heads={max(1, cfg.d_model // 32)} (its other keys then take their "
+            f"defaults for d_model {cfg.d_model})")
+        apply_overrides(cfg, [str(info.value).split("--set ")[1].split(" ")[0]])
+        assert cfg.validate().gdn == default_section_of(cfg)
+
+
+def default_section_of(cfg):
+    from composer.config import default_section
+
+    return default_section("gdn", cfg.d_model)
+
+
+def test_unknown_key_messages_quote_the_whole_key():
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(ModelConfig(), ["mamba.d_stat=3"])
+    assert str(info.value).startswith(
+        "unknown config key 'mamba.d_stat'; did you mean 'mamba.d_state'? (valid: n_heads, ")

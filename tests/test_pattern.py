@@ -136,3 +136,16 @@ def test_register_symbol_rejects_reserved():
     for bad in ("x", "|", "(", "7", " ", "MM"):
         with pytest.raises(ValueError):
             pattern_mod.register_symbol(bad, "nope")
+
+
+def test_an_open_group_before_x_is_an_unclosed_group():
+    # issue 21: "(M-x2" was reported as a bad 'x' at column 4
+    with pytest.raises(PatternError) as info:
+        parse_pattern("(M-x2")
+    assert str(info.value).split("; valid symbols")[0] == (
+        "unclosed '(' (a ')' must come before the 'x' at column 4): character '(' at column 1 "
+        "in pattern '(M-x2'")
+    with pytest.raises(PatternError) as info:
+        parse_pattern("M ( (M-)x2 -x3")  # the inner group closed, the outer one open
+    assert str(info.value).startswith(
+        "unclosed '(' (a ')' must come before the 'x' at column 13): character '(' at column 3")

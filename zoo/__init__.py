@@ -7,11 +7,11 @@ flavour for tests. ``get_preset(name).config()`` returns a fresh :class:`ModelCo
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from composer.config import ConfigError, ModelConfig
+from composer.suggest import closest
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def presets() -> dict[str, Preset]:
 def get_preset(name: str) -> Preset:
     table = presets()
     if name not in table:
-        close = difflib.get_close_matches(name, list(table), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        close = closest(name, table)
+        hint = f"; did you mean {close!r}?" if close else ""
         raise ConfigError(f"unknown preset {name!r}{hint} (see `composer zoo list`)")
     return table[name]

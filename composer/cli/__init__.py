@@ -1,7 +1,10 @@
 """The ``composer`` command (also ``python -m composer``).
 
 Every subcommand prints a readable table by default and one line of JSON on stdout with
-``--json``. Bad input is one line on stderr and exit code 2, never a traceback.
+``--json``. Bad input is one line on stderr and exit code 2, never a traceback. A bare
+``composer`` prints the help and exits 0 (nothing went wrong; argparse's exit 2 is for errors).
+The arguments are parsed before anything heavy is imported: torch loads only for a command that
+computes, which first sets its thread count from the size of its work (:mod:`composer.threads`).
 """
 
 from __future__ import annotations
@@ -14,8 +17,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from composer.cli.base import DEFAULT_PATTERN, Parser, UsageError
+from composer.cli.base import (
+    DEFAULT_PATTERN,
+    Parser,
+    UsageError,
+    source_params,
+    train_work,
+    version,
+)
 from composer.cli.models import cmd_build, cmd_zoo_list, cmd_zoo_show
+from composer.threads import restore_threads, use_threads
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16", "keep": None}
@@ -51,6 +62,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     kwargs = {"dtype": getattr(torch, dtype) if dtype else None, "force": args.force,
               "max_shard_bytes": max_shard}
+    use_threads(source_params(args.src), 1)  # casts and copies: work in proportion to the size
     start = time.perf_counter()
     bar = _progress_bar(0, f"convert {args.direction}")
     kwargs["progress"] = bar.update
@@ -107,6 +119,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         doc_ids = [s[1] for s in samples] if args.document_isolation else None
     else:
         rows = load_tokens(args.tokens, args.seq_len)
+    use_threads(source_params(args.ckpt), args.batch_size * len(rows[0]) if len(rows) else 1)
     model, dims, _, _ = prepare(args.ckpt, _layout(args), device=args.device)
     check_vocab(rows, model.config, args.tokens or args.data)
     loss, n = evaluate(model, dims, rows, args.batch_size, doc_ids)
@@ -123,7 +136,6 @@ TRAIN_ONLY = {"func", "command", "config", "list_recipes", "json", "source"}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from composer.parallel.launch import init_distributed, is_main_process
     from composer.train.recipe import shipped_recipes
 
     if args.list_recipes:
@@ -133,12 +145,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         else:
             _print_pairs(recipes)
         return 0
+    from composer.parallel.launch import init_distributed, is_main_process
     from composer.train.engine import resolve, train
 
     flags = {k: v for k, v in vars(args).items() if k not in TRAIN_ONLY}
     if flags.pop("activation_checkpointing", False):
         flags.setdefault("ac", "full")
     recipe, resume = resolve(args.source, args.config, flags)
+    use_threads(*train_work(recipe))
     init_distributed(recipe.device, recipe.timeout_s)
     summary = train(recipe, resume, quiet=args.json)
     if is_main_process():
@@ -249,8 +263,20 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
                    help="auto (default): CUDA when available; under torchrun cuda:LOCAL_RANK")
 
 
-def make_parser() -> Parser:
+GENERATE_HELP = "continue a prompt with a checkpoint (text streams)"
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the command line (the root parser's options take no values)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def make_parser(argv: Sequence[str] | None = None) -> Parser:
+    """The ``composer`` parser. ``generate``'s options live in :mod:`composer.inference.cli`,
+    which imports torch: they are added only when ``argv`` runs ``generate`` (``None``: always);
+    otherwise ``generate`` is listed with its help line alone."""
     parser = Parser(prog="composer", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"composer {version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     build = sub.add_parser("build", help="build a model from a pattern or preset and summarise it")
     build.add_argument("--pattern", help=f"layer pattern (default {DEFAULT_PATTERN!r})")
@@ -342,9 +368,12 @@ def make_parser() -> Parser:
     ex.add_argument("--json", action="store_true", help="one line of JSON on stdout")
     ex.set_defaults(func=cmd_export)
 
-    from composer.inference.cli import add_parser as add_generate
+    if argv is None or _command(argv) == "generate":
+        from composer.inference.cli import add_parser as add_generate
 
-    add_generate(sub)
+        add_generate(sub)
+    else:
+        sub.add_parser("generate", help=GENERATE_HELP)
 
     la = sub.add_parser("launch", help="run a command on N local processes (torchrun's job; "
                         "one line per failing rank, Ctrl-C saves)")
@@ -394,10 +423,17 @@ def _leave_process_group() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     try:
-        args = make_parser().parse_args(argv)
+        parser = make_parser(argv)
+        if not argv:
+            parser.print_help()
+            return 0
+        args = parser.parse_args(argv)
         if (getattr(args, "seq_len", 1) or 1) <= 0:
             raise UsageError("--seq-len must be positive")
+        if args.command == "generate":  # decoding: one token per forward
+            use_threads(source_params(args.source), 1)
         code = args.func(args)
         distributed = _leave_process_group()
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
@@ -426,3 +462,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _report("composer: interrupted", 130)
         return 130
+    finally:
+        restore_threads()

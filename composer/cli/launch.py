@@ -196,10 +196,7 @@ def launch(nproc: int, argv: list[str], log_dir: str | None = None) -> int:
     from torch.distributed.launcher.api import elastic_launch
 
     _quiet_torch_logs()
-    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
-        # torchrun sets 1 for the same reason: N ranks each taking every core oversubscribe
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (cpus or 1) // nproc))
+    # each rank's thread count: composer.threads divides the CPUs by LOCAL_WORLD_SIZE
     folder = Path(tempfile.mkdtemp(prefix="composer-launch-"))
     config = _config(nproc, Path(log_dir) if log_dir else folder / "logs")
     os.environ[ENV] = str(folder)

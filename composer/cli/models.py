@@ -12,6 +12,10 @@ from typing import Any
 from composer.cli.base import DEFAULT_PATTERN, UsageError
 from composer.config import ModelConfig, apply_overrides
 
+INIT_TOKENS = 32
+"""Initialising costs a few dozen operations per parameter (a normal draw, a scale): about a
+forward over this many tokens, for the thread count (:mod:`composer.threads`)."""
+
 
 def _human(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -103,9 +107,11 @@ def cmd_build(args: argparse.Namespace) -> int:
         info["pp"] = args.pp
         info["stages"] = stages_dict(cfg, args.pp, args.seq_len)
     if args.out:
+        from composer.threads import use_threads
         from composer.zoo import get_preset
 
         start = time.perf_counter()
+        use_threads(info["n_params"], INIT_TOKENS)
         family = get_preset(args.preset).family if args.preset else None
         info["files"] = write_built(cfg, args.out, args.seed, args.force,
                                     getattr(args, "max_shard_size", None), family)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import yaml
 
 from composer.config import ConfigError
+from composer.suggest import closest
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 RECIPE_FILE = "recipe.yaml"
@@ -138,8 +138,8 @@ def merge(recipe: Recipe, values: dict[str, Any], where: str) -> Recipe:
         if name == "batch_size":
             name = "global_batch_size"
         if name not in FIELDS:
-            near = difflib.get_close_matches(name, FIELDS, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            near = closest(name, FIELDS)
+            hint = f" (did you mean {near!r}?)" if near else ""
             raise ConfigError(f"{where}: unknown recipe key {key!r}{hint}")
         value = _coerce(name, value, where)
         check_choice(name, value)

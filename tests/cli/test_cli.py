@@ -77,7 +77,7 @@ def test_zoo_list_and_show(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["build", "--set", "attention.n_head=8"], "did you mean attention.'n_heads'?"),
+        (["build", "--set", "attention.n_head=8"], "did you mean 'attention.n_heads'?"),
         (["build", "--set", "d_model=abc"], "d_model expects int, got 'abc'"),
         (["build", "--set", "nonsense"], "must look like key=value"),
         (["build", "--preset", "llama-3.1-9b"], "unknown preset 'llama-3.1-9b'; did you mean"),
@@ -89,7 +89,7 @@ def test_zoo_list_and_show(capsys):
         (["build", "--seed", "x"], "invalid int value"),
         (["zoo", "show", "nope"], "unknown preset 'nope'"),
         (["frobnicate"], "invalid choice"),
-        ([], "required"),
+        (["zoo"], "zoo: the following arguments are required: zoo_command"),
     ],
 )
 def test_errors_are_one_line_exit_2(capsys, argv, message):
@@ -169,3 +169,101 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error(capsys, tmp_path):
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "--device cuda: no CUDA device is available" in err
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------ issue 21: messages, start-up
+
+PATTERN_TAIL = ("; valid symbols: M (Mamba-2), * (attention), - (dense MLP), E (MoE), "
+                "G (gated delta net), + (multi-latent attention), D (sparse attention); '|' stage "
+                "boundary, '/' MTP part, '(...)xN' repetition")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--steps", "3", "--stpes", "3"], "unrecognized arguments: --stpes"),
+        (["build", "--seed", "x"], "build: argument --seed: invalid int value: 'x'"),
+        (["zoo"], "zoo: the following arguments are required: zoo_command"),
+        (["build", "--set", "mamba.d_stat=3"],
+         "unknown config key 'mamba.d_stat'; did you mean 'mamba.d_state'? (valid: n_heads, "
+         "d_head, n_groups, d_state, d_conv, chunk_size, norm_group_size, conv_bias, proj_bias, "
+         "dt_min, dt_max, dt_init_floor, dt_limit, a_init_range)"),
+        (["zoo", "show", "qwen3-30b"],
+         "unknown preset 'qwen3-30b'; did you mean 'qwen3-30b-a3b'? (see `composer zoo list`)"),
+        (["build", "--preset", "llama-3.1-9b"],
+         "unknown preset 'llama-3.1-9b'; did you mean 'llama-3.1-8b'? (see `composer zoo list`)"),
+        (["build", "--pattern", "(M-x2"],
+         "unclosed '(' (a ')' must come before the 'x' at column 4): character '(' at column 1 "
+         "in pattern '(M-x2'" + PATTERN_TAIL),
+        (["build", "--pattern", "G-+E", "--set", "mla=null"],
+         "pattern symbol '+' needs the 'mla' section, which is None; give it one, e.g. --set "
+         "mla.n_heads=4 (its other keys then take their defaults for d_model 256)"),
+    ],
+)
+def test_exact_error_messages(capsys, argv, message):
+    assert run(capsys, *argv) == (2, "", f"composer: error: {message}\n")
+
+
+def test_the_refusal_names_a_set_that_works(capsys):
+    # the key the refusal above names makes the config valid, with the sections of d_model 64
+    code, out, err = run(capsys, "build", "--pattern", "G-+E", "--set", "d_model=64",
+                         "--set", "mla=null", "--set", "mla.n_heads=4", "--json")
+    assert (code, err) == (0, "")
+    cfg = composer.ModelConfig(pattern="G-+E", d_model=64)
+    cfg.mla.n_heads = 4
+    stats = composer.model_stats(composer.build_model(cfg, device="meta"))
+    assert json.loads(out)["n_params"] == stats.n_params
+
+
+def test_build_a_pattern_of_every_kind_with_defaults(capsys):
+    code, out, err = run(capsys, "build", "--pattern", "G-+E", "--set", "d_model=64", "--json")
+    assert (code, err) == (0, "")
+    info = json.loads(out)
+    assert info["layer_counts"] == {"G": 1, "-": 1, "+": 1, "E": 1}
+    cfg = composer.ModelConfig(pattern="G-+E", d_model=64)
+    assert info["n_params"] == composer.model_stats(
+        composer.build_model(cfg, device="meta")).n_params
+
+
+def test_version_and_bare_command(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"composer {version('composer-lm')}\n"
+    code, out, err = run(capsys)
+    assert (code, err) == (0, "")
+    assert out.startswith("usage: composer [-h] [--version]") and "generate" in out
+
+
+LIGHT = [["--help"], ["--version"], [], ["train", "--steps", "3", "--stpes", "3"],
+         ["zoo", "show", "--help"], ["train", "--help"], ["train", "--list-recipes", "--json"],
+         ["build", "--pattern", "M)"], ["zoo", "show", "qwen3-30b"]]
+
+
+def test_light_commands_do_not_import_torch(tmp_path):
+    script = (
+        "import sys\n"
+        "from composer.cli import main\n"
+        f"for argv in {LIGHT!r}:\n"
+        "    try:\n"
+        "        code = main(argv)\n"
+        "    except SystemExit as exc:\n"
+        "        code = exc.code\n"
+        "    print('exit', code, file=sys.stderr)\n"
+        "print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    exits = [line for line in proc.stderr.splitlines() if line.startswith("exit ")]
+    assert exits == ["exit 0", "exit 0", "exit 0", "exit 2", "exit 0", "exit 0", "exit 0",
+                     "exit 2", "exit 2"], proc.stderr
+    assert proc.stderr.splitlines()[-1] == "torch imported: False", proc.stderr
+
+
+def test_the_light_parser_lists_generate_as_the_full_one_does():
+    # without `generate` on the command line its options (which import torch) are not loaded;
+    # the command list must not tell the difference
+    from composer.cli import make_parser
+
+    assert make_parser(["build"]).format_help() == make_parser(None).format_help()

@@ -255,7 +255,7 @@ def _errors(run, llama, bpe, tmp_path) -> list[tuple[list, str]]:
     (tmp_path / "empty.txt").write_text("")
     big = max(HFTokenizer(bpe).encode_prompt("the quick brown fox"))
     assert big >= 257  # the BPE tokenizer's merges lie past the byte model's vocabulary
-    gen = "composer generate: "
+    gen = "generate: "
     return [
         ([run, "--prompt", ""], "the prompt is empty"),
         ([run, "--prompt-file", tmp_path / "empty.txt"], "the prompt is empty"),
