@@ -30,10 +30,13 @@ MODEL = {"pattern": "M*-EG-", "set": {
 """Every kind with a tp plan and a cp form, a MoE layer for ep, tied embeddings (two copies
 under pp). No load-balancing loss: its statistics are per micro-batch (test_pipeline.py)."""
 CLIP = 0.5
-"""Below every step's norm (about 1.5): every update is clipped."""
-BASE = {"model": MODEL, "tokens": "synthetic", "seq_len": 16, "steps": 2,
-        "global_batch_size": 8, "micro_batch_size": 1, "lr": 3e-3, "device": "cpu",
-        "precision": "fp32", "grad_clip": CLIP}
+"""Below the step's norm (about 1.5): the update is clipped."""
+BASE = {"model": MODEL, "tokens": "synthetic", "seq_len": 16, "steps": 1,
+        "global_batch_size": 8, "micro_batch_size": 1, "lr": 3e-3, "adam_eps": 1e-3,
+        "device": "cpu", "precision": "fp32", "grad_clip": CLIP}
+"""One step: its logged norm, and its update, which sees the clipped gradient's scale because
+``adam_eps`` is not small against the gradient's entries (about 3e-3; with the default 1e-8
+Adam's normalisation would hide a wrong clipping factor)."""
 
 PAIRS = {"tp2-dp2": {"tp": 2}, "tp2-cp2": {"tp": 2, "cp": 2}, "tp2-pp2": {"tp": 2, "pp": 2},
          "tp2-ep2": {"tp": 2, "ep": 2}, "dp2-cp2": {"cp": 2}, "dp2-pp2": {"pp": 2},
