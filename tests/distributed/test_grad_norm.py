@@ -5,9 +5,11 @@ in one spawn of 8.
 
 Error model: in fp64 the layouts differ from one process only in the order of sums (the
 reductions over ranks, the chunked scans under cp), a relative 1e-16 per operation over some
-hundred operations; 1e-10 leaves a margin of about 1e4. A piece counted twice or not at all
-changes the norm by a relative 1e-2 or more (the 2-D ``dp x tp`` pieces FSDP2 places as
-``_StridedShard`` were weighed ``1 / dp`` too little: 0.78x the norm at cp=2 x tp=2)."""
+hundred operations; 1e-10 leaves a margin of about 1e4. Pieces weighed wrongly move it far
+more: FSDP2 places ``_StridedShard`` on the data-parallel dimension of 2-D DTensors, which
+the norm took for replicated, so it came out 0.786x at every tp x (dp or cp), 0.653x at
+tp x dp x cp, and a relative -4e-6 at dp=4 x ep=2 (the experts sharded over dp_outer x ep,
+whose gradients are small, also with pp=2); the other layouts were right before."""
 
 from __future__ import annotations
 
