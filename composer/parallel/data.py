@@ -19,6 +19,8 @@ the whole ``dp`` (:func:`composer.parallel.expert.expert_grad_scale`).
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -77,10 +79,36 @@ def mixed_precision(dims: ParallelDims) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+GATHER_MMAP_BYTES = 1 << 18
+
+
+def map_gathered_buffers() -> bool:
+    """Make the C allocator map every block of ``GATHER_MMAP_BYTES`` or more on its own, so that
+    freeing it returns it to the system; False where there is no glibc ``mallopt``.
+
+    On the CPU FSDP2 gathers each unit's weights into fresh buffers before its forward (and
+    backward) and frees them after. glibc serves them from its heap once its dynamic mmap
+    threshold has grown past their size, and the small allocations made in between split the
+    freed blocks, so the next unit's buffers no longer fit: the heap grew by about a unit per
+    layer, and a forward left every layer's gathered weights in the process (freed, never
+    returned: ``--dp-mode shard`` held as much as the whole model). A fixed threshold also
+    turns off the dynamic one. CUDA memory has its own caching allocator."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, GATHER_MMAP_BYTES))
+
+
 def apply_fsdp(model: nn.Module, dims: ParallelDims,
                roots: list[nn.Module] | None = None) -> None:
     """Each layer its own FSDP2 unit, then the root(s) (``model``, or a pipeline rank's stages:
-    each stage a root over its layers and its embedding / norm / head)."""
+    each stage a root over its layers and its embedding / norm / head). Each unit but a root
+    reshards after its forward (FSDP2's default), also in forward-only passes; a root keeps
+    its own weights gathered until :func:`reshard`."""
+    if dims.device.type == "cpu":
+        map_gathered_buffers()
     mp = mixed_precision(dims)
     for root in roots or [model]:
         layers = [layer for _, layer in named_layers(root)]  # MTP depths' last, as they run
