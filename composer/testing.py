@@ -45,7 +45,45 @@ def assert_same_tensors(a: Path, b: Path) -> None:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|``, computed in fp64."""
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def load_hf(folder: Path) -> torch.nn.Module:
+    """transformers' ``AutoModelForCausalLM`` from ``folder`` (eval mode), every parameter and
+    buffer copied into fresh memory. transformers may keep tensors as views of the memory-mapped
+    file, whose addresses depend on the file's layout; BLAS kernels pick code paths by alignment,
+    so the same weights at other addresses give other fp32 rounding. Fresh tensors have the
+    allocator's alignment, so equal weights give equal bits whatever the file's layout."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    p.data = p.data.clone()
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.clone()
+    return model
+
+
+FP32_PARITY = 1e-4
+"""Bound on :func:`rel_err` between two fp32 implementations of the same model (ours and
+transformers', or a converted checkpoint's logits) on the tiny random configs of the tests.
+
+Error model: each side rounds every operation in fp32 (unit roundoff u = 2**-24 = 6.0e-8);
+a length-k reduction carries a relative error of at most k u (worst case) and about sqrt(k) u
+(rounding errors of random sign); the two sides differ only in the order of operations (BLAS
+blocking, fused or split projections, chunked or sequential scans), so their difference is the
+sum of two such errors. A logit goes through at most ~4 reductions per layer (norm, projection,
+mixer, output) of length k <= 128 over L <= 8 layers (the tests' configs; the scans' chunks and
+sequences are <= 64), so the random-sign error is about sqrt(2 * 4 * L * k) u = 2.0e-6 of the
+logits' scale, and the random weights of :func:`randomize` (std 0.2) amplify a relative
+perturbation by O(1) per layer. Measured: <= 3e-6 on every test here. 1e-4 leaves a margin
+of 30x over the measured and 50x over the model: a larger error is a mapping or math bug (one
+wrong weight moves the logits by O(1e-1)), and none of it depends on which BLAS kernel runs."""
 
 
 def train_case(values: dict, source: str | None = None) -> dict:

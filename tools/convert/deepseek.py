@@ -164,6 +164,8 @@ def _float_or_none(value: Any) -> float | None:
 
 class DeepseekV3Adapter(Adapter):
     family = "deepseek-v3"
+    symbols = "+-E"
+    max_positions = 4096
     architectures = ("DeepseekV3ForCausalLM",)
     model_type = "deepseek_v3"
     hf_keep_fp32 = ("gate.weight", "gate.e_score_correction_bias")
@@ -332,6 +334,8 @@ class DeepseekV32Adapter(DeepseekV3Adapter):
     config on export. Its MTP layers are not built: kept aside byte for byte."""
 
     family = "deepseek-v3.2"
+    symbols = "+-E"
+    max_positions = 163840
     architectures = ("DeepseekV32ForCausalLM",)
     model_type = "deepseek_v32"
 

@@ -84,6 +84,8 @@ MIXERS = {"linear_attention": "G", "full_attention": "*"}
 
 class Qwen3NextAdapter(Adapter):
     family = "qwen3-next"
+    symbols = "G*E-"
+    max_positions = 32768
     architectures = ("Qwen3NextForCausalLM",)
     model_type = "qwen3_next"
     defaults = QWEN3_NEXT_DEFAULTS
@@ -329,6 +331,8 @@ class Qwen3_5Adapter(Qwen3NextAdapter):
     """Qwen3.5 dense: every feed-forward a SwiGLU MLP; separate GDN input projections."""
 
     family = "qwen3.5"
+    symbols = "G*-"
+    max_positions = 32768
     architectures = ("Qwen3_5ForCausalLM",)
     model_type = "qwen3_5_text"
     defaults = QWEN3_5_DEFAULTS
@@ -341,6 +345,8 @@ class Qwen3_5MoeAdapter(Qwen3NextAdapter):
     expert; separate GDN input projections."""
 
     family = "qwen3.5-moe"
+    symbols = "G*E"
+    max_positions = 32768
     architectures = ("Qwen3_5MoeForCausalLM",)
     model_type = "qwen3_5_moe_text"
     defaults = QWEN3_5_MOE_DEFAULTS
