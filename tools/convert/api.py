@@ -325,6 +325,21 @@ def _hf_dtype(name: str, ours: list[TensorInfo], recorded: dict[str, str],
     return ours[0].dtype
 
 
+def _export_targets(adapter: Adapter, cfg: ModelConfig, source: TensorSource, where: str,
+                    fused: bool, layout: dict[str, Any]) -> list[Target]:
+    """The HF tensors of an export, each assembled from its parts of our tensors."""
+    links = adapter.relink(adapter.links(cfg, fused_experts=fused) + adapter.copy_links(cfg),
+                           layout)
+    check_coverage(links, "ours", source.names(), lambda n: False, where)
+    our_shapes = {n: tuple(i.shape) for n, i in source.tensors.items()}
+    parts: dict[str, list] = {}
+    for link in links:
+        _, shape = part(our_shapes[link.ours], link.ours_idx, link.ours)
+        parts.setdefault(link.hf, []).append((link.hf_idx, shape))
+    hf_shapes = {name: assembled_shape(p) for name, p in parts.items()}
+    return build_targets(links, "hf", hf_shapes, our_shapes)
+
+
 def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
           force: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD,
           architecture: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
@@ -356,19 +371,12 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
     if not base and adapter.max_positions is not None:  # a source's config keeps its own
         hf_cfg.setdefault("max_position_embeddings", max_positions(cfg, adapter.max_positions))
     source = TensorSource(folder)
+    # the source's expert layout and on-disk split, unless --arch asks for another family
     recorded_form = not architecture or architecture == info.get("architecture")
-    fused = info.get("fused_experts", adapter.save_fused_experts) if recorded_form \
-        else adapter.save_fused_experts
-    links = adapter.relink(adapter.links(cfg, fused_experts=fused) + adapter.copy_links(cfg),
-                           info.get("layout", {}) if recorded_form else {})
-    check_coverage(links, "ours", source.names(), lambda n: False, str(folder))
-    our_shapes = {n: tuple(i.shape) for n, i in source.tensors.items()}
-    parts: dict[str, list] = {}
-    for link in links:
-        _, shape = part(our_shapes[link.ours], link.ours_idx, link.ours)
-        parts.setdefault(link.hf, []).append((link.hf_idx, shape))
-    hf_shapes = {name: assembled_shape(p) for name, p in parts.items()}
-    targets = build_targets(links, "hf", hf_shapes, our_shapes)
+    targets = _export_targets(adapter, cfg, source, str(folder),
+                              info.get("fused_experts", adapter.save_fused_experts)
+                              if recorded_form else adapter.save_fused_experts,
+                              info.get("layout", {}) if recorded_form else {})
     recorded = info.get("source_dtypes", {})
     for t in targets:
         t.dtype = _hf_dtype(t.name, [source.tensors[p.source] for p in t.pieces], recorded,
