@@ -86,8 +86,9 @@ Mamba, MoE) to ~2e-5 (gated delta nets) is expected, as measured on the tests he
 fp32 against fp64). 1e-4 leaves 4x over the worst measured and 10x over the rest, while one
 wrong weight moves the logits by O(1e-1); nothing in it depends on which BLAS kernel runs.
 Outside the model: a top-k router choice between two scores closer than the noise is a jump
-(one seed of a 4-expert top-2 config moved 2.5e-4 between our fp32 and fp64), so a parity test
-of a near-tie config routes to every expert or checks its margins."""
+(one seed of a 4-expert top-2 config moved 2.5e-4 between our fp32 and fp64). The top-k tests'
+seeds have no such tie (they pass under MKL's AVX and COMPATIBLE kernels too); a new parity test
+routes to every expert (top-k of k) or picks a seed whose margins exceed the noise."""
 
 
 def train_case(values: dict, source: str | None = None) -> dict:
