@@ -45,7 +45,50 @@ def assert_same_tensors(a: Path, b: Path) -> None:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|``, computed in fp64."""
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def load_hf(folder: Path) -> torch.nn.Module:
+    """transformers' ``AutoModelForCausalLM`` from ``folder`` (eval mode), every parameter and
+    buffer copied into fresh memory. transformers may keep tensors as views of the memory-mapped
+    file, whose addresses depend on the file's layout; BLAS kernels pick code paths by alignment,
+    so the same weights at other addresses give other fp32 rounding. Fresh tensors have the
+    allocator's alignment, so equal weights give equal bits whatever the file's layout."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    p.data = p.data.clone()
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.clone()
+    return model
+
+
+FP32_PARITY = 1e-4
+"""Bound on :func:`rel_err` between two fp32 implementations of the same model (ours and
+transformers', or a converted checkpoint's logits) on the tiny random configs of the tests.
+
+Error model: each side rounds every operation in fp32 (unit roundoff u = 2**-24 = 6.0e-8);
+a length-k reduction carries a relative error of at most k u (worst case) and about sqrt(k) u
+(rounding errors of random sign); the two sides differ only in the order of operations (BLAS
+blocking, fused or split projections, chunked or sequential scans), so their difference is the
+sum of two such errors. A logit goes through ~4 reductions per layer (norm, projection, mixer,
+output) of length k <= 128 over L <= 8 layers, about sqrt(2 * 4 * L * k) u = 2e-6 of the
+logits' scale; a chunked scan's triangular solve (the delta rule, SSD) multiplies its share by
+the solve's condition number, O(10) for chunks <= 64 with beta <= 2. So ~2e-6 (attention,
+Mamba, MoE) to ~2e-5 (gated delta nets) is expected, as measured on the tests here (at most
+9e-6 without, 2.4e-5 with gated delta nets, over three seeds of one config ~1.2e-5 of our own
+fp32 against fp64). 1e-4 leaves 4x over the worst measured and 10x over the rest, while one
+wrong weight moves the logits by O(1e-1); nothing in it depends on which BLAS kernel runs.
+Outside the model: a top-k router choice between two scores closer than the noise is a jump
+(one seed of a 4-expert top-2 config moved 2.5e-4 between our fp32 and fp64). The top-k tests'
+seeds have no such tie (they pass under MKL's AVX and COMPATIBLE kernels too); a new parity test
+routes to every expert (top-k of k) or picks a seed whose margins exceed the noise."""
 
 
 def train_case(values: dict, source: str | None = None) -> dict:

@@ -51,7 +51,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
     from composer.checkpoint import parse_size
+    from composer.config import ConfigError
     from composer.convert import from_hf, to_hf
+    from composer.convert.infer import NoFamilyError
 
     if args.dtype not in DTYPE_NAMES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}; got {args.dtype!r}")
@@ -74,6 +76,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
             hf = to_hf(args.src, args.dst, architecture=args.arch, **kwargs)
             pattern = None
             arch = hf["architectures"][0]
+    except NoFamilyError as exc:
+        if not args.verbose:
+            raise ConfigError(f"{exc} (--verbose lists why)") from None
+        print(f"composer: error: {exc}", file=sys.stderr)
+        for family, why in exc.others:
+            print(f"  {family}: {why}", file=sys.stderr)
+        return 2
     finally:
         bar.close()
     seconds = time.perf_counter() - start
@@ -310,7 +319,9 @@ def make_parser(argv: Sequence[str] | None = None) -> Parser:
         if direction == "to-hf":
             c.add_argument("--arch", help="HF architecture to write (default: the source's, or "
                                           "inferred from the config)")
-        c.set_defaults(func=cmd_convert, arch=None)
+            c.add_argument("--verbose", action="store_true",
+                           help="when no family fits, list every family's reason")
+        c.set_defaults(func=cmd_convert, arch=None, verbose=False)
 
     ev = sub.add_parser("eval", help="mean next-token loss of a checkpoint on tokens or a dataset")
     ev.add_argument("ckpt", help="a portable checkpoint or a `train --save` folder")

@@ -10,18 +10,17 @@ import torch
 
 import composer
 from composer.convert import from_hf, to_hf
-from composer.testing import assert_same_tensors, randomize, rel_err
+from composer.testing import FP32_PARITY, assert_same_tensors, load_hf, randomize, rel_err
 
 
 @pytest.fixture
 def check_family(tmp_path):
     """``check_family(hf_model, ids)``: the acceptance checks of the converters issue for one
-    tiny random HF model (fp32): logits parity < 1e-4 relative, bit-for-bit export, identical
-    logits after transformers reloads the export, and the same from a bf16 copy. Returns the
+    tiny random HF model (fp32): logits parity within ``FP32_PARITY`` relative (its docstring
+    states the error model), bit-for-bit export, the same logits from transformers' reload of
+    the export as from its reload of the source, and the same from a bf16 copy. Returns the
     composer config."""
-    from transformers import AutoModelForCausalLM
-
-    def run(hf_model: torch.nn.Module, ids: torch.Tensor | None = None, tol: float = 1e-4,
+    def run(hf_model: torch.nn.Module, ids: torch.Tensor | None = None, tol: float = FP32_PARITY,
             bf16: bool = True) -> composer.ModelConfig:
         hf_model.eval()
         src = tmp_path / "hf"
@@ -37,9 +36,11 @@ def check_family(tmp_path):
         assert rel_err(got, expected) < tol, rel_err(got, expected)
         to_hf(tmp_path / "ours", tmp_path / "back")
         assert_same_tensors(src, tmp_path / "back")
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+        # A reload against a reload, each in fresh memory (load_hf: a memory-mapped weight's
+        # address, so the BLAS kernel that runs, depends on the file's layout, which ours and
+        # transformers' writers choose differently): equal weights give equal bits.
         with torch.no_grad():
-            assert torch.equal(reloaded(ids).logits, expected)
+            assert torch.equal(load_hf(tmp_path / "back")(ids).logits, load_hf(src)(ids).logits)
         if bf16:
             src16 = tmp_path / "hf16"
             hf_model.to(torch.bfloat16).save_pretrained(src16)

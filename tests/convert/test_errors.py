@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from composer.cli import main
-from composer.convert import from_hf, to_hf
+from composer.convert import adapters, from_hf, to_hf
 
 
 @pytest.fixture
@@ -209,3 +209,32 @@ def test_json_output_and_dtype(capsys, llama_folder, tmp_path):
     # the source dtype (fp32) is restored; values went through bf16
     assert all(back[k].dtype == torch.float32 for k in back)
     assert all(torch.equal(back[k], src[k].to(torch.bfloat16).float()) for k in src)
+
+
+NEMOTRON_TIED = ("this model cannot be written as nemotron-h ({which}): transformers' "
+                 "NemotronHForCausalLM never ties lm_head to the embeddings; tie_embeddings must "
+                 "be false; none of the other 15 families fits either")
+
+
+def test_no_family_names_the_recorded_or_closest_one_first(capsys, tmp_path):
+    """A model no family writes: one short line with the fixable reason of the family it was
+    built as (origin.json), or else of the closest family; every other family's reason only
+    under --verbose, one line each."""
+    assert main(["build", "--preset", "nemotron-h-debug", "--set", "tie_embeddings=true",
+                 "--out", str(tmp_path / "ck")]) == 0
+    code, out, err = convert(capsys, "to-hf", tmp_path / "ck", tmp_path / "hf")
+    line = "composer: error: " + NEMOTRON_TIED.format(which="the family it was built as")
+    assert_clean_failure(code, out, err, line + " (--verbose lists why)\n", tmp_path)
+    assert len(err) < 300
+    code, out, err = convert(capsys, "to-hf", tmp_path / "ck", tmp_path / "hf", "--verbose")
+    lines = err.splitlines()
+    assert code == 2 and out == "" and lines[0] == line and len(lines) == 16
+    assert lines[1] == ("  llama: pattern 'M-M*-M-' cannot be written as llama: every layer "
+                        "must be '*-' or '*E'")
+    assert sorted(x.split(":")[0].strip() for x in lines[1:]) == sorted(
+        a.family for a in adapters() if a.family != "nemotron-h")
+    (tmp_path / "ck" / "origin.json").unlink()  # not recorded: the closest family
+    code, out, err = convert(capsys, "to-hf", tmp_path / "ck", tmp_path / "hf")
+    assert_clean_failure(code, out, err, "composer: error: " + NEMOTRON_TIED.format(
+        which="the closest family") + " (--verbose lists why)\n", tmp_path)
+    assert not (tmp_path / "hf").exists()

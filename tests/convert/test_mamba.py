@@ -13,7 +13,7 @@ import composer
 from composer.config import ConfigError
 from composer.convert import from_hf, infer_adapter, to_hf
 from composer.convert.mamba import Mamba2Adapter, NemotronHAdapter
-from composer.testing import assert_same_tensors, read_all, rel_err
+from composer.testing import FP32_PARITY, assert_same_tensors, read_all, rel_err
 from composer.zoo import get_preset
 
 
@@ -114,7 +114,7 @@ def saved_moe(tmp_path, randomize):
 def check_logits(folder, dst, ids, expected):
     cfg = from_hf(folder, dst)
     with torch.no_grad():
-        assert rel_err(composer.load(dst)(ids), expected) < 1e-4
+        assert rel_err(composer.load(dst)(ids), expected) < FP32_PARITY
     return cfg
 
 

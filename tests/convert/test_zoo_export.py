@@ -1,14 +1,18 @@
 """Every zoo preset's -debug flavour, built with `composer build --out`, exports to HF as its own
 family's class (the preset's family is recorded in origin.json; Qwen3.5 configs are also Qwen3-Next
-configs) and loads there with the same logits."""
+configs) with a max_position_embeddings wherever the HF config has one, and loads there without a
+warning about it, with the same logits."""
 
 import json
+import logging
+import warnings
 
 import pytest
 import torch
 
 import composer
 from composer.cli import main
+from composer.testing import FP32_PARITY, rel_err
 from composer.zoo import presets
 
 DEBUG = sorted(name for name in presets() if name.endswith("-debug"))
@@ -29,11 +33,47 @@ def test_debug_preset_exports_and_loads(tmp_path, capsys, name):
     assert main(["convert", "to-hf", str(tmp_path / "ck"), str(tmp_path / "hf"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert info["architecture"] == ARCH[presets()[name].family]
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    records = _Records()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(records)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    finally:
+        logger.removeHandler(records)
+    said = records.messages + [str(w.message) for w in caught]
+    assert not [m for m in said if "max_position_embeddings" in m], said
+    has_field = hasattr(type(hf.config)(), "max_position_embeddings")
+    assert ("max_position_embeddings" in hf_cfg) == has_field
+    if has_field:
+        assert hf_cfg["max_position_embeddings"] == hf.config.max_position_embeddings > 0
     ours = composer.load(tmp_path / "ck")
     ids = torch.randint(0, ours.config.vocab_size, (2, 21), generator=torch.Generator()
                         .manual_seed(0))
     with torch.no_grad():
         expected, got = hf(ids).logits, ours(ids)
-    err = ((got - expected).abs().max() / expected.abs().max()).item()
-    assert err < 1e-4, err
+    assert rel_err(got, expected) < FP32_PARITY, rel_err(got, expected)
+
+
+class _Records(logging.Handler):
+    """The messages transformers logs (its logger does not propagate to pytest's caplog)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_max_positions_follow_a_scaled_rope():
+    """A scaled RoPE is written with the length it is scaled to (original * factor); without
+    scaling, the HF config class's default."""
+    from composer.convert.base import max_positions
+    from composer.zoo import get_preset
+
+    assert max_positions(get_preset("llama-debug").config(), 2048) == 8192 * 8
+    assert max_positions(get_preset("deepseek-v3-671b").config(), 4096) == 163840
+    assert max_positions(get_preset("qwen3-debug").config(), 32768) == 32768

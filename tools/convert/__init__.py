@@ -2,6 +2,7 @@
 streaming: :func:`from_hf` and :func:`to_hf`. One adapter per family in this package."""
 
 from composer.checkpoint import CheckpointError
-from composer.convert.api import adapters, from_hf, infer_adapter, to_hf
+from composer.convert.api import from_hf, to_hf
+from composer.convert.infer import adapters, infer_adapter
 
 __all__ = ["CheckpointError", "adapters", "from_hf", "infer_adapter", "to_hf"]

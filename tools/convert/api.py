@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,6 @@ from composer.checkpoint import (
     DEFAULT_MAX_SHARD,
     DTYPE_NAMES,
     DTYPES,
-    ORIGIN_FILE,
     CheckpointError,
     ShardedWriter,
     TensorInfo,
@@ -32,8 +33,21 @@ from composer.checkpoint import (
     atomic_folder,
     check_destination,
 )
-from composer.config import MOE_TRAINING_ONLY, ConfigError, ModelConfig, config_diff
-from composer.convert.base import Adapter, encode_floats, load_hf_config, without_mtp
+from composer.config import ConfigError, ModelConfig
+from composer.convert.base import (
+    Adapter,
+    encode_floats,
+    is_mtp_tensor,
+    load_hf_config,
+    max_positions,
+    without_mtp,
+)
+from composer.convert.infer import (
+    adapter_for_architecture,
+    infer_adapter,
+    recorded_family,
+    round_trip_problem,
+)
 from composer.convert.plan import (
     Link,
     Piece,
@@ -41,6 +55,7 @@ from composer.convert.plan import (
     assembled_shape,
     build_targets,
     check_coverage,
+    check_sources_tiled,
     execute,
     part,
     plan_tensors,
@@ -83,20 +98,7 @@ class _Union:
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 Progress = Callable[[int], None]
-
-
-def adapters() -> list[Adapter]:
-    from composer.convert.families import ADAPTERS
-
-    return ADAPTERS
-
-
-def adapter_for_architecture(arch: str) -> Adapter:
-    for adapter in adapters():
-        if arch in adapter.architectures:
-            return adapter
-    supported = sorted(a for ad in adapters() for a in ad.architectures)
-    raise ConfigError(f"unsupported architecture {arch!r}; supported: {', '.join(supported)}")
+Notify = Callable[[str], None]
 
 
 def _architecture(hf: dict[str, Any], where: Path) -> str:
@@ -174,10 +176,91 @@ def _check_copies(source: Any, links: list[Link], copies: list[Link]) -> set[str
     return {copy.hf for copy in copies}
 
 
+@dataclass
+class _Plan:
+    """What an import writes: the config built, the expert layout read, our tensors (with the
+    on-disk split they were read from) and the source tensors kept aside."""
+
+    cfg: ModelConfig
+    fused: bool
+    layout: dict[str, Any]
+    targets: list[Target]
+    order: list[str]
+    aside: list[str]
+
+
+def _mtp_names(names: Any, hf_cfg: dict[str, Any]) -> list[str]:
+    n_layers = hf_cfg.get("num_hidden_layers")
+    return sorted(n for n in names if isinstance(n_layers, int) and is_mtp_tensor(n, n_layers))
+
+
+def _plan(adapter: Adapter, cfg: ModelConfig, hf_cfg: dict[str, Any], source: Any,
+          names: set[str], dtype: torch.dtype | None, where: str) -> _Plan:
+    """The whole import of ``cfg`` from ``source``, checked (strict: every tensor read, kept
+    aside or ignored, every shape the config's), before anything is written."""
+    fused, links = _choose_layout(adapter, cfg, names)
+    hf_shapes = {n: tuple(info.shape) for n, info in source.tensors.items()}
+    layout = adapter.source_layout(cfg, hf_shapes)
+    links = adapter.relink(links, layout)
+    copies = _check_copies(source, links, adapter.copy_links(cfg))
+    used = {link.hf for link in links} | copies
+    aside = sorted(n for n in names if n not in used and adapter.aside(n, hf_cfg))
+    unread = _mtp_names(aside, hf_cfg) if cfg.parsed.mtp else []
+    if unread:  # our MTP part would ignore what the checkpoint's MTP layer holds
+        raise CheckpointError(f"{where}: {unread[0]!r} has no place in our MTP part")
+    kept = set(aside)
+    tied_ignored = _lm_head_tied(source, links, cfg)
+    check_coverage(links, "hf", names, lambda n: n in tied_ignored or n in kept or
+                   n in copies or adapter.ignored(n, hf_cfg), where)
+    meta = build_model(cfg, device="meta")
+    our_shapes = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+    check_coverage(links, "ours", our_shapes, lambda n: False, "our model")
+    files = {n: info.file.name for n, info in source.tensors.items()}
+    targets = build_targets(links, "ours", our_shapes, hf_shapes, files)
+    check_sources_tiled(targets, hf_shapes)
+    keep32 = fp32_names(meta)
+    for t in targets:
+        src_dtype = source.tensors[t.pieces[0].source].torch_dtype
+        out = dtype if dtype is not None else src_dtype
+        if t.name in keep32 and out.itemsize < 4 and out.is_floating_point:
+            out = torch.float32
+        t.dtype = DTYPE_NAMES[out]
+    return _Plan(cfg, fused, layout, targets, list(our_shapes), aside)
+
+
+def _plan_mtp_or_main(adapter: Adapter, cfg: ModelConfig, hf_cfg: dict[str, Any], source: Any,
+                      names: set[str], dtype: torch.dtype | None, where: str,
+                      notify: Notify) -> _Plan:
+    """The import with the checkpoint's MTP layers as our MTP part when they become it exactly,
+    else without them: then they are kept aside byte for byte (a checkpoint transformers loads
+    converts; transformers never reads these layers), and ``notify`` says so in one line."""
+    declared = cfg.parsed.mtp
+    cfg = _mtp_if_present(adapter, cfg, names)
+    why = "the checkpoint does not hold every tensor of its MTP layers" if declared else \
+        "no MTP part of ours is built from this family's layers"
+    try:
+        plan = _plan(adapter, cfg, hf_cfg, source, names, dtype, where)
+    except (CheckpointError, ConfigError) as exc:
+        if not cfg.parsed.mtp:
+            raise
+        plan = _plan(adapter, without_mtp(cfg), hf_cfg, source, names, dtype, where)
+        why = str(exc).removeprefix(f"{where}: ")
+    mtp = _mtp_names(plan.aside, hf_cfg)
+    if mtp:
+        notify(f"{len(mtp)} multi-token-prediction tensors kept aside byte for byte in "
+               f"hf/{ASIDE_DIR}/ (written back by to-hf), not converted: {why}")
+    return plan
+
+
+def _stderr(message: str) -> None:
+    print(f"composer: note: {message}", file=sys.stderr)
+
+
 def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
             force: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD,
-            progress: Progress | None = None) -> ModelConfig:
-    """Convert a Hugging Face folder (or hub id) into a composer checkpoint at ``dst``."""
+            progress: Progress | None = None, notify: Notify = _stderr) -> ModelConfig:
+    """Convert a Hugging Face folder (or hub id) into a composer checkpoint at ``dst``.
+    ``notify`` receives the one-line notices (default: printed on stderr)."""
     dst = Path(dst)
     check_destination(dst, force)
     folder = resolve_source(str(src))
@@ -197,85 +280,38 @@ def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
                                   "under two names")
         canonical[key] = name
     source = source.renamed({v: k for k, v in canonical.items()})
-    cfg = _mtp_if_present(adapter, cfg, set(canonical))
-    fused, links = _choose_layout(adapter, cfg, set(canonical))
-    copies = _check_copies(source, links, adapter.copy_links(cfg))
-    used = {link.hf for link in links} | copies
-    aside = sorted(n for n in canonical if n not in used and adapter.aside(n, hf_cfg))
-    kept = set(aside)
-    tied_ignored = _lm_head_tied(source, links, cfg)
-    check_coverage(links, "hf", canonical, lambda n: n in tied_ignored or n in kept or
-                   n in copies or adapter.ignored(n, hf_cfg), str(folder))
-    meta = build_model(cfg, device="meta")
-    our_shapes = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
-    check_coverage(links, "ours", our_shapes, lambda n: False, "our model")
-    hf_shapes = {n: tuple(info.shape) for n, info in source.tensors.items()}
-    files = {n: info.file.name for n, info in source.tensors.items()}
-    targets = build_targets(links, "ours", our_shapes, hf_shapes, files)
-    keep32 = fp32_names(meta)
-    for t in targets:
-        src_dtype = source.tensors[t.pieces[0].source].torch_dtype
-        out = dtype if dtype is not None else src_dtype
-        if t.name in keep32 and out.itemsize < 4 and out.is_floating_point:
-            out = torch.float32
-        t.dtype = DTYPE_NAMES[out]
+    plan = _plan_mtp_or_main(adapter, cfg, hf_cfg, source, set(canonical), dtype, str(folder),
+                             notify)
     conversion = {
         "architecture": _architecture(hf_cfg, folder),
-        "fused_experts": fused,
+        "fused_experts": plan.fused,
         "source_dtypes": {n: source.tensors[n].dtype for n in sorted(source.tensors)},
-        "aside": aside,
+        "aside": plan.aside,
     }
+    if plan.layout:
+        conversion["layout"] = plan.layout
+    _write_import(dst, force, plan, source, folder, conversion, max_shard_bytes, progress)
+    source.close()
+    return plan.cfg
+
+
+def _write_import(dst: Path, force: bool, plan: _Plan, source: Any, folder: Path,
+                  conversion: dict[str, Any], max_shard_bytes: int,
+                  progress: Progress | None) -> None:
     with atomic_folder(dst, force) as tmp:
-        cfg.save(tmp / CONFIG_FILE)
-        order = list(our_shapes)
-        writer = ShardedWriter(tmp, plan_tensors(targets, order), max_shard_bytes)
-        execute(targets, source, writer, progress)
+        plan.cfg.save(tmp / CONFIG_FILE)
+        writer = ShardedWriter(tmp, plan_tensors(plan.targets, plan.order), max_shard_bytes)
+        execute(plan.targets, source, writer, progress)
         (tmp / HF_DIR).mkdir()
-        if aside:
+        if plan.aside:
             (tmp / HF_DIR / ASIDE_DIR).mkdir()
-            kept_targets = _identity_targets(aside, source)
+            kept_targets = _identity_targets(plan.aside, source)
             execute(kept_targets, source, ShardedWriter(tmp / HF_DIR / ASIDE_DIR, plan_tensors(
-                kept_targets, aside), max_shard_bytes), progress)
+                kept_targets, plan.aside), max_shard_bytes), progress)
         shutil.copy2(folder / "config.json", tmp / HF_DIR / "config.json")
         for path in _extra_files(folder):
             shutil.copy2(path, tmp / HF_DIR / path.name)
         (tmp / HF_DIR / CONVERSION_FILE).write_text(json.dumps(conversion, indent=1) + "\n")
-    source.close()
-    return cfg
-
-
-def round_trip_problem(adapter: Adapter, cfg: ModelConfig, base: dict[str, Any]) -> str | None:
-    """Why ``cfg`` cannot be written as this family exactly, or None if it can."""
-    try:
-        back = adapter.config_from_hf(adapter.config_to_hf(cfg, base))
-    except ConfigError as exc:
-        return str(exc)
-    if not cfg.parsed.mtp:  # declared MTP layers without their tensors are not built on import
-        back = without_mtp(back)
-    if cfg.moe is not None and back.moe is not None:  # no HF field, no change to the forward
-        for name in MOE_TRAINING_ONLY:
-            setattr(back.moe, name, getattr(cfg.moe, name))
-    diff = config_diff(cfg.canonical(), back.canonical())
-    return f"the HF config would change {diff}" if diff else None
-
-
-def _origin(folder: Path) -> str | None:
-    """The zoo family a checkpoint was built from (``composer build --preset``), if recorded."""
-    path = folder / ORIGIN_FILE
-    return json.loads(path.read_text()).get("family") if path.exists() else None
-
-
-def infer_adapter(cfg: ModelConfig, family: str | None = None) -> Adapter:
-    """The first family whose config maps to HF and back to exactly ``cfg``; ``family`` (a
-    preset's) is tried first."""
-    reasons = []
-    for adapter in sorted(adapters(), key=lambda a: a.family != family):
-        problem = round_trip_problem(adapter, cfg, {})
-        if problem is None:
-            return adapter
-        reasons.append(f"{adapter.family}: {problem}")
-    raise ConfigError("no Hugging Face family can represent this model (" + "; ".join(reasons)
-                      + ")")
 
 
 def _hf_dtype(name: str, ours: list[TensorInfo], recorded: dict[str, str],
@@ -287,6 +323,21 @@ def _hf_dtype(name: str, ours: list[TensorInfo], recorded: dict[str, str],
     if name in recorded:
         return recorded[name]
     return ours[0].dtype
+
+
+def _export_targets(adapter: Adapter, cfg: ModelConfig, source: TensorSource, where: str,
+                    fused: bool, layout: dict[str, Any]) -> list[Target]:
+    """The HF tensors of an export, each assembled from its parts of our tensors."""
+    links = adapter.relink(adapter.links(cfg, fused_experts=fused) + adapter.copy_links(cfg),
+                           layout)
+    check_coverage(links, "ours", source.names(), lambda n: False, where)
+    our_shapes = {n: tuple(i.shape) for n, i in source.tensors.items()}
+    parts: dict[str, list] = {}
+    for link in links:
+        _, shape = part(our_shapes[link.ours], link.ours_idx, link.ours)
+        parts.setdefault(link.hf, []).append((link.hf_idx, shape))
+    hf_shapes = {name: assembled_shape(p) for name, p in parts.items()}
+    return build_targets(links, "hf", hf_shapes, our_shapes)
 
 
 def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
@@ -311,23 +362,21 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
     info = json.loads((hf_dir / CONVERSION_FILE).read_text()) \
         if (hf_dir / CONVERSION_FILE).exists() else {}
     arch = architecture or info.get("architecture")
-    adapter = adapter_for_architecture(arch) if arch else infer_adapter(cfg, _origin(folder))
+    adapter = adapter_for_architecture(arch) if arch else \
+        infer_adapter(cfg, recorded_family(folder, base))
     problem = round_trip_problem(adapter, cfg, base)
     if problem:
         raise ConfigError(f"this model cannot be written as {adapter.family}: {problem}")
     hf_cfg = adapter.config_to_hf(cfg, base)
+    if not base and adapter.max_positions is not None:  # a source's config keeps its own
+        hf_cfg.setdefault("max_position_embeddings", max_positions(cfg, adapter.max_positions))
     source = TensorSource(folder)
-    fused = info.get("fused_experts", adapter.save_fused_experts) if not architecture \
-        else adapter.save_fused_experts
-    links = adapter.links(cfg, fused_experts=fused) + adapter.copy_links(cfg)
-    check_coverage(links, "ours", source.names(), lambda n: False, str(folder))
-    our_shapes = {n: tuple(i.shape) for n, i in source.tensors.items()}
-    parts: dict[str, list] = {}
-    for link in links:
-        _, shape = part(our_shapes[link.ours], link.ours_idx, link.ours)
-        parts.setdefault(link.hf, []).append((link.hf_idx, shape))
-    hf_shapes = {name: assembled_shape(p) for name, p in parts.items()}
-    targets = build_targets(links, "hf", hf_shapes, our_shapes)
+    # the source's expert layout and on-disk split, unless --arch asks for another family
+    recorded_form = not architecture or architecture == info.get("architecture")
+    targets = _export_targets(adapter, cfg, source, str(folder),
+                              info.get("fused_experts", adapter.save_fused_experts)
+                              if recorded_form else adapter.save_fused_experts,
+                              info.get("layout", {}) if recorded_form else {})
     recorded = info.get("source_dtypes", {})
     for t in targets:
         t.dtype = _hf_dtype(t.name, [source.tensors[p.source] for p in t.pieces], recorded,

@@ -33,6 +33,12 @@ class Adapter(abc.ABC):
     """The expert layout ``transformers``' ``save_pretrained`` writes for this family."""
     hf_keep_fp32: tuple[str, ...] = ()
     """HF name suffixes that transformers keeps in fp32 even in a bf16 checkpoint."""
+    symbols: str = ""
+    """The layer kinds (pattern symbols) this family's models are made of: how close a model
+    that no family writes is to this one (:func:`composer.convert.infer.closeness`)."""
+    max_positions: int | None = None
+    """The HF config class's ``max_position_embeddings`` default (None: it has no such field),
+    written on a fresh export when no scaled RoPE says more (:func:`max_positions`)."""
 
     @abc.abstractmethod
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
@@ -60,6 +66,18 @@ class Adapter(abc.ABC):
         back on export, never dropped. A tensor some link reads is never kept aside."""
         return False
 
+    def source_layout(self, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]
+                      ) -> dict[str, Any]:
+        """What a checkpoint's on-disk split holds that the config does not fix (OLMo-Hybrid's
+        conv rows per input), from its tensors' ``shapes``: recorded in ``conversion.json`` and
+        given to :meth:`relink` on import and export, so that the export splits the same way."""
+        return {}
+
+    def relink(self, links: list[Link], layout: dict[str, Any]) -> list[Link]:
+        """``links`` for the on-disk split ``layout`` (:meth:`source_layout`; ``{}``: the
+        Hub's)."""
+        return links
+
     def copy_links(self, cfg: ModelConfig) -> list[Link]:
         """HF tensors that are stored copies of one of our tensors (DeepSeek's MTP layer holds
         the embedding and the head again): on import each must equal, byte for byte, the HF
@@ -73,6 +91,19 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 def without_mtp(cfg: ModelConfig) -> ModelConfig:
     """``cfg`` with the multi-token-prediction parts of its pattern removed."""
     return dataclasses.replace(cfg, pattern="|".join(cfg.parsed.segments))
+
+
+def max_positions(cfg: ModelConfig, default: int) -> int:
+    """``max_position_embeddings`` for a fresh export: the length a scaled RoPE (Llama-3's or
+    YaRN's, attention or MLA) is scaled to, ``original_max_position * factor`` (DeepSeek-V3's
+    163840; transformers warns when it is not above the original length), else the HF config
+    class's ``default`` (what transformers assumes without the field). Our config has no
+    sequence limit of its own."""
+    scaling = [s for s in (cfg.attention and cfg.attention.rope_scaling,
+                           cfg.mla and cfg.mla.rope_scaling) if s is not None]
+    if not scaling:
+        return default
+    return max(int(s.original_max_position * s.factor) for s in scaling)
 
 
 def swapped_halves_links(ours: str, hf: str, rows: int, half: int) -> list[Link]:

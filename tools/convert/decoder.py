@@ -133,12 +133,16 @@ class DecoderAdapter(Adapter):
 
 class LlamaAdapter(DecoderAdapter):
     family = "llama"
+    symbols = "*-"
+    max_positions = 2048
     architectures = ("LlamaForCausalLM",)
     model_type = "llama"
 
 
 class Qwen3Adapter(DecoderAdapter):
     family = "qwen3"
+    symbols = "*-"
+    max_positions = 32768
     architectures = ("Qwen3ForCausalLM",)
     model_type = "qwen3"
     qk_norm = True
@@ -153,6 +157,8 @@ class Qwen3Adapter(DecoderAdapter):
 
 class Qwen3MoeAdapter(Qwen3Adapter):
     family = "qwen3-moe"
+    symbols = "*-E"
+    max_positions = 32768
     architectures = ("Qwen3MoeForCausalLM",)
     model_type = "qwen3_moe"
 
@@ -186,6 +192,8 @@ class Qwen3MoeAdapter(Qwen3Adapter):
 
 class MixtralAdapter(DecoderAdapter):
     family = "mixtral"
+    symbols = "*E"
+    max_positions = 131072
     architectures = ("MixtralForCausalLM",)
     model_type = "mixtral"
     moe_key = "block_sparse_moe"

@@ -18,11 +18,13 @@ it). Depth ``d`` is the HF layer ``L = num_hidden_layers + d``: ``enorm`` <-> ``
 ``hnorm`` <-> ``norm_h``, ``eh_proj`` <-> ``proj`` (columns ``[e; h]`` on disk, ``[h; e]`` ours:
 the halves are swapped row by row, a byte permutation), ``shared_head.norm`` <-> ``final_norm``,
 the decoder layer <-> ``mtp.{d}.layers.{0,1}`` as a main layer. The layer's ``embed_tokens`` and
-``shared_head.head`` are copies of the model's embedding and head: on import each must equal
-them byte for byte and is consumed, on export it is written again (:meth:`copy_links`). A
-checkpoint whose config declares MTP layers without holding all their tensors converts without
-them: what it holds is kept aside byte for byte (``hf/aside/``) and written back on export. FP8
-checkpoints (``weight_scale_inv``) are refused: dequantize to bf16 first.
+``shared_head.head`` are copies of the model's embedding and head: on import each is checked
+equal to them byte for byte and consumed, on export it is written again (:meth:`copy_links`).
+MTP layers that cannot become our MTP part exactly (a copy that differs: our part shares the
+model's embedding and head; a missing tensor, an extra one, another shape) do not stop the
+conversion: the model converts without them, they are kept aside byte for byte
+(``hf/aside/``, a one-line notice) and written back on export. FP8 checkpoints
+(``weight_scale_inv``) are refused: dequantize to bf16 first.
 
 DeepSeek-V3.2 (``DeepseekV32ForCausalLM``, :class:`DeepseekV32Adapter`) is the same model plus a
 DSA indexer per attention layer (``self_attn.indexer.{wq_b,wk,k_norm,weights_proj}``) that keeps
@@ -164,6 +166,8 @@ def _float_or_none(value: Any) -> float | None:
 
 class DeepseekV3Adapter(Adapter):
     family = "deepseek-v3"
+    symbols = "+-E"
+    max_positions = 4096
     architectures = ("DeepseekV3ForCausalLM",)
     model_type = "deepseek_v3"
     hf_keep_fp32 = ("gate.weight", "gate.e_score_correction_bias")
@@ -318,6 +322,7 @@ class DeepseekV3Adapter(Adapter):
         return links
 
     def copy_links(self, cfg: ModelConfig) -> list[Link]:
+        """Each MTP layer's ``embed_tokens`` / ``shared_head.head``: our embedding / head."""
         head = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
         n = cfg.parsed.n_layers // 2
         return [link for d in range(self.mtp_depths(cfg)) for link in (
@@ -332,6 +337,8 @@ class DeepseekV32Adapter(DeepseekV3Adapter):
     config on export. Its MTP layers are not built: kept aside byte for byte."""
 
     family = "deepseek-v3.2"
+    symbols = "+-E"
+    max_positions = 163840
     architectures = ("DeepseekV32ForCausalLM",)
     model_type = "deepseek_v32"
 

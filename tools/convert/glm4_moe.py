@@ -110,6 +110,8 @@ def _check_groups(family: str, n_experts: int, n_groups: int) -> None:
 
 class Glm4MoeAdapter(DecoderAdapter):
     family = "glm4-moe"
+    symbols = "*-E"
+    max_positions = 131072
     architectures = ("Glm4MoeForCausalLM",)
     model_type = "glm4_moe"
     hf_keep_fp32 = ("mlp.gate.weight", "gate.e_score_correction_bias")
@@ -239,6 +241,8 @@ class Glm4MoeAdapter(DecoderAdapter):
 
 class MiniMaxM2Adapter(MixtralAdapter):
     family = "minimax-m2"
+    symbols = "*E"
+    max_positions = 196608
     architectures = ("MiniMaxM2ForCausalLM",)
     model_type = "minimax_m2"
 

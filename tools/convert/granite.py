@@ -212,6 +212,8 @@ class HybridMambaAdapter(Adapter):
 
 class BambaAdapter(HybridMambaAdapter):
     family = "bamba"
+    symbols = "M*-"
+    max_positions = 262144
     architectures = ("BambaForCausalLM",)
     model_type = "bamba"
     final_norm = "final_layernorm"
@@ -273,6 +275,8 @@ class BambaAdapter(HybridMambaAdapter):
 
 class GraniteMoeHybridAdapter(HybridMambaAdapter):
     family = "granite-h"
+    symbols = "M*-E"
+    max_positions = 2048
     architectures = ("GraniteMoeHybridForCausalLM",)
     model_type = "granitemoehybrid"
     save_fused_experts = True

@@ -138,6 +138,8 @@ def _check_plain(cfg: ModelConfig, family: str) -> None:
 
 class Mamba2Adapter(Adapter):
     family = "mamba2"
+    symbols = "M"
+    max_positions = None
     architectures = ("Mamba2ForCausalLM",)
     model_type = "mamba2"
 
@@ -223,6 +225,8 @@ def nemotron_h_pattern(hf: dict[str, Any]) -> str:
 
 class NemotronHAdapter(Adapter):
     family = "nemotron-h"
+    symbols = "M*-E"
+    max_positions = 4096
     architectures = ("NemotronHForCausalLM",)
     model_type = "nemotron_h"
     hf_keep_fp32 = ("gate.weight", "gate.e_score_correction_bias")

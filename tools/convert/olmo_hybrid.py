@@ -19,9 +19,12 @@ save): the GDN layers' norms are ``attention_layer_norm`` / ``feedforward_layer_
 the attention layers' ``post_attention_layernorm`` (``feedforward_layer_norm`` on disk, beside
 ``post_feedforward_layernorm``); the convolution is stored per input, ``q_conv1d`` / ``k_conv1d``
 / ``v_conv1d`` of ``QK``, ``QK`` and ``VV`` rows. transformers 5.24's ``save_pretrained`` splits
-the fused conv back into three *equal* parts (``Chunk``, the reverse of its ``Concatenate``),
-which differs from the Hub whenever ``QK != VV``; such a file is refused with a shape error
-naming the tensor (transformers itself still loads it, since only the concatenation matters).
+the fused conv back into ``torch.chunk(conv, 3)`` parts (``Chunk``, the reverse of its
+``Concatenate``), which differs from the Hub whenever ``QK != VV``; only the concatenation
+matters to transformers, so any three parts that tile the ``2 QK + VV`` rows in order are read
+(:meth:`OlmoHybridAdapter.source_layout`), and the export splits as the source did (the Hub's
+way for a model built here). Every width is transformers': ``QK = linear_num_key_heads *
+linear_key_head_dim``, ``VV = linear_num_value_heads * linear_value_head_dim``.
 
 Gated delta net (:mod:`composer.blocks.gdn` has the math): separate ``q/k/v/a/b_proj``,
 ``g_proj`` (our ``z_proj``), ``o_norm`` (our ``norm``, eps fixed at 1e-5 in transformers),
@@ -98,6 +101,8 @@ def _a_init_range(h: dict[str, Any]) -> tuple[float, float] | None:
 
 class OlmoHybridAdapter(Adapter):
     family = "olmo-hybrid"
+    symbols = "G*-"
+    max_positions = 65536
     architectures = ("OlmoHybridForCausalLM",)
     model_type = "olmo_hybrid"
 
@@ -202,6 +207,30 @@ class OlmoHybridAdapter(Adapter):
         return out
 
     # ---- tensors
+    def source_layout(self, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]
+                      ) -> dict[str, Any]:
+        """The rows of ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` on disk when they are not the
+        Hub's ``QK, QK, VV`` but still tile the ``2 QK + VV`` conv rows in order:
+        transformers' ``save_pretrained`` writes ``torch.chunk(conv, 3)`` (equal thirds, the
+        last one shorter), which its loader concatenates back."""
+        types = self.layer_types(cfg)
+        if LINEAR not in types:
+            return {}
+        stem = f"model.layers.{types.index(LINEAR)}.linear_attn"
+        rows = [shapes.get(f"{stem}.{x}_conv1d.weight", (0,))[0] for x in "qkv"]
+        qk, vv = _conv_widths(cfg.gdn)
+        if rows == [qk, qk, vv] or min(rows) <= 0 or sum(rows) != 2 * qk + vv:
+            return {}  # the Hub's split (or a file whose shape error names the tensor)
+        return {"conv_rows": rows}
+
+    def relink(self, links: list[Link], layout: dict[str, Any]) -> list[Link]:
+        if "conv_rows" not in layout:
+            return links
+        a, b, c = layout["conv_rows"]
+        rows = {"q": (0, a), "k": (a, a + b), "v": (a + b, a + b + c)}
+        return [Link(link.ours, link.hf, (rows[link.hf.split(".")[-2][0]],), ())
+                if link.hf.endswith(CONV_SUFFIXES) else link for link in links]
+
     def links(self, cfg: ModelConfig, fused_experts: bool) -> list[Link]:
         links = [Link("embed.weight", "model.embed_tokens.weight"),
                  Link("final_norm.weight", "model.norm.weight")]
@@ -228,9 +257,18 @@ def gdn_links(ours: str, hf: str, d: GDNConfig) -> list[Link]:
     ours is one ``conv1d.weight`` with rows ``[q; k; v]``."""
     same = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "a_proj.weight", "b_proj.weight",
             "o_proj.weight", "A_log", "dt_bias"]
-    qk, vv = (d.n_kv_heads or d.n_heads) * d.d_head_k, d.n_heads * d.d_head_v
+    qk, vv = _conv_widths(d)
     rows = {"q": (0, qk), "k": (qk, 2 * qk), "v": (2 * qk, 2 * qk + vv)}
     return [Link(f"{ours}.{n}", f"{hf}.{n}") for n in same] + [
         Link(f"{ours}.z_proj.weight", f"{hf}.g_proj.weight"),
         Link(f"{ours}.norm.weight", f"{hf}.o_norm.weight")] + [
         Link(f"{ours}.conv1d.weight", f"{hf}.{x}_conv1d.weight", (r,), ()) for x, r in rows.items()]
+
+
+CONV_SUFFIXES = tuple(f"linear_attn.{x}_conv1d.weight" for x in "qkv")
+
+
+def _conv_widths(d: GDNConfig) -> tuple[int, int]:
+    """``(QK, VV)``: transformers' ``key_dim = linear_key_head_dim * linear_num_key_heads`` and
+    ``value_dim = linear_value_head_dim * linear_num_value_heads``."""
+    return (d.n_kv_heads or d.n_heads) * d.d_head_k, d.n_heads * d.d_head_v

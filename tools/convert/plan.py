@@ -144,6 +144,25 @@ def build_targets(links: list[Link], target_side: str, target_shapes: dict[str, 
     return targets
 
 
+def check_sources_tiled(targets: list[Target], source_shapes: dict[str, tuple[int, ...]]
+                        ) -> None:
+    """Every source tensor that the targets read is read whole and once: a part left unread
+    (a wider tensor than the config's, whose rows the links still find) is an error."""
+    pieces: dict[str, list[tuple[int, int]]] = {}
+    for t in targets:
+        for p in t.pieces:
+            pieces.setdefault(p.source, []).append((p.offset, p.numel))
+    for name, spans in pieces.items():
+        covered = 0
+        for offset, numel in sorted(spans):
+            if offset != covered:
+                break
+            covered += numel
+        if covered != _prod(source_shapes[name]):
+            raise CheckpointError(f"shape mismatch: {name!r} is {list(source_shapes[name])}, "
+                                  "more than this config reads from it (or read twice)")
+
+
 def _fmt(idx: Index) -> str:
     if idx == ():
         return ""

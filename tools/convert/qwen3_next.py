@@ -29,9 +29,11 @@ layer's kind by index 0), full attention as the main layers have it: ``mtp.fc`` 
 (columns ``[e; h]`` on disk, ``[h; e]`` ours, the halves swapped row by row),
 ``mtp.pre_fc_norm_embedding`` <-> ``norm_e``, ``mtp.pre_fc_norm_hidden`` <-> ``norm_h``,
 ``mtp.norm`` <-> ``final_norm``, ``mtp.layers.0.*`` <-> ``mtp.0.layers.{0,1}`` as a main layer;
-the norms are zero-centred like the others. More than one MTP layer (vLLM shares one ``fc``
-among them), ``mtp_use_dedicated_embeddings``, or a checkpoint without the tensors: the
-``mtp.*`` tensors are kept aside byte for byte (:meth:`Adapter.aside`) and written back.
+the norms are zero-centred like the others. Any MTP layer that cannot become our MTP part
+exactly (more than one, as vLLM shares one ``fc`` among them; ``mtp_use_dedicated_embeddings``;
+a checkpoint without all its tensors, or with a tensor or shape our part does not have): the
+``mtp.*`` tensors are kept aside byte for byte (:meth:`Adapter.aside`, a one-line notice) and
+written back, never refused.
 
 Qwen3.5's Hub checkpoints are vision-language models (``Qwen3_5ForConditionalGeneration``,
 ``model.language_model.*``); these adapters read the text-only classes.
@@ -84,6 +86,8 @@ MIXERS = {"linear_attention": "G", "full_attention": "*"}
 
 class Qwen3NextAdapter(Adapter):
     family = "qwen3-next"
+    symbols = "G*E-"
+    max_positions = 32768
     architectures = ("Qwen3NextForCausalLM",)
     model_type = "qwen3_next"
     defaults = QWEN3_NEXT_DEFAULTS
@@ -329,6 +333,8 @@ class Qwen3_5Adapter(Qwen3NextAdapter):
     """Qwen3.5 dense: every feed-forward a SwiGLU MLP; separate GDN input projections."""
 
     family = "qwen3.5"
+    symbols = "G*-"
+    max_positions = 32768
     architectures = ("Qwen3_5ForCausalLM",)
     model_type = "qwen3_5_text"
     defaults = QWEN3_5_DEFAULTS
@@ -341,6 +347,8 @@ class Qwen3_5MoeAdapter(Qwen3NextAdapter):
     expert; separate GDN input projections."""
 
     family = "qwen3.5-moe"
+    symbols = "G*E"
+    max_positions = 32768
     architectures = ("Qwen3_5MoeForCausalLM",)
     model_type = "qwen3_5_moe_text"
     defaults = QWEN3_5_MOE_DEFAULTS
