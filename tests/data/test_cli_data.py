@@ -53,6 +53,13 @@ def test_bad_inputs_are_one_line_errors_and_leave_nothing(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert code == 2 and msg in err and len(err.splitlines()) == 1, err
         assert not out.exists() or not list(out.iterdir())
+    blank = tmp_path / "blank.jsonl"  # documents, every one of them empty
+    blank.write_text('{"text": ""}\n{"text": ""}\n')
+    assert main(["data", "prepare", str(blank), "--out", str(out / "p"), "--tokenizer",
+                 "byte"]) == 2
+    assert capsys.readouterr().err == ("composer: error: no tokens: the 2 documents of the "
+                                       "inputs are all empty (nothing written)\n")
+    assert not out.exists() or not list(out.iterdir())
     bad = tmp_path / "bad"
     (tmp_path / "bad.idx").write_bytes(b"NOTMAGIC!" + bytes(40))
     (tmp_path / "bad.bin").write_bytes(bytes(8))
