@@ -25,7 +25,8 @@ def test_prepare_inspect_train_eval(tmp_path, capsys):
     assert main(["train", "llama-debug", "--set", "vocab_size=257", "--data", prefix,
                  "--seq-len", "16", "--steps", "3", "--global-batch-size", "4",
                  "--document-isolation", "--save", str(run), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["steps"] == 3
+    trained = json.loads(capsys.readouterr().out)
+    assert (trained["steps"], trained["tokens"]) == (3, 3 * 4 * 16)  # seq_len predicted a sample
     assert main(["eval", str(run), "--data", prefix, "--seq-len", "16", "--max-samples", "6",
                  "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
