@@ -106,6 +106,9 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
     generated (a vocabulary padded past its tokenizer's)."""
     _check(input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p,
            model.config.vocab_size)
+    if vocab_limit is not None and not 1 <= vocab_limit <= model.config.vocab_size:
+        raise ValueError(f"vocab_limit must be in [1, {model.config.vocab_size}], got "
+                         f"{vocab_limit}")
     device = model.embed.weight.device
     ids_BT = input_ids.to(device)
     mask_BT = None if attention_mask is None else attention_mask.to(device).bool()

@@ -100,9 +100,7 @@ class Run:
     batches: Batches
     schedule: Schedule
     micro_batch: int
-    seq_len: int
-    """Tokens per row (``--data``: ``--seq-len`` + 1): each predicts ``seq_len - 1``, what
-    ``tokens`` counts."""
+    seq_len: int  # tokens per row (--data: --seq-len + 1); `tokens` counts the predicted ones
     flops_per_token: int
     precision: str
     start_step: int = 0
@@ -114,8 +112,7 @@ class Run:
     batch_device: Any = None
     valid: Batches | None = None
     """Validation batches (``--eval-every``)."""
-    start_consumed: int = 0
-    """``consumed`` when this invocation started: the loop has taken a step once it differs."""
+    start_consumed: int = 0  # `consumed` at the start: a step was taken once they differ
 
 
 def _autocast(run: Run):
