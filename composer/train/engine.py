@@ -3,9 +3,11 @@
 Resuming: when ``SOURCE`` is a run folder (it has ``latest``), or ``--save`` names one, the run
 continues from its latest step with the recipe saved there; the command line and ``--config``
 override only what they name (``--steps M`` extends or shortens the run to ``M`` steps in all,
-the schedule reshaped accordingly). Step folders an interrupted save left behind are removed
-first. ``--exit-at-step K`` stops after step ``K`` with a checkpoint, leaving the schedule for
-``--steps`` untouched.
+the schedule reshaped accordingly); a model named as well (SOURCE, ``--config``'s ``model``,
+``--set``) must build the saved one, or the run is refused. Step folders an interrupted save
+left behind are removed first. A run that fails before its first step removes what it created
+in ``--save`` and ``--log-dir`` (never what was there before). ``--exit-at-step K`` stops after
+step ``K`` with a checkpoint, leaving the schedule for ``--steps`` untouched.
 """
 
 from __future__ import annotations
