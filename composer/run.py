@@ -1,7 +1,8 @@
 """Building a model for a layout, and evaluation, the same code for one process and any layout.
 
 Data: a ``.npy`` array of token ids (read with ``allow_pickle=False``). A 2-D array is one sequence
-per row; a 1-D array is cut into ``seq_len`` pieces (the last may be shorter). The global batch
+per row (a ``seq_len`` that matches neither the rows' length nor the tokens they predict is
+refused); a 1-D array is cut into ``seq_len`` pieces (the last may be shorter). The global batch
 and its order depend only on the data, the batch size and the seed, never on the layout: every
 data-parallel rank takes its contiguous share of each global batch, tensor-parallel ranks take the
 same rows. Losses are next-token cross-entropy, averaged over every predicted token.
@@ -44,6 +45,10 @@ def load_tokens(path: str | Path, seq_len: int | None) -> list[np.ndarray]:
     if not np.issubdtype(arr.dtype, np.integer):
         raise ConfigError(f"{path}: token ids must be integers, got {arr.dtype}")
     if arr.ndim == 2:
+        if seq_len and seq_len not in (arr.shape[1], arr.shape[1] - 1):
+            raise ConfigError(f"{path} is 2-D: its rows are the sequences ({arr.shape[1]} "
+                              f"tokens, predicting {arr.shape[1] - 1}); --seq-len {seq_len} "
+                              f"does not match them (drop it, or cut the array yourself)")
         rows = list(arr)
     elif arr.ndim == 1:
         if not seq_len:

@@ -16,7 +16,8 @@ tokenizer's threads or a CUDA context can deadlock), so a script calling ``prepa
 memory, say) the executor raises ``BrokenProcessPool``, where a Pool waits forever for the
 lost task.
 
-The output is published whole or not at all: ``PREFIX.bin``/``.idx`` and ``PREFIX.tokenizer/``
+Inputs whose documents are all empty (no tokens at all) are refused. The output is published
+whole or not at all: ``PREFIX.bin``/``.idx`` and ``PREFIX.tokenizer/``
 are written under hidden temporary names and renamed at the end; on any error they are deleted.
 """
 
@@ -45,6 +46,7 @@ from composer.data.tokenizer import (
     HFTokenizer,
     describe_tokenizer,
     load_tokenizer,
+    no_eod_message,
     save_tokenizer,
 )
 
@@ -274,6 +276,8 @@ def prepare(inputs: list[str], out_prefix: str, tokenizer: str, json_key: str = 
     if existing and not force:
         raise DataError(f"{existing[0]} already exists (--force replaces it)")
     tok = load_tokenizer(tokenizer)
+    if append_eod and tok.eod is None:
+        raise DataError(f"--append-eod: {no_eod_message(tok.name)}")
     dtype = np.dtype(optimal_dtype(tok.vocab_size)).name
     folder = Path(os.path.abspath(out_prefix)).parent
     created = not folder.exists()
@@ -289,6 +293,9 @@ def prepare(inputs: list[str], out_prefix: str, tokenizer: str, json_key: str = 
             chunks = _encoded(_items(sources, json_key), encoder, pool, workers)
             n_tokens, n_bytes = _write(writer, chunks, progress)
             n_documents = writer.n_documents
+            if n_tokens == 0:  # a dataset no sample can be cut from: say so, write nothing
+                raise DataError(f"no tokens: the {n_documents:,} documents of the inputs are "
+                                "all empty (nothing written)")
         published = True
         _remove(outputs["tokenizer"])
         umask = os.umask(0)

@@ -41,7 +41,9 @@ class Tokenizer(Protocol):
 
     name: str
     vocab_size: int
-    eod: int
+    eod: int | None
+    """The end-of-document id; None for a tokenizer without one (generation then runs to its
+    length limit; ``prepare --append-eod`` refuses it)."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -84,8 +86,9 @@ def _tokenizers() -> Any:
     return tokenizers
 
 
-def _eos_token(folder: Path, vocab: dict[str, int]) -> str:
-    """The end-of-document token: the config's ``eos_token``, else a conventionally named one."""
+def _eos_token(folder: Path, vocab: dict[str, int]) -> str | None:
+    """The end-of-document token: the config's ``eos_token``, else a conventionally named one,
+    else None (transformers loads such a tokenizer too: many base models' have none)."""
     config_path = folder / "tokenizer_config.json"
     if config_path.is_file():
         eos = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token")
@@ -99,8 +102,13 @@ def _eos_token(folder: Path, vocab: dict[str, int]) -> str:
     for name in EOS_NAMES:
         if name in vocab:
             return name
-    raise DataError(f"tokenizer {folder}: no end-of-document token (set eos_token in "
-                    f"tokenizer_config.json, or have one of {', '.join(EOS_NAMES)})")
+    return None
+
+
+def no_eod_message(name: str) -> str:
+    """What to do about a tokenizer without an end-of-document token."""
+    return (f"tokenizer {name}: no end-of-document token (set eos_token in "
+            f"tokenizer_config.json, or have one of {', '.join(EOS_NAMES)})")
 
 
 class HFTokenizer:
@@ -123,7 +131,7 @@ class HFTokenizer:
                             f"({_one_line(e)})") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.eos_token = _eos_token(self.folder, vocab)
-        self.eod = vocab[self.eos_token]
+        self.eod = None if self.eos_token is None else vocab[self.eos_token]
         # added tokens may sit past the model's vocabulary: the dtype must hold every id
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True),
                               max(vocab.values()) + 1)

@@ -12,7 +12,10 @@ takes), else the SOURCE's own: a Hugging Face folder's ``tokenizer.json``, a che
 copied from the Hub). The prompt is encoded with the tokenizer's post-processor (Llama-3's BOS),
 or, with ``--chat``, rendered as one user message through the chat template and encoded as is.
 Decoding stops at the tokenizer's end-of-document id and at ``generation_config.json``'s
-``eos_token_id`` (one id or a list; ``config.json``'s without that file).
+``eos_token_id`` (one id or a list; ``config.json``'s without that file); with neither (a
+tokenizer without an end-of-document token), it runs to ``--max-new-tokens``, as transformers
+does, and says so on stderr. A model vocabulary larger than the tokenizer's (padded, as many
+Hugging Face models are) generates only the ids the tokenizer can decode, also said on stderr.
 
 Output: the new text streams to stdout as it is decoded (every id so far decoded, the new
 suffix printed, held back while it ends in an incomplete UTF-8 sequence, U+FFFD), then a
@@ -150,7 +153,7 @@ def find_tokenizer(source: Path, kind: str, spec: str | None) -> Tokenizer:
 def stop_ids(tok: Tokenizer, source: Path, kind: str) -> list[int]:
     """The tokenizer's end-of-document id, then the ``eos_token_id`` of the SOURCE's
     ``generation_config.json`` (or, without one, ``config.json``)."""
-    ids = [tok.eod]
+    ids = [] if tok.eod is None else [tok.eod]
     for folder in _metadata_folders(source, kind):
         for name in EOS_FILES:
             path = folder / name
@@ -267,6 +270,22 @@ def _generated(out_BT: torch.Tensor, n_prompt: int, stop: set[int]) -> tuple[lis
     return ids, "length"
 
 
+def notice(text: str) -> None:
+    print(f"composer generate: {text}", file=sys.stderr, flush=True)
+
+
+def decodable_limit(tok: Tokenizer, vocab: int) -> int:
+    """The ids generation may produce: the model's, less those past the tokenizer's vocabulary.
+    Hugging Face models often pad their embedding past the tokenizer (to a multiple of 64 or
+    128): those rows mean no text, so they are masked, as the tokenizer could not decode them."""
+    if vocab <= tok.vocab_size:
+        return vocab
+    notice(f"the model's vocabulary ({vocab}) is larger than the tokenizer's "
+           f"({tok.vocab_size}): ids {tok.vocab_size}..{vocab - 1} have no text and are never "
+           "generated")
+    return tok.vocab_size
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from composer.inference.decode import generate
 
@@ -281,7 +300,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if max(prompt_ids) >= vocab:
         raise GenerateError(f"the prompt's token ids reach {max(prompt_ids)}, past the model's "
                             f"vocabulary of {vocab}; is the tokenizer ({tok.name}) the model's?")
-    stop = [i for i in stop_ids(tok, source, kind) if i < vocab]
+    limit = decodable_limit(tok, vocab)
+    stop = [i for i in stop_ids(tok, source, kind) if i < limit]
+    if not stop:
+        notice(f"tokenizer {tok.name} has no end-of-document token: generating "
+               f"--max-new-tokens ({args.max_new_tokens}) tokens")
     device = next(model.parameters()).device
     clock = Clock(device)
     stream = None if args.json else Stream(tok, set(stop), sys.stdout)
@@ -296,7 +319,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         out_BT = generate(model, input_ids, args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, eos_token_id=stop or None,
-                          seed=args.seed, on_token=on_token)
+                          seed=args.seed, on_token=on_token,
+                          vocab_limit=limit if limit < vocab else None)
     wall = time.perf_counter() - clock.start
     new_ids, reason = _generated(out_BT, len(prompt_ids), set(stop))
     prefill, decode = clock.speeds(len(prompt_ids))

@@ -98,13 +98,17 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
              top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
              seed: int | None = None, on_token: Callable[[torch.Tensor], None] | None = None,
-             use_cache: bool = True) -> torch.Tensor:
+             use_cache: bool = True, vocab_limit: int | None = None) -> torch.Tensor:
     """Continue each row of ``input_ids`` ``(B, T)`` by up to ``max_new_tokens`` tokens;
     returns ``(B, T + n)`` token ids, ``n <= max_new_tokens`` (fewer when every row ended with
     an eos). ``on_token`` gets each new column ``(B,)`` as it is produced (streaming). See the
-    module docstring for sampling, padding and eos."""
+    module docstring for sampling, padding and eos. ``vocab_limit``: only ids below it are
+    generated (a vocabulary padded past its tokenizer's)."""
     _check(input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p,
            model.config.vocab_size)
+    if vocab_limit is not None and not 1 <= vocab_limit <= model.config.vocab_size:
+        raise ValueError(f"vocab_limit must be in [1, {model.config.vocab_size}], got "
+                         f"{vocab_limit}")
     device = model.embed.weight.device
     ids_BT = input_ids.to(device)
     mask_BT = None if attention_mask is None else attention_mask.to(device).bool()
@@ -128,6 +132,8 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
             else:
                 logits_BV = _full_forward(model, ids_BT, mask_BT)
             for step in range(max_new_tokens):
+                if vocab_limit is not None:  # a slice keeps ids as they are: rows 0..limit-1
+                    logits_BV = logits_BV[:, :vocab_limit]
                 token_B = next_token(logits_BV, temperature, top_k, top_p, generator)
                 token_B = token_B.masked_fill(done_B, pad)
                 columns.append(token_B)

@@ -3,13 +3,16 @@
 Resuming: when ``SOURCE`` is a run folder (it has ``latest``), or ``--save`` names one, the run
 continues from its latest step with the recipe saved there; the command line and ``--config``
 override only what they name (``--steps M`` extends or shortens the run to ``M`` steps in all,
-the schedule reshaped accordingly). Step folders an interrupted save left behind are removed
-first. ``--exit-at-step K`` stops after step ``K`` with a checkpoint, leaving the schedule for
-``--steps`` untouched.
+the schedule reshaped accordingly); a model named as well (SOURCE, ``--config``'s ``model``,
+``--set``) must build the saved one, or the run is refused. Step folders an interrupted save
+left behind are removed first. A run that fails before its first step removes what it created
+in ``--save`` and ``--log-dir`` (never what was there before). ``--exit-at-step K`` stops after
+step ``K`` with a checkpoint, leaving the schedule for ``--steps`` untouched.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,7 @@ from composer.train.recipe import (
     recipe_path,
 )
 from composer.train.schedule import Schedule
-from composer.train.state import Saver, read_train_state, restore_rng
+from composer.train.state import CreatedPaths, Saver, read_train_state, restore_rng
 
 DEFAULT_SYNTHETIC_SEQ_LEN = 128
 
@@ -61,6 +64,8 @@ def resolve(source: str | None, config: str | None,
             recipe.save = str(resume)
     recipe = merge(recipe, from_config, config or "")
     recipe = merge(recipe, flags, "command line")
+    if resume is not None:
+        check_same_model(resume, source, config, from_config, flags)
     if source is not None and resume is None:
         recipe.model = source
     if resume is not None:
@@ -71,6 +76,48 @@ def resolve(source: str | None, config: str | None,
     if recipe.steps is None:
         raise ConfigError("--steps is required (the run's total number of optimizer steps)")
     return recipe, resume
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_same_model(resume: Path, source: str | None, config: str | None,
+                     from_config: dict[str, Any], flags: dict[str, Any]) -> None:
+    """A run folder resumes its own model: a model named on the command line or in ``--config``
+    (or ``--set``) that differs from the saved one is refused, never silently replaced."""
+    typed, what = from_config.get("model"), f"--config {config}'s model"
+    if source is not None and Path(source).resolve() != resume.resolve():
+        typed, what = source, source
+    overrides = flags.get("set", from_config.get("set")) or []
+    if typed is None and not overrides:
+        return
+    saved = ModelConfig.load(resume / CONFIG_FILE)
+    if typed is None:  # --set alone: it would change the saved model
+        cfg = ModelConfig.from_dict(saved.to_dict())
+        apply_overrides(cfg, list(overrides))
+        cfg.validate()
+    else:
+        cfg, tensors = _model_config(Recipe(model=typed, set=list(overrides)))
+        if tensors is not None:
+            tensors.close()
+    cfg, saved = cfg.canonical(), saved.canonical()  # equal when they build the same model
+    if cfg == saved:
+        return
+    there, here = _flat(saved.to_dict()), _flat(cfg.to_dict())
+    diff = [f"{k} {there.get(k)!r} there, {here.get(k)!r} here" for k in dict.fromkeys(
+        [*there, *here]) if there.get(k) != here.get(k)]
+    if typed is None:
+        what = "--set " + " ".join(overrides)
+    raise ConfigError(f"{resume} holds a run of a different model than {what} "
+                      f"({'; '.join(diff[:3])}{'; ...' if len(diff) > 3 else ''}): resume it "
+                      f"with `composer train {resume}`, or pick a new --save folder")
 
 
 def _model_config(recipe: Recipe) -> tuple[ModelConfig, Any]:
@@ -265,7 +312,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
 
         _, schedule = check_pipeline(cfg, dims.pp, recipe.pp_schedule,
                                      recipe.global_batch_size // (micro * dims.dp))
-    if recipe.eval_every and valid is None:
+    if recipe.eval_every and valid is None and recipe.steps:  # --steps 0 evaluates nothing
         raise ConfigError("--eval-every needs validation data: an indexed dataset (--data) "
                           "with a valid share in --split, e.g. --split 98,2,0")
     seed_everything(recipe.seed)
@@ -293,9 +340,13 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         run.start_step = load_checkpoint(resume, model, opt.opts, step_dir)
         saved = read_train_state(step_dir)
         run.consumed = saved.get("consumed_samples", run.start_step * recipe.global_batch_size)
-        run.tokens = saved.get("tokens", run.consumed * seq_len)
+        run.tokens = saved.get("tokens", run.consumed * (seq_len - 1))
         run.skipped = saved.get("skipped_steps", 0)
         restore_rng(step_dir)
+        if is_rank0():
+            print(f"composer train: resuming from step {run.start_step} ({resume})",
+                  file=sys.stderr, flush=True)
+    run.start_consumed = run.consumed
     if recipe.save:
         if resume is None or Path(recipe.save).resolve() != resume.resolve():
             remove_incomplete(recipe.save)
@@ -312,8 +363,21 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
 
 def train(recipe: Recipe, resume: Path | None = None, quiet: bool = False) -> Summary:
     """Train as ``recipe`` says (every rank calls it, inside the process group if any)."""
-    run, last = setup(recipe, resume, quiet)
+    created = CreatedPaths([recipe.save, recipe.log_dir or recipe.save]) if is_rank0() else None
+    run = None
     try:
-        return train_loop(run, last, quiet)
-    finally:
-        run.log.close()
+        run, last = setup(recipe, resume, quiet)
+        summary = train_loop(run, last, quiet)
+    except BaseException:
+        if run is not None:
+            run.log.close()
+        # a run that took no step leaves nothing it created (a step taken stays saved)
+        if created is not None and (run is None or run.consumed == run.start_consumed):
+            created.remove()
+        raise
+    run.log.close()
+    if summary.stopped_by_signal and is_rank0():
+        saved = f", saved to {recipe.save}" if recipe.save else " (no --save: nothing saved)"
+        print(f"composer train: interrupted at step {summary.step}{saved}", file=sys.stderr,
+              flush=True)
+    return summary

@@ -100,7 +100,7 @@ class Run:
     batches: Batches
     schedule: Schedule
     micro_batch: int
-    seq_len: int
+    seq_len: int  # tokens per row (--data: --seq-len + 1); `tokens` counts the predicted ones
     flops_per_token: int
     precision: str
     start_step: int = 0
@@ -112,6 +112,7 @@ class Run:
     batch_device: Any = None
     valid: Batches | None = None
     """Validation batches (``--eval-every``)."""
+    start_consumed: int = 0  # `consumed` at the start: a step was taken once they differ
 
 
 def _autocast(run: Run):
@@ -309,7 +310,7 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
     finish_moe_step(run.model, run.dims, stepped=stats.finite)  # aux-loss-free balancing
     run.optimizers.zero_grad()
     run.consumed += r.global_batch_size
-    run.tokens += r.global_batch_size * run.seq_len
+    run.tokens += r.global_batch_size * (run.seq_len - 1)  # predicted tokens, as the loss's
     return stats
 
 
@@ -387,7 +388,8 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
     summary.tokens = run.tokens
     summary.skipped = run.skipped
     if summary.steps:
-        summary.tokens_per_s = summary.steps * r.global_batch_size * run.seq_len / summary.wall_s
+        summary.tokens_per_s = summary.steps * r.global_batch_size * (run.seq_len - 1) / \
+            summary.wall_s
     return summary
 
 

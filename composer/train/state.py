@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
+import shutil
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -108,3 +110,34 @@ class Saver:
 
         publish(self.folder, step_dir, config, self.keep_last,
                 before=write_state if is_rank0() else None)
+
+
+class CreatedPaths:
+    """What a run is about to create in the folders it writes (``--save``, ``--log-dir``), so
+    that a run failing before its first step can remove it: a folder that did not exist (with
+    any parents made for it), or the new entries of one that did. Nothing that existed before
+    is touched."""
+
+    def __init__(self, folders: list[str | None]) -> None:
+        self.new: list[Path] = []
+        self.kept: dict[Path, set[str]] = {}
+        for folder in dict.fromkeys(f for f in folders if f):
+            path = Path(folder).absolute()
+            if path.is_dir():
+                self.kept[path] = set(os.listdir(path))
+                continue
+            while not path.parent.exists():
+                path = path.parent
+            if not path.exists():
+                self.new.append(path)
+
+    def remove(self) -> None:
+        for path in self.new:
+            shutil.rmtree(path, ignore_errors=True)
+        for folder, names in self.kept.items():
+            for name in set(os.listdir(folder)) - names if folder.is_dir() else ():
+                target = folder / name
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target, ignore_errors=True)
+                else:
+                    target.unlink(missing_ok=True)

@@ -25,7 +25,8 @@ def test_prepare_inspect_train_eval(tmp_path, capsys):
     assert main(["train", "llama-debug", "--set", "vocab_size=257", "--data", prefix,
                  "--seq-len", "16", "--steps", "3", "--global-batch-size", "4",
                  "--document-isolation", "--save", str(run), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["steps"] == 3
+    trained = json.loads(capsys.readouterr().out)
+    assert (trained["steps"], trained["tokens"]) == (3, 3 * 4 * 16)  # seq_len predicted a sample
     assert main(["eval", str(run), "--data", prefix, "--seq-len", "16", "--max-samples", "6",
                  "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
@@ -53,6 +54,13 @@ def test_bad_inputs_are_one_line_errors_and_leave_nothing(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert code == 2 and msg in err and len(err.splitlines()) == 1, err
         assert not out.exists() or not list(out.iterdir())
+    blank = tmp_path / "blank.jsonl"  # documents, every one of them empty
+    blank.write_text('{"text": ""}\n{"text": ""}\n')
+    assert main(["data", "prepare", str(blank), "--out", str(out / "p"), "--tokenizer",
+                 "byte"]) == 2
+    assert capsys.readouterr().err == ("composer: error: no tokens: the 2 documents of the "
+                                       "inputs are all empty (nothing written)\n")
+    assert not out.exists() or not list(out.iterdir())
     bad = tmp_path / "bad"
     (tmp_path / "bad.idx").write_bytes(b"NOTMAGIC!" + bytes(40))
     (tmp_path / "bad.bin").write_bytes(bytes(8))

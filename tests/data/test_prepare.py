@@ -131,11 +131,14 @@ def test_tokenizer_folder_errors(tmp_path):
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2},
                                                            unk_token="[UNK]"))
     tok.save(str(tmp_path / "tokenizer.json"))
-    with pytest.raises(DataError) as info:
-        load_tokenizer(str(tmp_path))
-    assert str(info.value) == (f"tokenizer {tmp_path}: no end-of-document token (set eos_token "
-                               f"in tokenizer_config.json, or have one of </s>, <|endoftext|>, "
-                               f"<|end_of_text|>, <eos>)")
+    assert load_tokenizer(str(tmp_path)).eod is None  # loads (generation runs to its limit)
+    (tmp_path / "a.txt").write_text("a b")
+    with pytest.raises(DataError) as info:  # but cannot end documents
+        prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), str(tmp_path), append_eod=True)
+    assert str(info.value) == (f"--append-eod: tokenizer {tmp_path}: no end-of-document token "
+                               f"(set eos_token in tokenizer_config.json, or have one of </s>, "
+                               f"<|endoftext|>, <|end_of_text|>, <eos>)")
+    assert not (tmp_path / "ds.bin").exists()
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError) as info:
         load_tokenizer(str(tmp_path / "empty"))

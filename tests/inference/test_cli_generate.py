@@ -289,3 +289,49 @@ def test_mistakes_are_one_line_and_exit_2(run, llama, bpe, tmp_path, capsys):
     for args, message in _errors(run, llama, bpe, tmp_path):
         code, out, err = generate(capsys, *args)
         assert (code, out, err) == (2, "", f"composer: error: {message}\n"), args
+
+
+def _tiny_model(folder, vocab: int) -> None:
+    assert main(["build", "--pattern", "*-", "--set", f"vocab_size={vocab}", "--set",
+                 "d_model=16", "--set", "attention.n_heads=2", "--set", "attention.n_kv_heads=1",
+                 "--set", "attention.d_head=8", "--set", "mlp.d_ff=32", "--seed", "1",
+                 "--out", str(folder), "--json"]) == 0
+
+
+def test_a_tokenizer_without_eod_generates_to_max_new_tokens(tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "c": 2, "[UNK]": 3},
+                                                           unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    assert HFTokenizer(tmp_path / "tok").eod is None  # transformers loads it too
+    _tiny_model(tmp_path / "m", 4)
+    capsys.readouterr()
+    code, out, err = generate(capsys, tmp_path / "m", "--tokenizer", tmp_path / "tok",
+                              "--prompt", "a b", "--max-new-tokens", 6, "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert (info["finish_reason"], info["n_new_tokens"]) == ("length", 6)
+    assert err == (f"composer generate: tokenizer {tmp_path / 'tok'} has no end-of-document "
+                   "token: generating --max-new-tokens (6) tokens\n")
+
+
+def test_a_model_vocabulary_padded_past_the_tokenizer_generates_decodable_ids(tmp_path,
+                                                                            capsys):
+    from safetensors.torch import load_file, save_file
+
+    _tiny_model(tmp_path / "m", 320)
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(path)
+    # rows the byte tokenizer can decode score 0: unmasked, greedy picks a padded row
+    tensors["lm_head.weight"][:257] = 0.0
+    save_file(tensors, path)
+    capsys.readouterr()
+    code, out, err = generate(capsys, tmp_path / "m", "--tokenizer", "byte", "--prompt", "hi",
+                              "--max-new-tokens", 8, "--json")
+    assert code == 0, err
+    ids = json.loads(out)["token_ids"]
+    assert len(ids) >= 1 and max(ids) < 257
+    assert err == ("composer generate: the model's vocabulary (320) is larger than the "
+                   "tokenizer's (257): ids 257..319 have no text and are never generated\n")

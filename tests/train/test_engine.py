@@ -62,7 +62,8 @@ def test_logged_learning_rates_follow_the_schedule(tmp_path):
         assert out["rows"] == rows
         assert {"loss", "grad_norm", "tokens", "tokens_per_s", "mfu", "skipped",
                 "max_memory_bytes"} <= set(rows[0])
-        assert rows[-1]["tokens"] == 6 * 8 * 16 and rows[0]["mfu"] is None  # CPU: no peak
+        # predicted tokens: a synthetic row of 16 tokens predicts 15
+        assert rows[-1]["tokens"] == 6 * 8 * 15 and rows[0]["mfu"] is None  # CPU: no peak
 
 
 def test_accumulation_equals_one_micro_batch():
@@ -224,3 +225,76 @@ def test_config_then_flags_and_the_saved_recipe(tmp_path, capsys):
     saved = yaml.safe_load((tmp_path / "r" / "recipe.yaml").read_text())
     assert saved["steps"] == 3 and saved["lr"] == 1e-3 and saved["seq_len"] == 64
     assert saved["model"] == "nemotron-3-nano-debug"
+
+
+TINY_LLAMA = ["llama-debug", "--set", "vocab_size=50", "--device", "cpu", "--precision", "fp32"]
+
+
+def _byte_dataset(tmp_path) -> str:
+    (tmp_path / "d.jsonl").write_text('{"text": "hello world"}\n{"text": "more text here"}\n')
+    assert main(["data", "prepare", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "ds"),
+                 "--tokenizer", "byte", "--json"]) == 0
+    return str(tmp_path / "ds")
+
+
+def test_a_run_failing_before_its_first_step_leaves_nothing_it_created(tmp_path, capsys):
+    ds = _byte_dataset(tmp_path)  # bytes reach 120: past the vocabulary of 50
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "mine.txt").write_text("the user's")
+    for where in (["--log-dir", str(tmp_path / "out" / "run"), "--save",
+                   str(tmp_path / "out2" / "run")], ["--save", str(keep)]):
+        capsys.readouterr()
+        assert main(["train", *TINY_LLAMA, "--data", ds, "--seq-len", "8", "--steps", "2",
+                     *where]) == 2
+        assert capsys.readouterr().err == (f"composer: error: {ds}: token id 120 (sample 0..) "
+                                           "is beyond the model's vocabulary (50)\n")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+    assert sorted(p.name for p in keep.iterdir()) == ["mine.txt"]
+
+
+def test_a_save_folder_of_another_model_is_refused_and_the_same_one_resumes(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["--tokens", "synthetic", "--seq-len", "8", "--global-batch-size", "2",
+            "--save", str(run), "--json"]
+    assert main(["train", *TINY_LLAMA, "--steps", "1", *args]) == 0
+    capsys.readouterr()
+    assert main(["train", "mamba2-debug", "--steps", "2", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"composer: error: {run} holds a run of a different model than "
+                          "mamba2-debug (pattern '*-*-' there, 'MM' here; ")
+    assert err.endswith(f"resume it with `composer train {run}`, or pick a new --save "
+                        "folder\n") and len(err.splitlines()) == 1
+    assert main(["train", str(run), "--steps", "2", "--set", "d_model=32", "--json"]) == 2
+    assert capsys.readouterr().err == (
+        f"composer: error: {run} holds a run of a different model than --set d_model=32 "
+        f"(d_model 64 there, 32 here): resume it with `composer train {run}`, or pick a new "
+        "--save folder\n")
+    assert (run / "latest").read_text().strip() == "step-00000001"
+    assert main(["train", *TINY_LLAMA, "--steps", "2", *args]) == 0  # the same model: resumes
+    out, err = capsys.readouterr()
+    assert json.loads(out)["step"] == 2
+    assert err == f"composer train: resuming from step 1 ({run})\n"
+
+
+def test_steps_0_of_a_recipe_with_validation_writes_the_initial_weights(tmp_path, capsys):
+    run = tmp_path / "s0"
+    assert main(["train", "--config", "shakespeare", "--steps", "0", "--save", str(run)]) == 0
+    assert (run / "latest").read_text().strip() == "step-00000000"
+
+
+def test_logged_tokens_are_predicted_tokens_and_2d_arrays_refuse_another_seq_len(tmp_path,
+                                                                                 capsys):
+    import numpy as np
+
+    path = tmp_path / "rows.npy"
+    np.save(path, np.arange(16 * 9).reshape(16, 9) % 50)
+    base = ["train", *TINY_LLAMA, "--tokens", str(path), "--steps", "3", "--global-batch-size",
+            "4", "--json"]
+    for extra in ([], ["--seq-len", "8"], ["--seq-len", "9"]):
+        assert main([*base, *extra]) == 0
+        assert json.loads(capsys.readouterr().out)["tokens"] == 3 * 4 * 8  # rows of 9 predict 8
+    assert main([*base, "--seq-len", "5"]) == 2
+    assert capsys.readouterr().err == (
+        f"composer: error: {path} is 2-D: its rows are the sequences (9 tokens, predicting 8); "
+        "--seq-len 5 does not match them (drop it, or cut the array yourself)\n")

@@ -53,6 +53,21 @@ def test_sigterm_saves_the_step_and_resume_is_exact(tmp_path, capsys):
     assert resumed == straight[last:]  # bit for bit, schedule and data position included
 
 
+def test_sigint_says_where_it_stopped_and_resume_says_where_it_starts(tmp_path, capsys):
+    run = tmp_path / "run"
+    proc = start(run)
+    wait_for_steps(run, 3, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    last = steps_logged(run)[-1]["step"]
+    assert err.splitlines()[-1] == f"composer train: interrupted at step {last}, saved to {run}"
+    capsys.readouterr()
+    assert main(["train", str(run), "--exit-at-step", str(last + 1), "--json"]) == 0
+    assert capsys.readouterr().err.count(f"composer train: resuming from step {last} ({run})\n") \
+        == 1
+
+
 def test_a_second_signal_exits_at_once(tmp_path):
     run = tmp_path / "run"
     proc = start(run)
