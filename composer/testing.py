@@ -3,7 +3,9 @@ conversions): random weights that expose a wrong mapping, and exact tensor compa
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,19 +93,43 @@ seeds have no such tie (they pass under MKL's AVX and COMPATIBLE kernels too); a
 routes to every expert (top-k of k) or picks a seed whose margins exceed the noise."""
 
 
-def train_case(values: dict, source: str | None = None) -> dict:
+@contextlib.contextmanager
+def fp64_masters() -> Iterator[None]:
+    """The engine builds its master weights in fp64 instead of fp32 (this process only).
+
+    Engine parity tests compare layouts in fp64: in fp32 a change of summation order (another
+    layout, another BLAS kernel, another thread count) moves near-zero gradients by rounding
+    noise, which AdamW's normalisation turns into parameter differences of up to ``lr`` per step,
+    so no fp32 tolerance both holds on every CPU and catches a wrong factor."""
+    import composer.run
+
+    build = composer.run.build_sharded
+
+    def fp64(*args, **kwargs):
+        return build(*args, **{**kwargs, "dtype": torch.float64})
+
+    composer.run.build_sharded = fp64
+    try:
+        yield
+    finally:
+        composer.run.build_sharded = build
+
+
+def train_case(values: dict, source: str | None = None, fp64: bool = False) -> dict:
     """Run ``composer train`` with recipe ``values`` in this process (every rank calls it) and
     return its per-step ``losses``, logged ``rows``, final ``params`` and ``buffers`` (whole
-    tensors, by name): what tests of the engine compare between layouts."""
+    tensors, by name): what tests of the engine compare between layouts. ``fp64``: masters in
+    fp64 (:func:`fp64_masters`)."""
     from composer.train.engine import resolve, setup
     from composer.train.loop import train_loop
 
-    recipe, resume = resolve(source, None, values)
-    run, last = setup(recipe, resume, quiet=True)
-    try:
-        summary = train_loop(run, last, quiet=True)
-    finally:
-        run.log.close()
+    with fp64_masters() if fp64 else contextlib.nullcontext():
+        recipe, resume = resolve(source, None, values)
+        run, last = setup(recipe, resume, quiet=True)
+        try:
+            summary = train_loop(run, last, quiet=True)
+        finally:
+            run.log.close()
     def whole(v: torch.Tensor) -> torch.Tensor:
         return (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
 

@@ -14,6 +14,7 @@ NO_ENV: dict[str, str] = {}
     "n_params, tokens, cpus, expected",
     [
         (419_000, 256, 2, 1),            # the debug recipe: tiny ops, one thread
+        (520_000, 4096, 2, 2),           # the shakespeare recipe: both cores of two
         (419_000, 256, 64, 1),           # ... on any machine
         (0, 0, 8, 1),                    # unknown size: one thread, never zero
         (WORK_PER_THREAD, 1, 8, 1),      # one thread's worth

@@ -13,9 +13,6 @@ whose gradients are small, also with pp=2); the other layouts were right before.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -53,32 +50,13 @@ TRIPLES = {"tp2-dp2-cp2": {"tp": 2, "cp": 2}, "tp2-dp2-pp2": {"tp": 2, "pp": 2},
 """World 8."""
 
 
-@contextlib.contextmanager
-def fp64_engine() -> Iterator[None]:
-    """The engine builds fp32 masters; build them in fp64 instead (this process only)."""
-    import composer.run
-
-    build = composer.run.build_sharded
-
-    def fp64(*args, **kwargs):
-        return build(*args, **{**kwargs, "dtype": torch.float64})
-
-    composer.run.build_sharded = fp64
-    try:
-        yield
-    finally:
-        composer.run.build_sharded = build
-
-
 def layouts_in_ranks(layouts: dict[str, dict]) -> dict:
-    with fp64_engine():
-        return {name: _engine({**BASE, **layout}) for name, layout in layouts.items()}
+    return {name: _engine({**BASE, **layout}, fp64=True) for name, layout in layouts.items()}
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    with fp64_engine():
-        out = train_case(BASE)
+    out = train_case(BASE, fp64=True)
     return {"norms": [r["grad_norm"] for r in out["rows"]], "params": out["params"]}
 
 

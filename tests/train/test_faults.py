@@ -32,6 +32,14 @@ def wait_for_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 1
     raise AssertionError("training did not reach its steps in time")
 
 
+def wait_for_latest(run: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not (run / "latest").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no step was published in time"
+        time.sleep(0.05)
+
+
 def steps_logged(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -87,6 +95,9 @@ def test_kill_9_never_leaves_latest_unloadable(tmp_path):
     for attempt in range(3):
         proc = start(run, "--save-every", "1")
         wait_for_steps(run, 1 + 2 * attempt, proc)
+        # the claim is about a run that has published a step: on a loaded machine the first
+        # save can take longer than the random pause, and then there is nothing to load yet
+        wait_for_latest(run, proc)
         time.sleep(rng.uniform(0.0, 0.5))
         proc.kill()
         proc.communicate()
