@@ -21,23 +21,23 @@ def start(run: Path, *extra: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_until(done, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
+    """Poll ``done()`` while the run is alive, at most ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
+    while not done():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"training did not reach {what} in time"
+        time.sleep(0.05)
+
+
+def wait_for_steps(run: Path, n: int, proc: subprocess.Popen) -> None:
     metrics = run / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError("training did not reach its steps in time")
+    wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= n, proc,
+               f"{n} steps")
 
 
-def wait_for_latest(run: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not (run / "latest").exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no step was published in time"
-        time.sleep(0.05)
+def wait_for_latest(run: Path, proc: subprocess.Popen) -> None:
+    wait_until((run / "latest").exists, proc, "a published step")
 
 
 def steps_logged(run: Path) -> list[dict]:
