@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer.blocks.cache import KVState, StepContext, attention_mask
+from composer.blocks.cache import KVState, Step, StepContext, attention_mask
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import (
     ZEROS,
@@ -134,7 +134,10 @@ class Attention(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)
 
-    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
+                step: Step | None = None) -> torch.Tensor:
+        if step is not None:
+            return self.forward_cached(x_BTD, step.state, step.ctx)
         t = x_BTD.shape[1]
         q_BHTE, k_BKTE, v_BKTE, gate_BTX = self._project(x_BTD)
         if self.rope:

@@ -32,6 +32,7 @@ width, C latent rank, R RoPE width, X conv channels, H heads, P/N (Mamba) or K/V
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -91,6 +92,22 @@ class StepContext:
     @property
     def end(self) -> int:
         return self.start + self.pos_BT.shape[1]
+
+
+@dataclass
+class Step:
+    """One layer's part of a cached forward: its decoding ``state`` (what its kind's
+    ``init_cache`` made) and the call's shared :class:`StepContext`. A stateful mixer's
+    ``forward(x, step=...)`` continues from ``state`` and leaves it after the new tokens; its
+    time-mixing ops read their own fields of the state."""
+
+    state: Any
+    ctx: StepContext
+
+    @property
+    def fresh(self) -> bool:
+        """The first call (the prompt): states start from zero."""
+        return self.ctx.start == 0
 
 
 @dataclass

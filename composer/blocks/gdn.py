@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer.blocks.cache import RecurrentState, StepContext, recurrent_state
+from composer.blocks.cache import RecurrentState, Step, StepContext, recurrent_state
 from composer.blocks.mamba2 import ALogInit, DtBiasInit
 from composer.blocks.plan import ONES, Divisible, Init, Normal, ParallelPlan, init_module
 from composer.blocks.split import SplitCausalConv1d
@@ -130,7 +130,10 @@ class GatedDeltaNet(nn.Module):
         H = self.A_log.shape[0]
         return H * _n_kv_heads(self.gdn_cfg) // self.gdn_cfg.n_heads, H
 
-    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
+                step: Step | None = None) -> torch.Tensor:
+        if step is not None:
+            return self.forward_cached(x_BTD, step.state, step.ctx)
         return self._run(x_BTD, doc_ids)
 
     def _run(self, x_BTD: torch.Tensor, doc_ids: torch.Tensor | None,

@@ -15,9 +15,10 @@ MoE) need nothing, and a user-registered mixer without the keyword keeps working
 passes untouched through the tensor-parallel pre-hooks (they rewrite ``args[0]`` only) and
 activation checkpointing.
 
-Decoding (:mod:`composer.blocks.cache`): ``forward_cached`` is the same block for the new tokens
-of a cached forward; a stateful mixer's ``forward_cached(h, state, ctx)`` continues from its
-state, a stateless one (``stateless = True``: MLP, MoE) is called as in training.
+Decoding (:mod:`composer.blocks.cache`): the same ``forward`` with ``step=`` (a
+:class:`~composer.blocks.cache.Step`: the layer's state and the call's context); a stateful
+mixer (one with ``init_cache``) continues from its state, a stateless one (MLP, MoE) is called
+as in training. What a mixer takes is read through :func:`composer.blocks.protocol.call_mixer`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from composer.blocks.cache import StepContext
+from composer.blocks.cache import Step
 from composer.blocks.norm import RMSNorm
+from composer.blocks.protocol import call_mixer
 from composer.config import ModelConfig
 
 
@@ -42,21 +44,10 @@ class Layer(nn.Module):
         self.residual_multiplier = cfg.residual_multiplier
         self.post_norm = layer_idx in cfg.post_norm_layers
 
-    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
+                step: Step | None = None) -> torch.Tensor:
         h_BTD = x_BTD if self.post_norm else self.norm(x_BTD)
-        if doc_ids is not None and getattr(self.mixer, "uses_doc_ids", False):
-            out = self.mixer(h_BTD, doc_ids=doc_ids)
-        else:
-            out = self.mixer(h_BTD)
-        return self._residual(x_BTD, out)
-
-    def forward_cached(self, x_BTD: torch.Tensor, state: object | None,
-                       ctx: StepContext) -> torch.Tensor:
-        """The same block for the new tokens of a cached forward: the mixer continues from its
-        ``state`` (a stateless mixer has None, and its padding needs no isolation)."""
-        h_BTD = x_BTD if self.post_norm else self.norm(x_BTD)
-        out = self.mixer(h_BTD) if state is None else self.mixer.forward_cached(h_BTD, state, ctx)
-        return self._residual(x_BTD, out)
+        return self._residual(x_BTD, call_mixer(self.mixer, h_BTD, doc_ids, step))
 
     def _residual(self, x_BTD: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.post_norm:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from composer.blocks.cache import RecurrentState, StepContext, recurrent_state
+from composer.blocks.cache import RecurrentState, Step, StepContext, recurrent_state
 from composer.blocks.norm import GatedRMSNorm, gated_rms_norm_ref
 from composer.blocks.plan import (
     ONES,
@@ -136,7 +136,10 @@ class Mamba2Mixer(nn.Module):
         G = H * m.n_groups // m.n_heads
         return H, G, H * m.d_head, G * m.d_state
 
-    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
+                step: Step | None = None) -> torch.Tensor:
+        if step is not None:
+            return self.forward_cached(x_BTD, step.state, step.ctx)
         return self._run(x_BTD, doc_ids)
 
     def _run(self, x_BTD: torch.Tensor, doc_ids: torch.Tensor | None,

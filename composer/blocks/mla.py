@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.attention import apply_rope, rope_cos_sin, rope_cos_sin_at, rope_frequencies
-from composer.blocks.cache import LatentState, StepContext, attention_mask
+from composer.blocks.cache import LatentState, Step, StepContext, attention_mask
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Divisible, Init, Normal, ParallelPlan, init_module
 from composer.config import MLAConfig, ModelConfig, YarnScaling
@@ -137,7 +137,10 @@ class MLA(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)
 
-    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
+                step: Step | None = None) -> torch.Tensor:
+        if step is not None:
+            return self.forward_cached(x_BTD, step.state, step.ctx)
         t = x_BTD.shape[1]
         self._check_length(t)
         qn_BHTN, qr_BHTR, c_BTC, kr_BTR = self._project(x_BTD)

@@ -35,11 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer.blocks.cache import InferenceCache
+from composer.blocks.cache import InferenceCache, Step
 from composer.blocks.loss import IGNORE_INDEX, linear_cross_entropy
 from composer.blocks.mtp import MTPDepth, MultiTokenPrediction
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Init, Normal
+from composer.blocks.protocol import declared, has_cache
 from composer.config import ModelConfig
 from composer.kernels.docs import doc_starts
 
@@ -238,12 +239,12 @@ class HybridModel(nn.Module):
         states = {}
         for key, layer in self.layers.items():
             mixer = layer.mixer
-            if hasattr(mixer, "init_cache"):
+            if has_cache(mixer):
                 states[int(key)] = mixer.init_cache(batch, max_len, device, dtype)
-            elif not getattr(mixer, "stateless", False):
+            elif not declared(mixer, "stateless"):
                 raise ValueError(f"layer {key} ({layer.symbol!r}, {type(mixer).__name__}) has no "
-                                 "inference cache (init_cache / forward_cached) and is not "
-                                 "marked stateless; generate with use_cache=False")
+                                 "inference cache (init_cache) and is not marked stateless; "
+                                 "generate with use_cache=False")
         real_BS = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         return InferenceCache(batch, max_len, states, real_BS)
 
@@ -256,7 +257,8 @@ class HybridModel(nn.Module):
         ctx = cache.advance(input_ids.shape[1], attention_mask)
         x_BTD = self.embed_tokens(input_ids)
         for key, layer in self.layers.items():
-            x_BTD = layer.forward_cached(x_BTD, cache.layers.get(int(key)), ctx)
+            state = cache.layers.get(int(key))
+            x_BTD = layer(x_BTD, step=None if state is None else Step(state, ctx))
         if last_only:
             x_BTD = x_BTD[:, -1:]
         _, logits = self.readout(self.final_norm(x_BTD), self.output_weight())

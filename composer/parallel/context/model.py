@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from composer.blocks.loss import IGNORE_INDEX
+from composer.blocks.protocol import declared, plan_of, time_ops
 from composer.parallel.context.adaptive import _adaptive_cut
 from composer.parallel.context.attention import cp_attention_forward, cp_mla_forward
 from composer.parallel.context.layout import (
@@ -21,6 +22,7 @@ from composer.parallel.context.layout import (
     safe_targets,
 )
 from composer.parallel.context.recurrent import cp_gdn_forward, cp_mamba_forward
+from composer.parallel.context.variants import variant_factory
 from composer.parallel.mesh import LayoutError, ParallelDims
 
 
@@ -74,8 +76,18 @@ FORMS = {"kv_gather": cp_attention_forward, "latent_gather": cp_mla_forward,
 
 
 def _form(mixer: nn.Module) -> Any:
-    plan = mixer.parallel_plan() if hasattr(mixer, "parallel_plan") else None
+    plan = plan_of(mixer)
     return FORMS.get(getattr(plan, "context", None))
+
+
+def _op_variants(mixer: nn.Module) -> list[tuple[str, Any]] | None:
+    """``(name, factory)`` for each time-mixing op the mixer declares, or None when it declares
+    none or one has no registered variant."""
+    ops = time_ops(mixer)
+    if not ops:
+        return None
+    out = [(name, variant_factory(op)) for name, op in ops]
+    return None if any(f is None for _, f in out) else out
 
 
 def check_cp(model: nn.Module, cp: int) -> None:
@@ -86,7 +98,8 @@ def check_cp(model: nn.Module, cp: int) -> None:
 
     for key, layer in named_layers(model):
         mixer = layer.mixer
-        if getattr(mixer, "stateless", False) or _form(mixer) is not None:
+        if declared(mixer, "stateless") or _op_variants(mixer) is not None \
+                or _form(mixer) is not None:
             continue
         raise LayoutError(f"--cp: {key} ({getattr(layer, 'symbol', '?')!r}, "
                           f"{type(mixer).__name__}) has no context-parallel form yet")
@@ -179,6 +192,11 @@ def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
                    adaptive=dims.cp_adaptive, min_tokens=dims.cp_min_tokens)
     for _, layer in named_layers(model):  # the MTP depths' layers too
         mixer = layer.mixer
+        variants = _op_variants(mixer)
+        if variants is not None:  # the ops swapped for their variants, which hold the context
+            for name, factory in variants:
+                setattr(mixer, name, factory(getattr(mixer, name), cp))
+            continue
         fwd = _form(mixer)
         if fwd is not None:
             mixer.__class__ = _cp_class(type(mixer), fwd)

@@ -1,0 +1,136 @@
+"""Everything a mixer (or any module inside one) may declare, in one place (DESIGN §5).
+
+Code outside the blocks reads a module's optional declarations through the helpers here, never
+by probing attributes itself: :class:`Mixer` documents each one, and :func:`declared` is the one
+place that looks for them. A block that declares nothing optional is an ``nn.Module`` whose
+``forward(x_BTD)`` maps ``(B, T, D)`` to ``(B, T, D)``.
+
+Time-mixing ops (``conv``, ``scan``, ``rule``, ``core``) are parameterless submodules of a
+sequence mixer (:class:`TimeMixingOp`): everything around them is token-wise, so context
+parallelism swaps only the op for its variant (``composer/parallel/context``), and decoding goes
+through the same ``forward`` with a :class:`~composer.blocks.cache.Step`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from composer.blocks.cache import Step
+    from composer.blocks.plan import Init, LayoutRule, ParallelPlan
+
+
+@runtime_checkable
+class Mixer(Protocol):
+    """A residual block's mixer: built as ``mixer(cfg, layer_idx)``; every attribute but
+    ``forward`` is optional (:func:`declared` answers the default)."""
+
+    def forward(self, x_BTD: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``(B, T, D) -> (B, T, D)``. With ``uses_doc_ids`` it takes ``doc_ids=`` (packed
+        documents, ``(B, T)``); with a decoding state (``init_cache``) it takes ``step=`` (a
+        :class:`~composer.blocks.cache.Step`) and continues from it."""
+
+    # --- declarations read from outside (all optional) ----------------------------------
+    uses_doc_ids: bool
+    """``forward`` takes ``doc_ids`` (default False: the layer does not pass them)."""
+    stateless: bool
+    """Token-wise: no state over time, nothing to cache, nothing for context parallelism to
+    split (MLP, MoE)."""
+    ops: tuple[str, ...]
+    """The names of the mixer's :class:`TimeMixingOp` submodules, in call order; context
+    parallelism swaps each for the variant its ``context`` names."""
+    keep_fp32: tuple[str, ...]
+    """Parameters (relative names) kept in fp32 whatever the model's dtype."""
+    step_stats: tuple[str, ...]
+    """Attributes holding per-step statistics (restored after a placeholder forward)."""
+    aux_loss: torch.Tensor | None
+    """The auxiliary loss of the last forward, already weighted (MoE balancing)."""
+
+    def init_rules(self) -> dict[str, Init]:
+        """Parameter name (glob) -> its initialisation (``composer/blocks/plan.py``)."""
+
+    def parallel_plan(self) -> ParallelPlan:
+        """How the module splits over tensor / expert parallel ranks."""
+
+    @staticmethod
+    def layout_rules(cfg: Any) -> list[LayoutRule]:
+        """Divisibility of heads, groups and widths by the parallel sizes."""
+
+    @staticmethod
+    def flops_per_token(cfg: Any, seq_len: int) -> int:
+        """Forward FLOPs per token (a multiply-add is 2)."""
+
+    def init_cache(self, batch: int, max_len: int, device: torch.device,
+                   dtype: torch.dtype) -> Any:
+        """The decoding state of one batch (its size independent of ``max_len`` for
+        recurrent kinds)."""
+
+    def end_step(self) -> None:
+        """Called after each optimizer step (MoE bias updates)."""
+
+    def stored_as(self, name: str) -> tuple[str, int]:
+        """The checkpoint key and first row of parameter ``name`` (fused projections)."""
+
+
+class TimeMixingOp(nn.Module):
+    """A parameterless submodule that mixes over time; the mixer hands it tensors and its own
+    parameters. ``context`` names the context-parallel variant that replaces it
+    (``composer.parallel.context.variants``): ``"halo_conv"``, ``"state_passing"``,
+    ``"kv_gather"``, ``"latent_gather"``, or a kind's own registered name."""
+
+    context: str | None = None
+
+
+_DEFAULTS: dict[str, Any] = {"uses_doc_ids": False, "stateless": False, "ops": (),
+                             "keep_fp32": (), "step_stats": (), "aux_loss": None}
+
+
+def declared(module: nn.Module, name: str, default: Any = None) -> Any:
+    """``module``'s declaration ``name`` (a :class:`Mixer` attribute or method), or
+    ``default`` (for the attributes with a natural default, that one) when it declares none."""
+    if default is None:
+        default = _DEFAULTS.get(name)
+    return getattr(module, name, default)
+
+
+def plan_of(module: nn.Module) -> ParallelPlan | None:
+    """The parallel plan ``module`` declares, or None."""
+    plan = getattr(module, "parallel_plan", None)
+    return plan() if plan is not None else None
+
+
+def init_rules_of(module: nn.Module) -> dict[str, Init]:
+    rules = getattr(module, "init_rules", None)
+    return rules() if rules is not None else {}
+
+
+def has_cache(mixer: nn.Module) -> bool:
+    """The mixer keeps a decoding state (``init_cache``)."""
+    return getattr(mixer, "init_cache", None) is not None
+
+
+def time_ops(mixer: nn.Module) -> list[tuple[str, TimeMixingOp]]:
+    """``(name, op)`` of the mixer's declared time-mixing ops (:attr:`Mixer.ops`)."""
+    out = []
+    for name in declared(mixer, "ops"):
+        op = getattr(mixer, name)
+        if not isinstance(op, TimeMixingOp):
+            raise TypeError(f"{type(mixer).__name__}.{name} is declared in ops but is a "
+                            f"{type(op).__name__}, not a TimeMixingOp")
+        out.append((name, op))
+    return out
+
+
+def call_mixer(mixer: nn.Module, h_BTD: torch.Tensor, doc_ids: torch.Tensor | None,
+               step: Step | None) -> torch.Tensor:
+    """``mixer(h)`` with the keywords it declares it takes: ``doc_ids`` when it reads them,
+    ``step`` when it keeps a decoding state."""
+    kwargs: dict[str, Any] = {}
+    if doc_ids is not None and declared(mixer, "uses_doc_ids"):
+        kwargs["doc_ids"] = doc_ids
+    if step is not None and has_cache(mixer):
+        kwargs["step"] = step
+    return mixer(h_BTD, **kwargs)
