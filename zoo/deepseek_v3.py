@@ -14,8 +14,9 @@ that holds it gets it (:mod:`composer.convert.deepseek`).
 
 from __future__ import annotations
 
-from composer.config import MLAConfig, MLPConfig, ModelConfig, MoEConfig, YarnScaling
+from composer.config import ModelConfig
 from composer.zoo import Preset
+from composer.zoo.sections import MLAConfig, MLPConfig, MoEConfig, YarnScaling
 
 FAMILY = "deepseek-v3"
 

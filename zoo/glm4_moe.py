@@ -14,8 +14,9 @@ leave out (transformers does not build it either).
 
 from __future__ import annotations
 
-from composer.config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from composer.config import ModelConfig
 from composer.zoo import Preset
+from composer.zoo.sections import AttentionConfig, MLPConfig, MoEConfig
 
 FAMILY = "glm4-moe"
 

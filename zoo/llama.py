@@ -6,8 +6,9 @@ Models", Table 3). A classic transformer block is two pattern symbols, ``*-``.
 
 from __future__ import annotations
 
-from composer.config import AttentionConfig, MLPConfig, ModelConfig, RopeScaling
+from composer.config import ModelConfig
 from composer.zoo import Preset
+from composer.zoo.sections import AttentionConfig, MLPConfig, RopeScaling
 
 FAMILY = "llama"
 

@@ -7,8 +7,9 @@ padded to a multiple of 16 = 50288, tied embeddings) and the ``Mamba2`` defaults
 
 from __future__ import annotations
 
-from composer.config import MambaConfig, ModelConfig
+from composer.config import ModelConfig
 from composer.zoo import Preset
+from composer.zoo.sections import MambaConfig
 
 
 def mamba2(n_layers: int, d_model: int, d_state: int = 128, d_head: int = 64,

@@ -11,8 +11,9 @@ transformers leaves them out.
 
 from __future__ import annotations
 
-from composer.config import AttentionConfig, ModelConfig, MoEConfig
+from composer.config import ModelConfig
 from composer.zoo import Preset
+from composer.zoo.sections import AttentionConfig, MoEConfig
 
 FAMILY = "minimax-m2"
 

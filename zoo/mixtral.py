@@ -6,8 +6,9 @@ Experts", Table 1): RoPE theta 1e6, RMSNorm eps 1e-5, vocabulary 32000, untied.
 
 from __future__ import annotations
 
-from composer.config import AttentionConfig, ModelConfig, MoEConfig
+from composer.config import ModelConfig
 from composer.zoo import Preset
+from composer.zoo.sections import AttentionConfig, MoEConfig
 
 
 def mixtral(n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int,

@@ -8,8 +8,9 @@ per group, vocabulary 131072, untied embeddings.
 
 from __future__ import annotations
 
-from composer.config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig, MoEConfig
+from composer.config import ModelConfig
 from composer.zoo import Preset
+from composer.zoo.sections import AttentionConfig, MambaConfig, MLPConfig, MoEConfig
 
 FAMILY = "nemotron-h"
 SOURCE = "Megatron-Bridge nemotronh providers; HF config.json of {}"

@@ -12,8 +12,9 @@ checkpoint always takes the checkpoint's ``config.json``, never this preset.
 
 from __future__ import annotations
 
-from composer.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig
+from composer.config import ModelConfig
 from composer.zoo import Preset
+from composer.zoo.sections import AttentionConfig, GDNConfig, MLPConfig
 
 FAMILY = "olmo-hybrid"
 

@@ -6,8 +6,9 @@ RMSNorm eps 1e-6, RoPE theta 1e6, head width 128, no qkv bias, vocabulary 151936
 
 from __future__ import annotations
 
-from composer.config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from composer.config import ModelConfig
 from composer.zoo import Preset
+from composer.zoo.sections import AttentionConfig, MLPConfig, MoEConfig
 
 
 def qwen3(n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, tie: bool,

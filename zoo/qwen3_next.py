@@ -23,8 +23,9 @@ checkpoint whose config declares it gets it (:mod:`composer.convert.qwen3_next`)
 
 from __future__ import annotations
 
-from composer.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig, MoEConfig
+from composer.config import ModelConfig
 from composer.zoo import Preset
+from composer.zoo.sections import AttentionConfig, GDNConfig, MLPConfig, MoEConfig
 
 
 def qwen3_next(n_layers: int, d_model: int, *, n_heads: int, n_kv_heads: int, d_head: int,

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.cache import KVState, Step, StepContext, attention_mask
+from composer.blocks.kind import LayerKind
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import (
     ZEROS,
@@ -41,10 +43,70 @@ from composer.blocks.plan import (
     ParallelPlan,
     init_module,
 )
-from composer.config import AttentionConfig, ModelConfig, RopeScaling, d_head_of
+from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import sdpa_context
 from composer.kernels.docs import doc_positions
 from composer.kernels.sdpa import doc_sdpa
+
+# ---------------------------------------------------------------- the kind's config section
+
+
+@dataclass
+class RopeScaling:
+    """Llama-3 style frequency scaling of RoPE (``rope_type: llama3`` in transformers)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass
+class AttentionConfig:
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    """Key/value heads (GQA); ``None`` means ``n_heads`` (MHA), 1 is MQA."""
+    d_head: int | None = None
+    """Per-head width; ``None`` means ``d_model // n_heads``."""
+    position: Literal["rope", "none"] = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rotary_fraction: float = 1.0
+    """Fraction of each head's channels that RoPE rotates (Bamba uses 0.5)."""
+    qk_norm: bool = False
+    qk_norm_scope: Literal["head", "all"] = "head"
+    """What the qk-norm RMS runs over: each head's channels (Qwen3, GLM-4.5) or the whole q / k
+    projection, all heads at once (MiniMax-M2; its weight is ``n_heads * d_head`` wide)."""
+    qkv_bias: bool = False
+    out_bias: bool = False
+    softmax_scale: float | None = None
+    """Score scale; ``None`` means ``1/sqrt(d_head)``."""
+    output_gate: bool = False
+    """A sigmoid gate on the attention output before ``o_proj`` (Qwen3-Next, Qwen3.5): ``q_proj``
+    is twice as wide, per head ``[q_h; g_h]``, and ``o = o * sigmoid(g)`` channel by channel."""
+
+
+def validate_attention(a: AttentionConfig, cfg: ModelConfig) -> None:
+    d_model = cfg.d_model
+    positive(a, "attention.", ("n_heads", "n_kv_heads", "d_head", "rope_theta", "softmax_scale"))
+    kv = a.n_kv_heads or a.n_heads
+    if a.n_heads % kv:
+        raise ConfigError(f"attention.n_heads ({a.n_heads}) must be divisible by "
+                          f"attention.n_kv_heads ({kv})")
+    if a.d_head is None and d_model % a.n_heads:
+        raise ConfigError(f"d_model ({d_model}) must be divisible by attention.n_heads "
+                          f"({a.n_heads}) unless attention.d_head is set")
+    d_head = a.d_head or d_model // a.n_heads
+    rotary = int(d_head * a.rotary_fraction)
+    if not 0.0 < a.rotary_fraction <= 1.0 or rotary % 2:
+        raise ConfigError(f"attention.rotary_fraction ({a.rotary_fraction}) must be in (0, 1] "
+                          f"and rotate an even number of the {d_head} head channels")
+
+
+def d_head_of(cfg: ModelConfig) -> int:
+    a = cfg.attention
+    assert a is not None
+    return a.d_head or cfg.d_model // a.n_heads
 
 
 def rope_frequencies(d_rot: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -328,3 +390,8 @@ def _rotate_pairs(x: torch.Tensor, inv_freq: torch.Tensor, pos: torch.Tensor) ->
         out[..., i] = a * torch.cos(ang) - b * torch.sin(ang)
         out[..., i + half] = a * torch.sin(ang) + b * torch.cos(ang)
     return out
+
+
+KIND = LayerKind("*", "attention", Attention, "attention", AttentionConfig, validate_attention,
+                 always=True)
+"""``*``: causal self-attention (its section is present by default)."""

@@ -40,21 +40,69 @@ X conv channels (2 G K + H V).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.cache import RecurrentState, Step, StepContext, recurrent_state
+from composer.blocks.kind import LayerKind
 from composer.blocks.mamba2 import ALogInit, DtBiasInit
 from composer.blocks.plan import ONES, Divisible, Init, Normal, ParallelPlan, init_module
 from composer.blocks.split import SplitCausalConv1d
-from composer.config import GDNConfig, ModelConfig
+from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import conv_silu
 from composer.kernels.conv import conv_continue, keep_window
 from composer.kernels.gdn import gated_delta_rule, gdn_recurrent_ref, gdn_step
 
 L2_EPS = 1e-6
 """transformers' and fla's ``l2norm`` epsilon (inside the square root, added to the sum)."""
+
+# ---------------------------------------------------------------- the kind's config section
+
+
+@dataclass
+class GDNConfig:
+    """Gated delta net (Yang et al. 2025; Qwen3-Next, Qwen3.5, OLMo-Hybrid linear attention)."""
+
+    n_heads: int = 8
+    """Value heads (each with its own decay ``A_log`` / ``dt_bias``, beta and state)."""
+    n_kv_heads: int | None = None
+    """Query/key heads, shared by ``n_heads / n_kv_heads`` value heads; ``None`` means
+    ``n_heads``."""
+    d_head_k: int = 64
+    d_head_v: int = 64
+    d_conv: int = 4
+    chunk_size: int = 64
+    conv_bias: bool = False
+    norm_eps: float = 1e-6
+    """Epsilon of the gated per-head output RMSNorm (Qwen3-Next: rms_norm_eps; OLMo-Hybrid 1e-5)."""
+    allow_neg_eigval: bool = False
+    """beta = 2 * sigmoid(b), in (0, 2) (OLMo-Hybrid's ``linear_allow_neg_eigval``)."""
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    a_init_range: tuple[float, float] = (1.0, 16.0)
+
+
+def validate_gdn(d: GDNConfig, cfg: ModelConfig) -> None:
+    positive(d, "gdn.", ("n_heads", "n_kv_heads", "d_head_k", "d_head_v", "d_conv", "chunk_size",
+                          "norm_eps"))
+    kv = d.n_kv_heads or d.n_heads
+    if d.n_heads % kv:
+        raise ConfigError(f"gdn.n_heads ({d.n_heads}) must be divisible by gdn.n_kv_heads ({kv})")
+    if not 0 < d.dt_min <= d.dt_max:
+        raise ConfigError(f"gdn.dt_min ({d.dt_min}) must be positive and <= dt_max ({d.dt_max})")
+    if not 0 < d.a_init_range[0] <= d.a_init_range[1]:
+        raise ConfigError(f"gdn.a_init_range {list(d.a_init_range)} must be positive, increasing")
+
+
+def default_gdn(d_model: int) -> GDNConfig:
+    """The per-head widths of the defaults and a value width of ``2 * d_model`` (Mamba-2's
+    ``expand`` 2; at ``d_model`` 256, the dataclass's defaults)."""
+    width = d_model if isinstance(d_model, int) and d_model > 0 else 256
+    return GDNConfig(n_heads=max(1, 2 * width // GDNConfig.d_head_v))
 
 
 def _n_kv_heads(d: GDNConfig) -> int:
@@ -293,3 +341,9 @@ def gdn_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig,
     o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + d.norm_eps)
     y = weights["norm.weight"] * o * z / (1 + torch.exp(-z))
     return y.reshape(b, T, vv) @ weights["o_proj.weight"].T
+
+
+KIND = LayerKind("G", "gated delta net", GatedDeltaNet, "gdn", GDNConfig, validate_gdn,
+                 default=default_gdn, halo=lambda cfg: cfg.gdn.d_conv - 1)
+"""``G``: the gated delta net (its section exists when the pattern uses it, sized by
+``d_model``)."""

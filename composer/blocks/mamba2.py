@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from composer.blocks.cache import RecurrentState, Step, StepContext, recurrent_state
+from composer.blocks.kind import LayerKind
 from composer.blocks.norm import GatedRMSNorm, gated_rms_norm_ref
 from composer.blocks.plan import (
     ONES,
@@ -40,11 +41,55 @@ from composer.blocks.plan import (
     init_module,
 )
 from composer.blocks.split import SplitCausalConv1d, SplitLinear
-from composer.config import MambaConfig, ModelConfig, d_inner_of
+from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import conv_silu, mamba_scan
 from composer.kernels.conv import conv_continue, keep_window
 from composer.kernels.scan import ssd_step
 from composer.kernels.ssd import ssd_scan_ref
+
+# ---------------------------------------------------------------- the kind's config section
+
+
+@dataclass
+class MambaConfig:
+    n_heads: int = 8
+    d_head: int = 64
+    n_groups: int = 1
+    d_state: int = 64
+    d_conv: int = 4
+    chunk_size: int = 64
+    norm_group_size: int | None = None
+    """Channels per gated-RMSNorm group; ``None`` means ``d_inner // n_groups`` (transformers 5.x,
+    Megatron). Set it to ``d_inner`` for the older whole-width normalisation."""
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+    a_init_range: tuple[float, float] = (1.0, 16.0)
+
+
+def validate_mamba(m: MambaConfig, cfg: ModelConfig) -> None:
+    positive(m, "mamba.", ("n_heads", "d_head", "n_groups", "d_state", "d_conv", "chunk_size",
+                            "norm_group_size"))
+    if m.n_heads % m.n_groups:
+        raise ConfigError(f"mamba.n_heads ({m.n_heads}) must be divisible by mamba.n_groups "
+                          f"({m.n_groups})")
+    d_inner = m.n_heads * m.d_head
+    if m.norm_group_size is not None and d_inner % m.norm_group_size:
+        raise ConfigError(f"mamba.norm_group_size ({m.norm_group_size}) must divide the inner "
+                          f"width n_heads*d_head ({d_inner})")
+    if not 0 < m.dt_min <= m.dt_max:
+        raise ConfigError(f"mamba.dt_min ({m.dt_min}) must be positive and <= dt_max ({m.dt_max})")
+    if m.dt_limit[0] > m.dt_limit[1]:
+        raise ConfigError(f"mamba.dt_limit {list(m.dt_limit)} must be increasing")
+    if not 0 < m.a_init_range[0] <= m.a_init_range[1]:
+        raise ConfigError(f"mamba.a_init_range {list(m.a_init_range)} must be positive, increasing")
+
+
+def d_inner_of(m: MambaConfig) -> int:
+    return m.n_heads * m.d_head
 
 
 def _norm_group_size(m: MambaConfig) -> int:
@@ -323,3 +368,8 @@ def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConf
     if "out_proj.bias" in weights:
         out = out + weights["out_proj.bias"]
     return out
+
+
+KIND = LayerKind("M", "Mamba-2", Mamba2Mixer, "mamba", MambaConfig, validate_mamba,
+                 always=True, halo=lambda cfg: cfg.mamba.d_conv - 1)
+"""``M``: the Mamba-2 mixer; a context-parallel chunk needs the ``d_conv - 1`` inputs before it."""

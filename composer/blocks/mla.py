@@ -34,6 +34,7 @@ V value width, Q = N + R query/key width.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +42,79 @@ from torch import nn
 
 from composer.blocks.attention import apply_rope, rope_cos_sin, rope_cos_sin_at, rope_frequencies
 from composer.blocks.cache import LatentState, Step, StepContext, attention_mask
+from composer.blocks.kind import LayerKind
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Divisible, Init, Normal, ParallelPlan, init_module
-from composer.config import MLAConfig, ModelConfig, YarnScaling
+from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import sdpa_context
 from composer.kernels.docs import doc_positions
 from composer.kernels.sdpa import doc_sdpa
+
+# ---------------------------------------------------------------- the kind's config section
+
+
+@dataclass
+class YarnScaling:
+    """YaRN frequency interpolation (Peng et al. 2023; ``rope_type: yarn`` in transformers, as
+    DeepSeek-V3 and Kimi-K2 use it). ``mscale`` / ``mscale_all_dim`` follow DeepSeek: the cos/sin
+    tables are multiplied by ``attention_factor`` (default ``g(mscale) / g(mscale_all_dim)``, or
+    ``g(1)`` unless both are set, with ``g(m) = 0.1 m ln(factor) + 1``), and MLA's softmax scale by
+    ``g(mscale_all_dim)^2`` when ``mscale_all_dim`` is set."""
+
+    factor: float = 40.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    """Round the correction range outwards to whole dimensions (transformers' default)."""
+
+
+@dataclass
+class MLAConfig:
+    """Multi-latent attention (DeepSeek-V2 §2.1): low-rank q, a compressed kv latent, and one
+    shared RoPE key head; per head ``d_head_nope + d_head_rope`` query/key and ``d_head_v``
+    value channels."""
+
+    n_heads: int = 4
+    q_lora_rank: int | None = None
+    """Rank of the query down-projection; ``None`` means a full ``q_proj``."""
+    kv_lora_rank: int = 64
+    d_head_nope: int = 32
+    d_head_rope: int = 16
+    d_head_v: int = 32
+    rope_theta: float = 10000.0
+    rope_scaling: YarnScaling | None = None
+    norm_eps: float = 1e-6
+    """Epsilon of the two latent RMSNorms (transformers keeps them at 1e-6)."""
+    softmax_scale: float | None = None
+    """Score scale; ``None`` means ``(d_head_nope + d_head_rope)^-1/2`` times YaRN's mscale^2."""
+    max_dense_len: int | None = None
+    """Longest sequence this dense block computes exactly; longer ones are refused. Set from
+    DeepSeek-V3.2's ``index_topk``: its DSA indexer keeps the top ``index_topk`` keys per query,
+    which is every causal key up to that length, and sparse attention is not built. ``None``: no
+    limit (plain MLA)."""
+
+
+def validate_mla(m: MLAConfig, cfg: ModelConfig) -> None:
+    positive(m, "mla.", ("n_heads", "q_lora_rank", "kv_lora_rank", "d_head_nope", "d_head_rope",
+                          "d_head_v", "rope_theta", "norm_eps", "softmax_scale",
+                          "max_dense_len"))
+    if m.d_head_rope % 2:
+        raise ConfigError(f"mla.d_head_rope ({m.d_head_rope}) must be even (RoPE rotates pairs)")
+    y = m.rope_scaling
+    if y is not None:
+        positive(y, "mla.rope_scaling.", ("factor", "original_max_position", "beta_fast",
+                                           "beta_slow", "attention_factor"))
+
+
+def default_mla(d_model: int) -> MLAConfig:
+    """The per-head widths of the defaults, one 32+16-channel head per 64 model channels and a
+    kv latent of ``d_model / 4`` (at ``d_model`` 256, the dataclass's defaults)."""
+    width = d_model if isinstance(d_model, int) and d_model > 0 else 256
+    return MLAConfig(n_heads=max(1, width // 64), kv_lora_rank=max(8, width // 4))
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -325,3 +393,9 @@ def _rotate_pairs(x: torch.Tensor, inv_freq: torch.Tensor, pos: torch.Tensor) ->
         out[..., i] = a * torch.cos(ang) - b * torch.sin(ang)
         out[..., i + half] = a * torch.sin(ang) + b * torch.cos(ang)
     return out
+
+
+KIND = LayerKind("+", "multi-latent attention", MLA, "mla", MLAConfig, validate_mla,
+                 default=default_mla)
+"""``+``: multi-latent attention (its section exists when the pattern uses it, sized by
+``d_model``)."""

@@ -8,13 +8,37 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer.blocks.kind import LayerKind
 from composer.blocks.plan import ZEROS, Divisible, Init, Normal, ParallelPlan, init_module
-from composer.config import ModelConfig, is_gated
+from composer.config import ModelConfig, positive
+
+# ---------------------------------------------------------------- the kind's config section
+
+
+Activation = Literal["swiglu", "geglu", "relu2", "gelu", "gelu_tanh", "silu", "relu"]
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+
+
+def is_gated(activation: str) -> bool:
+    return activation in GATED_ACTIVATIONS
+
+
+@dataclass
+class MLPConfig:
+    d_ff: int = 1024
+    activation: Activation = "swiglu"
+    bias: bool = False
+
+
+def validate_mlp(mlp: MLPConfig, cfg: ModelConfig) -> None:
+    positive(mlp, "mlp.", ("d_ff",))
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -109,3 +133,7 @@ def mlp_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: s
     else:
         h = activation_ref(activation, x @ up.T)
     return h @ down.T
+
+
+KIND = LayerKind("-", "dense MLP", MLP, "mlp", MLPConfig, validate_mlp, always=True)
+"""``-``: the dense MLP."""

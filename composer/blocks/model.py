@@ -28,7 +28,7 @@ layer's state, ``forward_cached`` runs new tokens against it and returns their l
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -175,12 +175,27 @@ class HybridModel(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return embed_tokens(self.embed, self.config, input_ids)
 
+    def run_layers(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
+                   keys: Sequence[str] | None = None,
+                   after: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+                   ) -> torch.Tensor:
+        """The residual stream through the layers ``keys`` (default: all, in order);
+        ``after(layer, x)`` sees each layer's output (a pipeline stage attaches its aux loss)."""
+        for key in self.layers.keys() if keys is None else keys:
+            layer = self.layers[key]
+            x_BTD = layer(x_BTD) if doc_ids is None else layer(x_BTD, doc_ids=doc_ids)
+            if after is not None:
+                x_BTD = after(layer, x_BTD)
+        return x_BTD
+
     def hidden_states(self, input_ids: torch.Tensor, *,
                       doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x_BTD = self.embed_tokens(input_ids)
-        for layer in self.layers.values():
-            x_BTD = layer(x_BTD) if doc_ids is None else layer(x_BTD, doc_ids=doc_ids)
-        return self.final_norm(x_BTD)
+        return self.final_norm(self.run_layers(self.embed_tokens(input_ids), doc_ids=doc_ids))
+
+    @staticmethod
+    def targets_for(labels: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """Each position's next-token target: the labels shifted, masked at document starts."""
+        return shift_labels(labels if doc_ids is None else mask_doc_boundaries(labels, doc_ids))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 doc_ids: torch.Tensor | None = None, return_logits: bool = False,
@@ -193,11 +208,10 @@ class HybridModel(nn.Module):
         and masked at document boundaries (context parallelism gives each rank chunks of the
         sequence, so a chunk's last target is the first token of another rank's chunk). Multi-
         token prediction, whose shifted inputs need the whole rows, then needs an MTP module
-        that reads them elsewhere (``takes_targets``: context parallelism's)."""
+        that reads them elsewhere (``mtp.rows.reads_whole_rows``: context parallelism's)."""
         if targets is not None and labels is not None:
             raise ValueError("give labels or targets, not both")
-        if targets is not None and self.mtp is not None and \
-                not getattr(self.mtp, "takes_targets", False):
+        if targets is not None and self.mtp is not None and not self.mtp.rows.reads_whole_rows:
             raise ValueError("targets cannot drive multi-token prediction (it shifts the labels "
                              "itself); give labels")
         if doc_ids is not None:
@@ -207,8 +221,7 @@ class HybridModel(nn.Module):
                                  f"{tuple(doc_ids.shape)}")
         h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids)
         if labels is not None:
-            targets = shift_labels(labels if doc_ids is None else
-                                   mask_doc_boundaries(labels, doc_ids))
+            targets = self.targets_for(labels, doc_ids)
         loss, logits = self.readout(h_BTD, self.output_weight(), None, return_logits,
                                     targets_BT=targets)
         if targets is None:
@@ -269,7 +282,7 @@ class HybridModel(nn.Module):
         depths' layers included)."""
         total = like.new_zeros((), dtype=torch.float32)
         for layer in self.all_layers():
-            aux = getattr(layer.mixer, "aux_loss", None)
+            aux = declared(layer.mixer, "aux_loss")
             if aux is not None:
                 total = total + aux
         return total

@@ -51,11 +51,15 @@ F expert hidden width, G expert groups, A = N*K token-expert assignments.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer.blocks.mlp import ACTIVATIONS, MLP, mlp_ref
+from composer.blocks.kind import LayerKind
+from composer.blocks.mlp import ACTIVATIONS, MLP, Activation, is_gated, mlp_ref
 from composer.blocks.plan import (
     ZEROS,
     Divisible,
@@ -74,7 +78,88 @@ from composer.blocks.router import (
     router_ref,
     within_capacity,
 )
-from composer.config import ModelConfig, d_ff_shared_of, is_gated
+from composer.config import ConfigError, ModelConfig, positive
+
+# ---------------------------------------------------------------- the kind's config section
+
+
+@dataclass
+class MoEConfig:
+    n_experts: int = 8
+    top_k: int = 2
+    d_ff: int = 512
+    activation: Activation = "swiglu"
+    n_shared_experts: int = 0
+    d_ff_shared: int | None = None
+    """Width of the shared-expert MLP; ``None`` means ``d_ff * n_shared_experts``."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True
+    """Divide the top-k weights by their sum."""
+    score_correction_bias: bool = False
+    """A per-expert fp32 bias added to the scores for choosing experts only (aux-loss-free)."""
+    routed_scaling_factor: float = 1.0
+    n_expert_groups: int = 1
+    topk_groups: int = 1
+    aux_loss_coeff: float = 0.0
+    """Weight of the switch-style load-balancing loss of each MoE layer, added to the training
+    loss (Megatron-Core ``moe_aux_loss_coeff``; :mod:`composer.blocks.moe` has the formula)."""
+    aux_loss_scope: Literal["micro_batch", "global_batch"] = "micro_batch"
+    """Over which tokens that loss counts the expert loads ``f_e``: ``micro_batch`` (each
+    micro-batch's tokens over every data-parallel rank; Megatron ``aux_loss`` counts one rank's
+    micro-batch) or ``global_batch`` (the running sum over the step's micro-batches so far,
+    Megatron ``global_aux_loss``)."""
+    seq_aux_loss_coeff: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss (eq. 17-20; Megatron ``seq_aux_loss``),
+    each sequence balanced on its own, averaged over the sequences; 0 = off."""
+    bias_update_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3 §2.1.2): after each optimizer step the score bias of
+    every MoE layer moves by ``rate * sign(mean load - load_e)``, the loads counted over the
+    global batch; 0 = off (needs ``score_correction_bias``; Megatron
+    ``moe_router_bias_update_rate``, typically 1e-3)."""
+    capacity_factor: float | None = None
+    """Token dropping: each expert takes at most ``ceil(capacity_factor * N * top_k / E)`` of a
+    forward's ``N`` tokens (per rank), those with the highest routing weight; the others skip
+    that expert (the residual carries them). It is part of the model: evaluation and generation
+    drop too (a decoding step's ``N`` is its batch). ``None``: dropless."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output by ``sigmoid(shared_expert_gate(x))``, one scalar per
+    token (``shared_expert_gate.weight [1, D]``; Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)."""
+
+
+def validate_moe(e: MoEConfig, cfg: ModelConfig) -> None:
+    positive(e, "moe.", ("n_experts", "top_k", "d_ff", "d_ff_shared", "routed_scaling_factor",
+                          "n_expert_groups", "topk_groups"))
+    if e.top_k > e.n_experts:
+        raise ConfigError(f"moe.top_k ({e.top_k}) must be <= moe.n_experts ({e.n_experts})")
+    if e.n_shared_experts < 0:
+        raise ConfigError(f"moe.n_shared_experts must be >= 0, got {e.n_shared_experts}")
+    if e.n_experts % e.n_expert_groups or e.topk_groups > e.n_expert_groups:
+        raise ConfigError(f"moe.n_experts ({e.n_experts}) must divide into moe.n_expert_groups "
+                          f"({e.n_expert_groups}) and moe.topk_groups ({e.topk_groups}) must not "
+                          "exceed it")
+    if e.n_expert_groups > 1 and e.top_k > e.topk_groups * (e.n_experts // e.n_expert_groups):
+        raise ConfigError(f"moe.top_k ({e.top_k}) exceeds the experts in moe.topk_groups groups")
+    for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "bias_update_rate"):
+        if getattr(e, name) < 0:
+            raise ConfigError(f"moe.{name} must be >= 0, got {getattr(e, name)}")
+    if e.bias_update_rate and not e.score_correction_bias:
+        raise ConfigError("moe.bias_update_rate needs the score bias it updates "
+                          "(moe.score_correction_bias: true)")
+    if e.capacity_factor is not None and not e.capacity_factor > 0:
+        raise ConfigError(f"moe.capacity_factor must be > 0 (or null: dropless), got "
+                          f"{e.capacity_factor}")
+    if e.shared_expert_gate and not e.n_shared_experts:
+        raise ConfigError("moe.shared_expert_gate needs shared experts (moe.n_shared_experts >= 1)")
+
+
+MOE_TRAINING_ONLY = ("aux_loss_scope", "seq_aux_loss_coeff", "bias_update_rate")
+"""MoE settings of training alone: they change the losses and the bias updates, never a forward's
+outputs, and no Hugging Face config has them (an export leaves them out, an import gives the
+defaults)."""
+
+
+def d_ff_shared_of(e: MoEConfig) -> int:
+    return e.d_ff_shared if e.d_ff_shared is not None else e.d_ff * e.n_shared_experts
 
 
 def grouped_mm_dtype(x_AD: torch.Tensor, w_EFD: torch.Tensor) -> torch.dtype | None:
@@ -364,3 +449,7 @@ def seq_aux_loss_ref(x_BTD: torch.Tensor, weights: dict[str, torch.Tensor],
         P_E = (s_TE / s_TE.sum(-1, keepdim=True)).mean(0)
         total = total + (f_E * P_E).sum()
     return moe.seq_aux_loss_coeff * total / x_BTD.shape[0]
+
+
+KIND = LayerKind("E", "MoE", MoE, "moe", MoEConfig, validate_moe, always=True)
+"""``E``: the mixture of experts."""

@@ -116,6 +116,32 @@ class MTPDepth(nn.Module):
 ReadoutFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
+class DepthRows:
+    """Each depth's shifted ids, keep mask and targets, and their count of real targets, from
+    the rows the model reads; the seam context parallelism replaces by its variant (which
+    reads the whole rows and keeps this rank's positions, :mod:`composer.parallel.context`)."""
+
+    reads_whole_rows = False
+    """The inputs come from elsewhere than the forward's ``input_ids`` / ``labels`` (then the
+    model may be driven by shifted ``targets``)."""
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                 doc_ids: torch.Tensor | None, n_depths: int
+                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        seg_BT = segments(input_ids, doc_ids)
+        out = []
+        for k in range(1, n_depths + 1):
+            ids_BT, keep_BT, target_BT = depth_inputs(input_ids, labels, seg_BT, k)
+            out.append((ids_BT, keep_BT, target_BT, (target_BT != IGNORE_INDEX).sum()))
+        return out
+
+    def loss(self, readout: ReadoutFn, g_BTD: torch.Tensor, weight_VD: torch.Tensor,
+             target_BT: torch.Tensor, n_targets: torch.Tensor) -> torch.Tensor:
+        """The depth's mean cross-entropy over its targets."""
+        ce, _ = readout(g_BTD, weight_VD, None, targets_BT=target_BT)
+        return ce
+
+
 class MultiTokenPrediction(nn.ModuleList):
     """The ``D`` depths (``mtp.{d}``) and the loss of the module docstring."""
 
@@ -123,6 +149,8 @@ class MultiTokenPrediction(nn.ModuleList):
         super().__init__(depths)
         assert cfg.mtp is not None, "multi-token prediction needs cfg.mtp"
         self.loss_weight = cfg.mtp.loss_weight
+        self.rows = DepthRows()
+        """Where each depth's inputs come from (a plain object, not a depth)."""
 
     def forward(self, g_BTD: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, *,
                 embed: Callable[[torch.Tensor], torch.Tensor], readout: ReadoutFn,
@@ -131,18 +159,18 @@ class MultiTokenPrediction(nn.ModuleList):
         """``(mtp_loss, (ce_1, ..., ce_D))`` from the main trunk's normalised output ``g_0``;
         ``embed`` is the model's token embedding (ids -> ``[B, T, D]``), ``readout`` and
         ``weight_VD`` its head. The per-depth losses are detached."""
-        seg_BT = segments(input_ids, doc_ids)
-        inputs = [depth_inputs(input_ids, labels, seg_BT, k) for k in range(1, len(self) + 1)]
+        inputs = self.rows(input_ids, labels, doc_ids, len(self))
         # one host sync for every depth: which of them has a target at all
-        counts = torch.stack([(t != IGNORE_INDEX).sum() for _, _, t in inputs]).tolist()
+        counts = torch.stack([n for *_, n in inputs]).tolist()
         total = g_BTD.new_zeros((), dtype=torch.promote_types(g_BTD.dtype, torch.float32))
         losses = []
-        for depth, (ids_BT, keep_BT, target_BT), n in zip(self, inputs, counts, strict=True):
+        for depth, (ids_BT, keep_BT, target_BT, n_BT), n in zip(self, inputs, counts,
+                                                                strict=True):
             g_BTD = depth(g_BTD, embed(ids_BT), keep_BT, doc_ids=doc_ids)
             if n == 0:
                 losses.append(total.new_full((), float("nan")))
                 continue
-            ce, _ = readout(g_BTD, weight_VD, None, targets_BT=target_BT)
+            ce = self.rows.loss(readout, g_BTD, weight_VD, target_BT, n_BT)
             total = total + ce
             losses.append(ce.detach())
         return total * (self.loss_weight / len(self)), tuple(losses)

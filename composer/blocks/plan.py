@@ -29,6 +29,8 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
+from composer.blocks.protocol import init_rules_of
+
 # ---------------------------------------------------------------- initialisation
 
 
@@ -109,7 +111,7 @@ def rule_for(root: nn.Module, name: str) -> Init | None:
     parts = name.split(".")
     module = root
     for i in range(len(parts)):
-        rules = module.init_rules() if hasattr(module, "init_rules") else {}
+        rules = init_rules_of(module)
         rule = find_rule(rules, ".".join(parts[i:]))
         if rule is not None:
             return rule  # type: ignore[return-value]

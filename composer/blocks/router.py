@@ -28,12 +28,15 @@ Shape legend: N tokens, D d_model, E experts, K top_k, G expert groups, A = N*K 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer.config import MoEConfig
+if TYPE_CHECKING:
+    from composer.blocks.moe import MoEConfig
+
 
 
 def router_dtype(dtype: torch.dtype) -> torch.dtype:

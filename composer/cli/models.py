@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from composer.cli.base import DEFAULT_PATTERN, UsageError
-from composer.config import ModelConfig, apply_overrides
+from composer.config import ConfigError, ModelConfig, apply_overrides
+from composer.pattern import PatternError, parse_pattern
 
 INIT_TOKENS = 32
 """Initialising costs a few dozen operations per parameter (a normal draw, a scale): about a
@@ -39,7 +40,12 @@ def resolve_config(args: argparse.Namespace) -> ModelConfig:
     if args.preset:
         cfg = get_preset(args.preset).config()
     else:  # an explicitly empty --pattern "" is an error, not the default
-        cfg = ModelConfig(pattern=DEFAULT_PATTERN if args.pattern is None else args.pattern)
+        pattern = DEFAULT_PATTERN if args.pattern is None else args.pattern
+        try:  # a bad pattern is refused before the layer kinds (and torch) load
+            parse_pattern(pattern)
+        except PatternError as exc:
+            raise ConfigError(str(exc)) from None
+        cfg = ModelConfig(pattern=pattern)
     apply_overrides(cfg, args.set or [])
     return cfg.validate()
 

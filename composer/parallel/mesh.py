@@ -83,6 +83,8 @@ class ParallelDims:
     compile: bool = False
     precision: str = "fp32"
     tp_context: Any = None
+    cp_context: Any = None
+    """The context-parallel context (set by ``apply_cp``), or None."""
     """The tensor-parallel state once applied (``composer.parallel.tensor.TPContext``)."""
     pp: int = 1
     pp_mesh: DeviceMesh | None = None

@@ -47,7 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from composer.blocks.loss import IGNORE_INDEX
-from composer.blocks.model import HybridModel, embed_tokens, mask_doc_boundaries, shift_labels
+from composer.blocks.model import HybridModel, mask_doc_boundaries, shift_labels
+from composer.blocks.protocol import declared
 from composer.parallel.comm import recv_tensor, send_tensor
 from composer.parallel.mesh import ParallelDims
 
@@ -112,6 +113,8 @@ class StageView(nn.Module):
                  last: bool) -> None:
         super().__init__()
         self.config = model.config
+        self.__dict__["_model"] = model  # not a submodule: the view registers its own parts
+        self.keys = tuple(str(i) for i in layers)
         self.first, self.last = first, last
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
         if first or (last and embed_on_last(model)):
@@ -149,7 +152,7 @@ class StageView(nn.Module):
             return self._forward(*args)
         self.placeholder = False
         saved = [(m, name, getattr(m, name)) for m in self.modules()
-                 for name in getattr(m, "step_stats", ())]
+                 for name in declared(m, "step_stats")]
         try:
             return self._forward(*args)
         finally:  # placeholder tokens do not count towards the step's statistics
@@ -167,31 +170,34 @@ class StageView(nn.Module):
             # The embedding decides sequence parallelism on the first stage; later stages get
             # its sequence-sharded hidden states and must know (the readout gathers them).
             self.tp.last_sp = self.tp.sp_active(given.shape[1])
+        model: HybridModel = self._model
         if self.first:
-            x = self._embed_tokens(x)
-        aux_total = None
-        for layer in self.layers.values():
-            x = layer(x) if doc_ids is None else layer(x, doc_ids=doc_ids)
-            aux = getattr(layer.mixer, "aux_loss", None)
-            if aux is not None and torch.is_grad_enabled():
-                x = AttachAux.apply(x, aux, self.aux_scale)
-            if aux is not None:
-                aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
-        if aux_total is not None:
-            self.aux_log.append(aux_total.double())
+            x = model.embed_tokens(x)
+        auxes: list[torch.Tensor] = []
+
+        def attach(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            aux = declared(layer.mixer, "aux_loss")
+            if aux is None:
+                return x
+            auxes.append(aux.detach())
+            return AttachAux.apply(x, aux, self.aux_scale) if torch.is_grad_enabled() else x
+
+        x = model.run_layers(x, doc_ids=doc_ids, keys=self.keys, after=attach)
+        if auxes:
+            self.aux_log.append(sum(auxes[1:], auxes[0]).double())
         if not self.last or given is None:
             return x
-        weight = self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
-        h = self.final_norm(x)
-        if targets is not None:  # context parallel: this rank's cut of the rows
+        weight = model.output_weight()
+        h = model.final_norm(x)
+        if targets is None:
+            targets = model.targets_for(labels, doc_ids)
+            ce, _ = model.readout(h, weight, None, targets_BT=targets)
+            n = (targets != IGNORE_INDEX).sum()
+        else:  # context parallel: this rank's cut of the rows (none real: a stand-in, n = 0)
             from composer.parallel.context import safe_targets
 
-            ce, _ = self.readout(h, weight, None, targets_BT=safe_targets(targets))
+            ce, _ = model.readout(h, weight, None, targets_BT=safe_targets(targets))
             n = (targets != IGNORE_INDEX).sum()
-        else:
-            main = labels if doc_ids is None else mask_doc_boundaries(labels, doc_ids)
-            ce, _ = self.readout(h, weight, main)
-            n = (shift_labels(main) != IGNORE_INDEX).sum()
         ce = torch.where(n > 0, ce, torch.zeros_like(ce))  # no target: a NaN mean
         self.ce_log.append(ce.detach().double() * n)
         loss = ce * (n.to(ce.dtype) * self.loss_scale)
@@ -199,18 +205,14 @@ class StageView(nn.Module):
             return loss
         # multi-token prediction on the trunk's normalised output (labels are the input ids);
         # its loss and its MoE layers' are per-micro-batch means, weighted as the aux losses
-        mtp, _ = self.mtp(h, labels, labels, embed=self._embed_tokens, readout=self.readout,
-                          weight_VD=weight, doc_ids=doc_ids)
-        aux = [layer.mixer.aux_loss for depth in self.mtp for layer in depth.layers.values()
-               if getattr(layer.mixer, "aux_loss", None) is not None]
+        mtp, _ = model.mtp_loss(h, labels, labels, doc_ids=doc_ids)
+        aux = [a for depth in self.mtp for layer in depth.layers.values()
+               if (a := declared(layer.mixer, "aux_loss")) is not None]
         extra = mtp + sum(aux) if aux else mtp
         self.mtp_log.append(mtp.detach().double())
         if aux:
             self.mtp_aux_log.append(sum(a.detach().double() for a in aux))
         return loss + extra * self.aux_scale
-
-    def _embed_tokens(self, ids_BT: torch.Tensor) -> torch.Tensor:
-        return embed_tokens(self.embed, self.config, ids_BT)
 
 
 # ---------------------------------------------------------------- the runtime
@@ -234,7 +236,7 @@ class Pipeline:
     def _attach_tp(self) -> None:
         for view in self.views:
             view.tp = self.dims.tp_context
-            view.cp = getattr(self.model, "cp", None)
+            view.cp = self.dims.cp_context
 
     def _cut(self, ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None
              ) -> tuple[torch.Tensor, dict, Any]:
@@ -379,7 +381,7 @@ class Pipeline:
             else:  # this rank's tokens' sum, over the cp group: the rows'
                 n = rows.n_rows
                 x = x.detach().clone()
-                dist.all_reduce(x, group=self.model.cp.group)
+                dist.all_reduce(x, group=self.dims.cp_context.group)
             out[0] = x.double() / n.clamp(min=1)
         dist.all_reduce(out, group=group)  # the loss from the last stage, aux from all
         return out[0], out[1]

@@ -22,6 +22,7 @@ import torch
 
 from composer.blocks.model import HybridModel
 from composer.blocks.plan import named_state
+from composer.blocks.protocol import declared, plan_of
 from composer.checkpoint import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD,
@@ -88,7 +89,7 @@ def fp32_names(model: HybridModel) -> set[str]:
     """Names of parameters and buffers that stay fp32 whatever the model dtype (A_log, router)."""
     names = set()
     for prefix, layer in model.named_layers():
-        for name in getattr(layer.mixer, "keep_fp32", ()):
+        for name in declared(layer.mixer, "keep_fp32"):
             names.add(f"{prefix}.mixer.{name}")
     return names
 
@@ -130,9 +131,10 @@ class ModelStats:
 
 def _inactive_expert_params(mixer: torch.nn.Module, cfg: ModelConfig) -> int:
     moe = cfg.moe
-    if moe is None or not hasattr(mixer, "experts"):
+    plan = plan_of(mixer)
+    if moe is None or plan is None or plan.experts is None:
         return 0
-    routed = sum(p.numel() for p in mixer.experts.parameters())
+    routed = sum(p.numel() for p in mixer.get_submodule(plan.experts).parameters())
     return routed * (moe.n_experts - moe.top_k) // moe.n_experts
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from composer.blocks.plan import Init, named_state, rule_for
+from composer.blocks.protocol import declared
 from composer.checkpoint import CheckpointError, TensorSource, bytes_to_tensor
 
 BLOCK_ELEMENTS = 1 << 22
@@ -130,7 +131,7 @@ def _reset_holder(model: nn.Module, name: str) -> str | None:
     for part in name.split(".")[:-1]:
         module = getattr(module, part)
         path.append(part)
-        if hasattr(module, "reset_parameters"):
+        if declared(module, "reset_parameters") is not None:
             return ".".join(path)
     return None
 
@@ -236,7 +237,7 @@ def stored_as(model: nn.Module, name: str) -> tuple[str, int]:
     """The state-dict key that holds tensor ``name`` and the row where it starts there."""
     module, leaf = owner(model, name)
     prefix = name[: len(name) - len(leaf)]
-    if hasattr(module, "stored_as"):
+    if declared(module, "stored_as") is not None:
         key, row = module.stored_as(leaf)
         return prefix + key, row
     return name, 0

@@ -153,12 +153,13 @@ def check_cp_length(cfg: Any, cp: int, row_len: int) -> None:
         raise LayoutError(f"--cp {cp}: rows of {row_len} tokens do not cut into 2 x cp = "
                           f"{2 * cp} chunks (the sequence length must be a multiple of "
                           f"{2 * cp})")
+    from composer.specs.registry import halo
+
     chunk = n // (2 * cp)
-    for name in ("mamba", "gdn"):
-        section = getattr(cfg, name, None)
-        if section is not None and chunk < section.d_conv - 1:
-            raise LayoutError(f"--cp {cp}: chunks of {chunk} tokens are shorter than the "
-                              f"{name} convolution's halo of {section.d_conv - 1}")
+    width, kind = halo(cfg)
+    if chunk < width:
+        raise LayoutError(f"--cp {cp}: chunks of {chunk} tokens are shorter than the {kind} "
+                          f"convolution's halo of {width}")
 
 
 def safe_targets(targets_BT: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ forward pre-hook, the rows' mean loss by a forward hook (the package docstring).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,40 +27,38 @@ from composer.parallel.context.variants import variant_factory
 from composer.parallel.mesh import LayoutError, ParallelDims
 
 
-def cp_mtp_forward(self: nn.Module, g_BTD: torch.Tensor, input_ids: torch.Tensor | None,
-                   labels: torch.Tensor | None, *, embed: Any, readout: Any,
-                   weight_VD: torch.Tensor, doc_ids: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """:class:`composer.blocks.mtp.MultiTokenPrediction` on this rank's chunks: each depth's
-    shifted ids, keep mask and targets come from the whole (uncut) rows, then this rank's
-    positions; each depth's loss is the rows' mean (:func:`rows_mean`). The ids are the labels
-    (the engine's convention)."""
-    from composer.blocks.mtp import depth_inputs, segments
+class CPDepthRows:
+    """Multi-token prediction's inputs under cp (:class:`composer.blocks.mtp.DepthRows`): each
+    depth's shifted ids, keep mask and targets come from the whole (uncut) rows, then this
+    rank's positions; each depth's loss is the rows' mean (:func:`rows_mean`). The ids are the
+    labels (the engine's convention)."""
 
-    cp: CPContext = self.cp
-    ids = cp.rows_ids
-    idx = local_index(cp.T, cp.size, cp.rank, ids.device)
-    seg_BT = segments(ids, cp.rows_doc)
-    inputs = [depth_inputs(ids, ids, seg_BT, k) for k in range(1, len(self) + 1)]
-    counts = torch.stack([(t[:, :cp.T] != IGNORE_INDEX).sum() for _, _, t in inputs])
-    totals = counts.tolist()  # one host sync for every depth, as without cp
-    total = g_BTD.new_zeros((), dtype=torch.promote_types(g_BTD.dtype, torch.float32))
-    losses = []
-    for depth, (ids_BT, keep_BT, target_BT), n_rows, n in zip(self, inputs, counts, totals,
-                                                              strict=True):
-        target_BT = target_BT[:, idx]
-        g_BTD = depth(g_BTD, embed(ids_BT[:, idx]), keep_BT[:, idx], doc_ids=doc_ids)
-        if n == 0:
-            losses.append(total.new_full((), float("nan")))
-            continue
+    reads_whole_rows = True
+
+    def __init__(self, cp: CPContext) -> None:
+        self.cp = cp
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                 doc_ids: torch.Tensor | None, n_depths: int
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        from composer.blocks.mtp import DepthRows
+
+        cp = self.cp
+        ids = cp.rows_ids
+        idx = local_index(cp.T, cp.size, cp.rank, ids.device)
+        out = []
+        for ids_BT, keep_BT, target_BT, _ in DepthRows()(ids, ids, cp.rows_doc, n_depths):
+            n_rows = (target_BT[:, :cp.T] != IGNORE_INDEX).sum()
+            out.append((ids_BT[:, idx], keep_BT[:, idx], target_BT[:, idx], n_rows))
+        return out
+
+    def loss(self, readout: Any, g_BTD: torch.Tensor, weight_VD: torch.Tensor,
+             target_BT: torch.Tensor, n_targets: torch.Tensor) -> torch.Tensor:
         ce, _ = readout(g_BTD, weight_VD, None, targets_BT=safe_targets(target_BT))
-        ce = rows_mean(ce, (target_BT != IGNORE_INDEX).sum(), n_rows, cp)
-        total = total + ce
-        losses.append(ce.detach())
-    return total * (self.loss_weight / len(self)), tuple(losses)
+        return rows_mean(ce, (target_BT != IGNORE_INDEX).sum(), n_targets, self.cp)
 
 
-def _cp_class(cls: type, forward: Any) -> type:
+def _cp_class(cls: type, forward: Any) -> type:  # interim: goes with FORMS
     name = f"ContextParallel{cls.__name__}"
     cached = _CLASSES.get((cls, name))
     if cached is None:
@@ -146,8 +145,8 @@ def cut_rows(cp: CPContext, ids: torch.Tensor, labels: torch.Tensor,
                    rows_doc, rows_ids, t, (targets != IGNORE_INDEX).sum(), n_local)
 
 
-def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    cp: CPContext = model.cp
+def _pre_hook(cp: CPContext, model: nn.Module, args: tuple,
+              kwargs: dict) -> tuple[tuple, dict]:
     ids = args[0] if args else kwargs.pop("input_ids")
     labels = args[1] if len(args) > 1 else kwargs.pop("labels", None)
     if labels is None:
@@ -168,20 +167,20 @@ def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]
     return (rows.ids,), kwargs
 
 
-def _post_hook(model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+def _post_hook(cp: CPContext, model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
     """The rows' mean cross-entropy (module docstring: summed over the group in the forward,
     the gradient ``N`` times this rank's)."""
-    cp: CPContext = model.cp
     extra = out.aux_loss + out.mtp_loss
     out.loss = rows_mean(out.loss - extra, cp.n_local, cp.n_rows, cp) + extra
     return out
 
 
-def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
-    """Swap every sequence-mixing layer for its context-parallel form (same parameters and
-    keys) and make the model cut its rows (module docstring); under pipeline parallelism the
-    pipeline cuts them (``model.cp`` tells it). On the meta device, before data parallelism
-    wraps the layers."""
+def apply_cp(model: nn.Module, dims: ParallelDims) -> CPContext:
+    """Swap every time-mixing op of every layer for its context-parallel variant (the variants
+    hold the context; parameters and keys unchanged) and make the model cut its rows (module
+    docstring); under pipeline parallelism the pipeline cuts them (it reads the returned
+    context, kept as ``dims.cp_context``). On the meta device, before data parallelism wraps
+    the layers."""
     from composer.blocks.model import named_layers
 
     check_cp(model, dims.cp)
@@ -203,10 +202,9 @@ def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
             mixer.cp = cp
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
-        mtp.__class__ = _cp_class(type(mtp), cp_mtp_forward)
-        mtp.takes_targets = True
-        mtp.cp = cp
-    model.cp = cp
+        mtp.rows = CPDepthRows(cp)
+    dims.cp_context = cp
     if dims.pp == 1:
-        model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
-        model.register_forward_hook(_post_hook, with_kwargs=True)
+        model.register_forward_pre_hook(partial(_pre_hook, cp), with_kwargs=True)
+        model.register_forward_hook(partial(_post_hook, cp), with_kwargs=True)
+    return cp
