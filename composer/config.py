@@ -1,7 +1,8 @@
 """Typed model configuration: nested dataclasses, YAML round trip, dotted overrides, validation.
 
-A model is a layer pattern (DESIGN §3) plus one sub-config per block kind the pattern uses. Sizes
-are ``d_*``, counts ``n_*``. Every error is a one-line :class:`ConfigError` (a ``ValueError``).
+A model is a layer pattern (docs/patterns.md) plus one sub-config per block kind the pattern
+uses. Sizes are ``d_*``, counts ``n_*``. Every error is a one-line :class:`ConfigError` (a
+``ValueError``).
 
 Which section a symbol needs (:data:`SYMBOL_NEEDS`) and how a section validates
 (:data:`SECTIONS`) are tables that ``composer.register`` extends: a user kind may bring its own

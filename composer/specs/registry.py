@@ -1,4 +1,4 @@
-"""The one table from pattern symbol to everything about its layer kind (DESIGN §3, §5).
+"""The one table from pattern symbol to everything about its layer kind (docs/architecture.md).
 
 A symbol maps to a :class:`LayerKind`: its name, the config section it reads (and that
 section's dataclass and validation), its mixer class and a :class:`ModuleSpec` per backend
