@@ -5,10 +5,11 @@ write through :class:`ShardedWriter` inside :func:`atomic_folder`, and read thro
 :class:`TensorSource`.
 
 A portable checkpoint is a folder with ``config.yaml`` and ``model.safetensors`` (or shards listed
-by ``model.safetensors.index.json``), canonical keys (DESIGN §6). :class:`TensorSource` reads
-every shard's header (8-byte length, JSON) up front and checks it against the index and the
-file size, so a truncated shard, an index naming a missing shard or a tensor the shard lacks is an
-error before any work. Tensors are read as byte ranges with ``readinto``: nothing is unpickled
+by ``model.safetensors.index.json``), canonical keys (docs/conversion.md).
+:class:`TensorSource` reads every shard's header (8-byte length, JSON) up front and checks it
+against the index and the file size, so a truncated shard, an index naming a missing shard or a
+tensor the shard lacks is an error before any work. Tensors are read as byte ranges with
+``readinto``: nothing is unpickled
 and memory holds one piece at a time.
 
 :class:`ShardedWriter` is given the full plan (names, dtypes, shapes) first, writes each shard's

@@ -1,7 +1,8 @@
 """Typed model configuration: nested dataclasses, YAML round trip, dotted overrides, validation.
 
-A model is a layer pattern (DESIGN §3) plus one sub-config per block kind the pattern uses. Sizes
-are ``d_*``, counts ``n_*``. Every error is a one-line :class:`ConfigError` (a ``ValueError``).
+A model is a layer pattern (docs/patterns.md) plus one sub-config per block kind the pattern
+uses. Sizes are ``d_*``, counts ``n_*``. Every error is a one-line :class:`ConfigError` (a
+``ValueError``).
 
 Each layer kind's section (its dataclass, validator and defaults) is declared in the kind's own
 block file, in its :class:`~composer.blocks.kind.LayerKind` record; this module knows no kind by

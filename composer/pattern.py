@@ -1,4 +1,4 @@
-"""The layer-pattern language (DESIGN §3).
+"""The layer-pattern language (docs/patterns.md).
 
 One symbol is one residual block: ``M`` Mamba-2, ``*`` self-attention, ``-`` dense MLP, ``E`` MoE;
 Megatron-Core's ``G`` (gated delta net), ``+`` (multi-latent attention) and ``D`` (sparse

@@ -1,7 +1,7 @@
 """What a block declares about itself, as data, for the code that acts on it from outside.
 
-Blocks are single-device modules (DESIGN §5): their forward knows nothing of meshes, ranks or
-collectives. Next to its code each block declares
+Blocks are single-device modules (docs/architecture.md): their forward knows nothing of
+meshes, ranks or collectives. Next to its code each block declares
 
 - its **initialisation** (:meth:`init_rules`): parameter name -> :class:`Init`, so that the
   builder can initialise any shard of any parameter without the block's help, identically

@@ -1,4 +1,4 @@
-"""Everything a mixer (or any module inside one) may declare, in one place (DESIGN §5).
+"""Everything a mixer (or any module inside one) may declare, in one place (docs/architecture.md).
 
 Code outside the blocks reads a module's optional declarations through the helpers here, never
 by probing attributes itself: :class:`Mixer` documents each one, and :func:`declared` is the one

@@ -2,10 +2,10 @@
 
 Mamba-2's input projection packs ``[z, x, B, C, dt]`` and its depthwise convolution
 ``[x, B, C]``; Megatron-Core shards each component separately over the tensor-parallel ranks
-(REFERENCE P4). Keeping every component its own parameter makes that a plain row split of each
-part (``Shard(0)``) whose global shape is independent of the layout, so sharded checkpoints
+(docs/parallelism.md). Keeping every component its own parameter makes that a plain row split
+of each part (``Shard(0)``) whose global shape is independent of the layout, so sharded checkpoints
 reshard on load. The state dict still shows one fused ``weight`` (and ``bias``): the canonical
-keys of DESIGN §4 and Hugging Face's layout.
+keys of docs/architecture.md and Hugging Face's layout.
 """
 
 from __future__ import annotations

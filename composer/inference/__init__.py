@@ -1,4 +1,4 @@
-"""Generation: inference caches and decoding (DESIGN §2, "generation").
+"""Generation: inference caches and decoding (docs/generation.md).
 
 ``composer.generate(model, input_ids, max_new_tokens, ...)`` (:mod:`composer.inference.decode`)
 prefills the prompt once, then decodes one token per step from a per-model

@@ -1,4 +1,5 @@
-"""Optional GPU kernels behind the torch blocks, chosen per call by the tensors' device (DESIGN §4).
+"""Optional GPU kernels behind the torch blocks, chosen per call by the tensors' device
+(docs/kernels.md).
 
 | hook (block)                  | kernel (package)                            | torch path        |
 |-------------------------------|---------------------------------------------|-------------------|

@@ -1,10 +1,10 @@
 """Which optional kernels this process may use: lazy, cached import probes and the device rule.
 
-DESIGN §4: optional kernels are looked up on first use, never at import, and chosen per call by
-the tensors' device. On a machine without CUDA, ``transformer_engine`` installs as a shell whose
-import raises ``RuntimeError`` and ``mamba_ssm`` / ``causal_conv1d`` install without their CUDA
-parts, so a probe catches every ``Exception``. Callers test :func:`on_gpu` first, so a CPU tensor
-never even triggers a probe (and never imports an optional package).
+docs/kernels.md: optional kernels are looked up on first use, never at import, and chosen per
+call by the tensors' device. On a machine without CUDA, ``transformer_engine`` installs as a shell
+whose import raises ``RuntimeError`` and ``mamba_ssm`` / ``causal_conv1d`` install without their
+CUDA parts, so a probe catches every ``Exception``. Callers test :func:`on_gpu` first, so a CPU
+tensor never even triggers a probe (and never imports an optional package).
 
 ``COMPOSER_DISABLE_KERNELS`` (comma-separated names from :data:`KERNELS`, or ``all``) forces the
 torch path. Probe results, the variable included, are cached for the life of the process; call
@@ -72,7 +72,7 @@ def _probe(name: str) -> bool:
         return True
     try:
         _modules[name] = importlib.import_module(path)
-    except Exception as e:  # ImportError, and RuntimeError from CUDA-less shells (DESIGN §4)
+    except Exception as e:  # ImportError, and RuntimeError from CUDA-less shells (docs/kernels.md)
         _errors[name] = f"{type(e).__name__}: {e}"
         return False
     return True

@@ -1,4 +1,5 @@
-"""Parallelism on torch.distributed (DESIGN §5), applied from outside the single-device blocks:
+"""Parallelism on torch.distributed (docs/parallelism.md), applied from outside the
+single-device blocks:
 one named DeviceMesh (``mesh.py``), tensor + sequence parallel read from the plans the blocks
 declare (``tensor.py``), expert parallel on the declared expert groups (``expert.py``), FSDP2
 sharded or replicated data parallel (``data.py``), in the one order of ``parallelize.py``; DCP

@@ -1,4 +1,4 @@
-"""Apply the parallel layout to a model, in one documented order (DESIGN §5):
+"""Apply the parallel layout to a model, in one documented order (docs/parallelism.md):
 
 1. tensor + sequence parallel (``tensor.py``: the blocks' plans, vocab-parallel embedding/head),
 2. expert parallel (``expert.py``: the expert groups the plans name) and global token sums

@@ -1,5 +1,5 @@
 """The registry: it collects one :class:`~composer.blocks.kind.LayerKind` record per pattern
-symbol and derives the tables the rest of composer reads (DESIGN §3, §5).
+symbol and derives the tables the rest of composer reads (docs/architecture.md).
 
 Each record is declared in its kind's block file (``composer/blocks/mamba2.py`` ends with
 ``KIND = LayerKind("M", "Mamba-2", Mamba2Mixer, "mamba", MambaConfig, ...)``); this module only

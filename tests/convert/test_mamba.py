@@ -149,7 +149,8 @@ def test_nemotron_h_layer_list_forms(saved_moe, tmp_path, form):
 
 
 def test_nemotron_h_model_prefix_layout(saved_moe, tmp_path):
-    """transformers 5's in-memory names: ``model.`` prefix, ``embedding.`` (REFERENCE P17)."""
+    """transformers 5's in-memory names: ``model.`` prefix, ``embedding.``
+    (docs/conversion.md, prefixes)."""
     _, folder, ids, expected = saved_moe
     src = tmp_path / "hf"
     src.mkdir()

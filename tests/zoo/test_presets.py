@@ -49,8 +49,8 @@ _P_H_4B_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
     # Nemotron-H base models (nvidia/Nemotron-H-{4B,8B,47B,56B}-Base-8K). Values from the
     # Megatron-Bridge NemotronHModelProvider{4B,8B,47B,56B} (which mirror the HF configs) and
-    # REFERENCE.md section 2. The older remote-code configs may spell the head width
-    # `attention_head_dim`; transformers 5 takes it as `head_dim`.
+    # docs/patterns.md (Nemotron-H dimensions). The older remote-code configs may spell the head
+    # width `attention_head_dim`; transformers 5 takes it as `head_dim`.
     "nemotron-h-4b": (NemotronHConfig, dict(
         _NEMOTRON_COMMON, hidden_size=3072, hybrid_override_pattern=_P_H_4B_8B,
         num_attention_heads=32, num_key_value_heads=8, intermediate_size=12288,

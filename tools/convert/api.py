@@ -138,7 +138,7 @@ def _same_bytes(source: Any, a: str, b: str, chunk: int = 8 * 2**20) -> bool:
 
 def _lm_head_tied(source: Any, links: list[Link], cfg: ModelConfig) -> set[str]:
     """A tied model may still store ``lm_head.weight``: accept it only if it equals the
-    embeddings byte for byte (REFERENCE P9), and then ignore it."""
+    embeddings byte for byte (docs/conversion.md), and then ignore it."""
     if not cfg.tie_embeddings or "lm_head.weight" not in source:
         return set()
     embed = next(link.hf for link in links if link.ours == "embed.weight")

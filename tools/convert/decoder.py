@@ -2,7 +2,7 @@
 
 Each HF layer ``L`` is two of our layers: ``2L`` is attention (``*``, norm ``input_layernorm``)
 and ``2L + 1`` is the MLP or MoE (``-`` or ``E``, norm ``post_attention_layernorm``). Attention
-rows stay in HF's rotate-half order (REFERENCE P1): no permutation either way.
+rows stay in HF's rotate-half order (docs/conversion.md): no permutation either way.
 
 MoE experts: on disk per expert (``mlp.experts.{e}.{gate,up,down}_proj`` for Qwen3-MoE,
 ``block_sparse_moe.experts.{e}.{w1,w3,w2}`` for Mixtral) or fused as transformers 5 holds them in

@@ -11,12 +11,12 @@ Each HF layer ``L`` is two of our layers: ``2L`` is the mixer (``M`` under ``mod
   rows are gate then up, ``.chunk(2)``) plus, when ``num_local_experts > 0``, a softmax top-k
   MoE whose experts are fused on disk (``block_sparse_moe.input_linear [E, 2I, H]`` gate then up,
   ``output_linear [E, H, I]``). With experts this is our ``E`` with one shared expert; without, our
-  ``-``. µP multipliers (REFERENCE P8): ``embedding_multiplier``, ``residual_multiplier`` (on both
-  residual branches), ``attention_multiplier`` (the score scale itself) and ``logits_scaling``
-  (logits are divided by it). Final norm ``model.norm``.
+  ``-``. µP multipliers (docs/conversion.md): ``embedding_multiplier``, ``residual_multiplier``
+  (on both residual branches), ``attention_multiplier`` (the score scale itself) and
+  ``logits_scaling`` (logits are divided by it). Final norm ``model.norm``.
 
 Both Mamba mixers are transformers' Mamba-2 torch path with the gated RMSNorm per group of
-``d_inner / n_groups`` (REFERENCE P5) and ``hidden_act`` as the convolution's activation too.
+``d_inner / n_groups`` (docs/conversion.md) and ``hidden_act`` as the convolution's activation too.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ One HF layer is one of our layers (one pattern symbol): pre-norm ``backbone.L.no
 ``gate.e_score_correction_bias`` <-> ``router.score_bias``). Embeddings ``backbone.embeddings``,
 final norm ``backbone.norm_f``. The Hub layout is written; on read ``backbone.embedding.``
 (mamba_ssm, Mamba2's load hook) and Nemotron-H's in-memory ``model.`` prefix (transformers 5
-renames ``backbone.`` -> ``model.``, REFERENCE P17) are accepted.
+renames ``backbone.`` -> ``model.``, docs/conversion.md) are accepted.
 
 Nemotron-H experts are non-gated: per expert on disk (``mixer.experts.{e}.{up,down}_proj.weight``)
 or fused as transformers 5 holds them (``mixer.experts.up_proj [E, I, H]``, ``down_proj

@@ -7,7 +7,7 @@ leading index ``(e, (a, b))`` (the gate half of a fused ``gate_up [E, 2F, D]``).
 is a contiguous byte range, a conversion is a sequence of byte copies (with a dtype cast when
 asked), in the target's order, one bounded chunk at a time.
 
-Strictness (DESIGN §6, REFERENCE P12): every target tensor must be tiled exactly once by its parts,
+Strictness (docs/conversion.md): every target tensor must be tiled exactly once by its parts,
 every source tensor must be consumed or explicitly ignored, and every part's shape must equal the
 config's; an error names the tensor and both shapes.
 """
