@@ -152,7 +152,7 @@ def test_yarn_frequencies_match_transformers():
     inv_freq, gain = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
     ours = yarn_frequencies(m.d_head_rope, m.rope_theta, m.rope_scaling)
     torch.testing.assert_close(ours.float(), inv_freq.float(), rtol=1e-6, atol=0)
-    assert MLA(_cfg(m)).rope_gain == pytest.approx(gain, rel=1e-12)
+    assert MLA(_cfg(m)).rotary.gain == pytest.approx(gain, rel=1e-12)
 
 
 def test_flops_and_plan():
