@@ -18,6 +18,10 @@ Packed documents (``doc_ids``, :mod:`composer.kernels.docs`; Megatron's reset-at
 reset-position-ids): the mask is block-diagonal causal (a query sees the earlier keys of its own
 document) and RoPE positions restart at 0 at each document.
 
+The time mixing is one parameterless op, ``core`` (:class:`CausalAttention`: RoPE, SDPA, the
+decoding cache); the projections, qk-norms and gate around it are token-wise. Context
+parallelism swaps ``core`` for its ``kv_gather`` variant (``composer/parallel/context``).
+
 Legend: B batch, T time, D model width, H query heads, K kv heads, E head width.
 """
 

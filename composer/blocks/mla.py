@@ -17,8 +17,11 @@ attention factor, which scales the RoPE channels only. RoPE is the rotate-half l
 of ``q_b_proj`` and ``kv_a_proj_with_mqa`` pair-interleaved (``rope_interleave``); the converter
 permutes them once on import (``tools/convert/deepseek.py``), so this block has one convention.
 
-This is the training form (per-head k and v materialised, then SDPA); the absorbed form (scores
-against the latent, for decoding) is the same math with ``kv_b`` folded into q and o.
+The time mixing is one parameterless op, ``core`` (:class:`LatentAttention`), handed the latents
+before ``kv_b`` and a :class:`LatentExpand` of ``kv_b``: the training form (per-head k and v
+materialised, then SDPA), or for decoding the absorbed form (scores against the latent), the
+same math with ``kv_b`` folded into q and o. Context parallelism swaps ``core`` for its
+``latent_gather`` variant (``composer/parallel/context``).
 
 DeepSeek-V3.2 adds a DSA indexer that keeps the top ``index_topk`` keys per query; up to that
 length it keeps every causal key, so the layer is this dense one. ``mla.max_dense_len`` (set from

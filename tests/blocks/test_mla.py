@@ -72,6 +72,21 @@ def test_max_dense_len_refuses_longer_sequences():
         mla(torch.randn(2, 7, 32))
 
 
+def test_max_dense_len_holds_under_context_parallelism():
+    """The cp variant refuses by the whole rows' length, not this rank's tokens."""
+    import dataclasses
+
+    from composer.parallel.context.layout import CPContext
+    from composer.parallel.context.variants import variant_factory
+
+    mla = MLA(_cfg(dataclasses.replace(CASES["lora-q"], max_dense_len=6)))
+    factory = variant_factory(mla.core)
+    assert factory is not None
+    mla.core = factory(mla.core, CPContext(group=None, size=2, rank=0, T=8))
+    with pytest.raises(ValueError, match="sequence of 8 tokens exceeds mla.max_dense_len=6"):
+        mla(torch.randn(1, 4, 32))
+
+
 def _hf_config(m: MLAConfig, interleave: bool):
     from transformers import DeepseekV3Config
 
