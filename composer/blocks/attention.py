@@ -18,6 +18,10 @@ Packed documents (``doc_ids``, :mod:`composer.kernels.docs`; Megatron's reset-at
 reset-position-ids): the mask is block-diagonal causal (a query sees the earlier keys of its own
 document) and RoPE positions restart at 0 at each document.
 
+The time mixing is one parameterless op, ``core`` (:class:`CausalAttention`: RoPE, SDPA, the
+decoding cache); the projections, qk-norms and gate around it are token-wise. Context
+parallelism swaps ``core`` for its ``kv_gather`` variant (``composer/parallel/context``).
+
 Legend: B batch, T time, D model width, H query heads, K kv heads, E head width.
 """
 
@@ -43,6 +47,7 @@ from composer.blocks.plan import (
     ParallelPlan,
     init_module,
 )
+from composer.blocks.protocol import TimeMixingOp
 from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import sdpa_context
 from composer.kernels.docs import doc_positions
@@ -156,11 +161,91 @@ def apply_rope(x_BHTE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
+class Rotary:
+    """One mixer's RoPE: inverse frequencies ``inv_freq`` (fp64, on the CPU) and the gain of the
+    cos/sin tables (YaRN's attention factor for multi-latent attention; 1 otherwise). Holds no
+    parameters: the table of the last length is kept while the length, device and dtype
+    repeat (a training run asks for one length)."""
+
+    def __init__(self, inv_freq: torch.Tensor, gain: float = 1.0) -> None:
+        self.inv_freq, self.gain = inv_freq, gain
+        self._table: tuple | None = None
+
+    def table(self, t: int, device: torch.device,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``/``sin`` ``[T, d_rot]`` at positions ``0 .. t - 1``."""
+        key = (t, device, dtype)
+        if self._table is None or self._table[0] != key:
+            cos, sin = rope_cos_sin(t, self.inv_freq, device, dtype)
+            self._table = (key, self._gain(cos), self._gain(sin))
+        return self._table[1], self._table[2]
+
+    def at(self, pos_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``/``sin`` ``[B, 1, T, d_rot]`` at per-row integer positions ``pos_BT``."""
+        cos, sin = rope_cos_sin_at(pos_BT, self.inv_freq, dtype)
+        return self._gain(cos), self._gain(sin)
+
+    def for_call(self, like: torch.Tensor, doc_ids: torch.Tensor | None,
+                 step: Step | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of one call on ``like`` ``[B, H, T, E]``: the decoding step's positions,
+        or positions restarting at each document, or ``0 .. T - 1``."""
+        if step is not None:
+            return self.at(step.ctx.pos_BT, like.dtype)
+        if doc_ids is not None:
+            return self.at(doc_positions(doc_ids), like.dtype)
+        return self.table(like.shape[2], like.device, like.dtype)
+
+    def _gain(self, table: torch.Tensor) -> torch.Tensor:
+        return table * self.gain if self.gain != 1.0 else table
+
+
+class CausalAttention(TimeMixingOp):
+    """The time mixing of :class:`Attention`: RoPE, then causal (or block-diagonal, by
+    ``doc_ids``) SDPA; with a decoding ``step`` the new keys and values go into its
+    :class:`~composer.blocks.cache.KVState` and the queries attend to every real slot so far.
+    Context parallelism replaces it by ``kv_gather`` (:mod:`composer.parallel.context.
+    attention`)."""
+
+    context = "kv_gather"
+
+    def forward(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
+                rotary: Rotary | None, scale: float, *, doc_ids: torch.Tensor | None = None,
+                step: Step | None = None) -> torch.Tensor:
+        """``o [B, H, T, E]`` from q ``[B, H, T, E]``, k and v ``[B, K, T, E]`` before RoPE."""
+        if rotary is not None:
+            cos, sin = rotary.for_call(q_BHTE, doc_ids, step)
+            q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
+        if step is not None:
+            return _cached_attention(q_BHTE, k_BKTE, v_BKTE, step.state, step.ctx, scale)
+        if doc_ids is not None:  # block-diagonal causal: each document attends to itself only
+            return doc_sdpa(q_BHTE, k_BKTE, v_BKTE, doc_ids, scale)
+        with sdpa_context(q_BHTE):  # flash first on CUDA; CPU untouched (kernels.sdpa)
+            return F.scaled_dot_product_attention(
+                q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=scale,
+                enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
+
+
+def _cached_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
+                      state: KVState, ctx: StepContext, scale: float) -> torch.Tensor:
+    """The new keys and values (after RoPE) written into slots ``ctx.start : ctx.end``, the
+    new queries attending to every real slot so far."""
+    state.k_BKSE[:, :, ctx.start:ctx.end] = k_BKTE
+    state.v_BKSE[:, :, ctx.start:ctx.end] = v_BKTE
+    k_BKSE, v_BKSE = state.k_BKSE[:, :, :ctx.end], state.v_BKSE[:, :, :ctx.end]
+    mask = attention_mask(ctx)
+    with sdpa_context(q_BHTE):
+        return F.scaled_dot_product_attention(
+            q_BHTE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=mask is None and ctx.start == 0,
+            scale=scale, enable_gqa=q_BHTE.shape[1] != k_BKSE.shape[1])
+
+
 class Attention(nn.Module):
-    """``layers.i.mixer.{q_proj,k_proj,v_proj,o_proj}`` (+ ``q_norm``, ``k_norm``)."""
+    """``layers.i.mixer.{q_proj,k_proj,v_proj,o_proj}`` (+ ``q_norm``, ``k_norm``); the time
+    mixing is ``core`` (:class:`CausalAttention`), everything around it token-wise."""
 
     uses_doc_ids = True
     """``forward`` takes ``doc_ids`` (the residual layer passes them only to mixers that do)."""
+    ops = ("core",)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -185,10 +270,11 @@ class Attention(nn.Module):
                                 if self.qk_norm_all else (self.d_head, self.d_head))
             self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_zero_centered)
             self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_zero_centered)
-        self.rope = a.position == "rope"
-        if self.rope:
+        self.rotary: Rotary | None = None
+        if a.position == "rope":
             d_rot = int(self.d_head * a.rotary_fraction)
-            self.inv_freq = rope_frequencies(d_rot, a.rope_theta, a.rope_scaling)
+            self.rotary = Rotary(rope_frequencies(d_rot, a.rope_theta, a.rope_scaling))
+        self.core = CausalAttention()
 
     def init_rules(self) -> dict[str, Init]:
         return {"*_proj.weight": Normal(self.init_std), "*_proj.bias": ZEROS}
@@ -198,23 +284,10 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
                 step: Step | None = None) -> torch.Tensor:
-        if step is not None:
-            return self.forward_cached(x_BTD, step.state, step.ctx)
-        t = x_BTD.shape[1]
+        """With ``step`` the new tokens continue from its keys and values (and leave theirs)."""
         q_BHTE, k_BKTE, v_BKTE, gate_BTX = self._project(x_BTD)
-        if self.rope:
-            if doc_ids is None:
-                cos, sin = self._cos_sin(t, x_BTD.device, q_BHTE.dtype)
-            else:  # positions restart at each document
-                cos, sin = rope_cos_sin_at(doc_positions(doc_ids), self.inv_freq, q_BHTE.dtype)
-            q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
-        if doc_ids is None:
-            with sdpa_context(q_BHTE):  # flash first on CUDA; CPU untouched (kernels.sdpa)
-                o_BHTE = F.scaled_dot_product_attention(
-                    q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=self.scale,
-                    enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
-        else:  # block-diagonal causal: each document attends to itself only
-            o_BHTE = doc_sdpa(q_BHTE, k_BKTE, v_BKTE, doc_ids, self.scale)
+        o_BHTE = self.core(q_BHTE, k_BKTE, v_BKTE, self.rotary, self.scale, doc_ids=doc_ids,
+                           step=step)
         return self._output(o_BHTE, gate_BTX)
 
     def _project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -252,34 +325,6 @@ class Attention(nn.Module):
         return KVState(torch.zeros(shape, device=device, dtype=dtype),
                        torch.zeros(shape, device=device, dtype=dtype))
 
-    def forward_cached(self, x_BTD: torch.Tensor, state: KVState,
-                       ctx: StepContext) -> torch.Tensor:
-        """The new tokens' output, their keys and values written into slots ``ctx.start :
-        ctx.end`` (RoPE at ``ctx.pos_BT``), attending to every real slot so far."""
-        q_BHTE, k_BKTE, v_BKTE, gate_BTX = self._project(x_BTD)
-        if self.rope:
-            cos, sin = rope_cos_sin_at(ctx.pos_BT, self.inv_freq, q_BHTE.dtype)
-            q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
-        state.k_BKSE[:, :, ctx.start:ctx.end] = k_BKTE
-        state.v_BKSE[:, :, ctx.start:ctx.end] = v_BKTE
-        k_BKSE, v_BKSE = state.k_BKSE[:, :, :ctx.end], state.v_BKSE[:, :, :ctx.end]
-        mask = attention_mask(ctx)
-        with sdpa_context(q_BHTE):
-            o_BHTE = F.scaled_dot_product_attention(
-                q_BHTE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=mask is None and ctx.start == 0,
-                scale=self.scale, enable_gqa=q_BHTE.shape[1] != k_BKSE.shape[1])
-        return self._output(o_BHTE, gate_BTX)
-
-    def _cos_sin(self, t: int, device: torch.device,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The RoPE tables for length ``t``, kept while the length, device and dtype repeat."""
-        key = (t, device, dtype)
-        cached = getattr(self, "_rope_cache", None)
-        if cached is None or cached[0] != key:
-            cached = (key, *rope_cos_sin(t, self.inv_freq, device, dtype))
-            self._rope_cache = cached
-        return cached[1], cached[2]
-
     def parallel_plan(self) -> ParallelPlan:
         """Heads split over ``tp``: q/k/v column parallel (k/v replicated, each rank keeping its
         head, when there are fewer kv heads than ranks), o row parallel; the qk-norms replicated
@@ -287,8 +332,7 @@ class Attention(nn.Module):
         # with the output gate a head is 2 * d_head contiguous q rows: an even split keeps heads
         return ParallelPlan(colwise=("q_proj",), heads={"k_proj": self.n_kv_heads,
                                                         "v_proj": self.n_kv_heads},
-                            rowwise=("o_proj",), partial=("q_norm.weight", "k_norm.weight"),
-                            context="kv_gather")
+                            rowwise=("o_proj",), partial=("q_norm.weight", "k_norm.weight"))
 
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Divisible | DivideEachOther | Unsplit]:

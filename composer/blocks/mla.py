@@ -17,8 +17,11 @@ attention factor, which scales the RoPE channels only. RoPE is the rotate-half l
 of ``q_b_proj`` and ``kv_a_proj_with_mqa`` pair-interleaved (``rope_interleave``); the converter
 permutes them once on import (``tools/convert/deepseek.py``), so this block has one convention.
 
-This is the training form (per-head k and v materialised, then SDPA); the absorbed form (scores
-against the latent, for decoding) is the same math with ``kv_b`` folded into q and o.
+The time mixing is one parameterless op, ``core`` (:class:`LatentAttention`), handed the latents
+before ``kv_b`` and a :class:`LatentExpand` of ``kv_b``: the training form (per-head k and v
+materialised, then SDPA), or for decoding the absorbed form (scores against the latent), the
+same math with ``kv_b`` folded into q and o. Context parallelism swaps ``core`` for its
+``latent_gather`` variant (``composer/parallel/context``).
 
 DeepSeek-V3.2 adds a DSA indexer that keeps the top ``index_topk`` keys per query; up to that
 length it keeps every causal key, so the layer is this dense one. ``mla.max_dense_len`` (set from
@@ -40,14 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer.blocks.attention import apply_rope, rope_cos_sin, rope_cos_sin_at, rope_frequencies
-from composer.blocks.cache import LatentState, Step, StepContext, attention_mask
+from composer.blocks.attention import Rotary, apply_rope, rope_frequencies
+from composer.blocks.cache import LatentState, Step, attention_mask
 from composer.blocks.kind import LayerKind
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Divisible, Init, Normal, ParallelPlan, init_module
+from composer.blocks.protocol import TimeMixingOp
 from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import sdpa_context
-from composer.kernels.docs import doc_positions
 from composer.kernels.sdpa import doc_sdpa
 
 # ---------------------------------------------------------------- the kind's config section
@@ -168,12 +171,116 @@ def mla_softmax_scale(m: MLAConfig) -> float:
     return scale
 
 
+@dataclass(frozen=True)
+class LatentExpand:
+    """The mixer's ``kv_b_proj`` as the core sees it: per-head keys and values from latents
+    (the training form) and the per-head blocks of its weight (the absorbed form). Built per
+    call, so it always holds the projection the mixer holds now (tensor parallelism swaps
+    it)."""
+
+    proj: nn.Linear
+    d_nope: int
+    d_v: int
+
+    def __call__(self, c_BSC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kn [B, H, S, N]`` and ``v [B, H, S, V]``."""
+        b, s, _ = c_BSC.shape
+        # -1: the head count follows the weights (a tensor-parallel rank holds some of the heads)
+        kv = self.proj(c_BSC).view(b, s, -1, self.d_nope + self.d_v)
+        kn_BHSN, v_BHSV = kv.transpose(1, 2).split([self.d_nope, self.d_v], dim=-1)
+        return kn_BHSN, v_BHSV
+
+    def heads(self, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_k [H, N, C]`` and ``W_v [H, V, C]``."""
+        w = self.proj.weight.view(h, self.d_nope + self.d_v, -1)
+        return w[:, :self.d_nope], w[:, self.d_nope:]
+
+
+def latent_keys(qn_BHTN: torch.Tensor, qr_BHTR: torch.Tensor, c_BSC: torch.Tensor,
+                kr_B1SR: torch.Tensor, expand: LatentExpand
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training form's queries ``[B, H, T, Q]``, per-head keys ``[B, H, S, Q]`` and values
+    ``[B, H, S, V]``: the latents expanded, the shared RoPE key repeated for every head."""
+    kn_BHSN, v_BHSV = expand(c_BSC)
+    q_BHTQ = torch.cat([qn_BHTN, qr_BHTR], dim=-1)
+    k_BHSQ = torch.cat([kn_BHSN, kr_B1SR.expand(-1, qn_BHTN.shape[1], -1, -1)], dim=-1)
+    return q_BHTQ, k_BHSQ, v_BHSV
+
+
+class LatentAttention(TimeMixingOp):
+    """The time mixing of :class:`MLA`, from the latents before ``kv_b_proj``: RoPE on the
+    query's and the shared key's RoPE channels, then the training form (causal or by
+    ``doc_ids``). With a decoding ``step`` the latents and RoPE keys go into its
+    :class:`~composer.blocks.cache.LatentState`; a prompt attends in the training form, later
+    tokens in the absorbed form, against the cached latents without expanding them per head:
+
+        score_h(t, s) = (W_k,h^T qn_h,t) . c_s + qr_h,t . kr_s,   o_h = W_v,h sum_s p c_s
+
+    with ``W_k,h`` / ``W_v,h`` head ``h``'s rows of ``kv_b_proj``. Context parallelism replaces
+    it by ``latent_gather`` (:mod:`composer.parallel.context.attention`)."""
+
+    context = "latent_gather"
+
+    def __init__(self, max_dense_len: int | None) -> None:
+        super().__init__()
+        self.max_dense_len = max_dense_len
+
+    def forward(self, qn_BHTN: torch.Tensor, qr_BHTR: torch.Tensor, c_BTC: torch.Tensor,
+                kr_BTR: torch.Tensor, expand: LatentExpand, rotary: Rotary, scale: float, *,
+                doc_ids: torch.Tensor | None = None, step: Step | None = None) -> torch.Tensor:
+        """``o [B, H, T, V]`` from the query parts ``[B, H, T, N | R]``, the normalised latent
+        ``[B, T, C]`` and the RoPE key ``[B, T, R]`` (both before RoPE)."""
+        self.check_length(step.ctx.end if step is not None else qn_BHTN.shape[2])
+        cos, sin = rotary.for_call(qn_BHTN, doc_ids, step)
+        qr_BHTR = apply_rope(qr_BHTR, cos, sin)
+        kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
+        mask = None
+        if step is not None:
+            state, ctx = step.state, step.ctx
+            state.c_BSC[:, ctx.start:ctx.end] = c_BTC
+            state.kr_BSR[:, ctx.start:ctx.end] = kr_B1TR[:, 0]
+            mask, doc_ids = attention_mask(ctx), None
+            if not step.fresh:
+                return _absorbed(qn_BHTN, qr_BHTR, state, ctx.end, mask, expand, scale)
+        q_BHTQ, k_BHTQ, v_BHTV = latent_keys(qn_BHTN, qr_BHTR, c_BTC, kr_B1TR, expand)
+        if doc_ids is not None:  # block-diagonal causal: each document attends to itself only
+            return doc_sdpa(q_BHTQ, k_BHTQ, v_BHTV, doc_ids, scale)
+        with sdpa_context(q_BHTQ):  # flash first on CUDA; CPU untouched (kernels.sdpa)
+            return F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTV, attn_mask=mask,
+                                                  is_causal=mask is None, scale=scale)
+
+    def check_length(self, t: int) -> None:
+        """Refuse rows longer than ``max_dense_len`` (the whole rows' length under cp)."""
+        if self.max_dense_len is not None and t > self.max_dense_len:
+            n = self.max_dense_len
+            raise ValueError(f"MLA: sequence of {t} tokens exceeds mla.max_dense_len={n}: sparse "
+                             f"attention (DeepSeek-V3.2's indexer, top-k {n}) is not built; "
+                             f"sequences up to {n} tokens are exact")
+
+
+def _absorbed(qn_BHTN: torch.Tensor, qr_BHTR: torch.Tensor, state: LatentState, end: int,
+              mask: torch.Tensor | None, expand: LatentExpand, scale: float) -> torch.Tensor:
+    """New queries against the cached slots ``:end`` in the absorbed form
+    (:class:`LatentAttention`)."""
+    w_k_HNC, w_v_HVC = expand.heads(qn_BHTN.shape[1])
+    q_lat_BHTC = torch.einsum("bhtn,hnc->bhtc", qn_BHTN, w_k_HNC)
+    c_B1SC = state.c_BSC[:, None, :end]
+    # one shared "kv head": keys [latent | RoPE key], values the latent
+    k_B1SX = torch.cat([c_B1SC, state.kr_BSR[:, None, :end]], dim=-1)
+    o_lat_BHTC = F.scaled_dot_product_attention(
+        torch.cat([q_lat_BHTC, qr_BHTR], dim=-1), k_B1SX, c_B1SC, attn_mask=mask,
+        scale=scale, enable_gqa=True)
+    return torch.einsum("bhtc,hvc->bhtv", o_lat_BHTC, w_v_HVC)
+
+
 class MLA(nn.Module):
     """``layers.i.mixer.{q_proj | q_a_proj, q_a_norm, q_b_proj}``, ``kv_a_proj``,
-    ``kv_a_norm``, ``kv_b_proj``, ``o_proj`` (no biases)."""
+    ``kv_a_norm``, ``kv_b_proj``, ``o_proj`` (no biases); the time mixing is ``core``
+    (:class:`LatentAttention`), everything around it token-wise."""
 
     uses_doc_ids = True
     """``forward`` takes ``doc_ids`` (the residual layer passes them only to mixers that do)."""
+    ops = ("core",)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -195,9 +302,9 @@ class MLA(nn.Module):
         self.kv_a_norm = RMSNorm(m.kv_lora_rank, m.norm_eps)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, h * (self.d_nope + self.d_v), bias=False)
         self.o_proj = nn.Linear(h * self.d_v, d, bias=False)
-        self.inv_freq, self.rope_gain = mla_rope(m)
+        self.rotary = Rotary(*mla_rope(m))
         self.scale = mla_softmax_scale(m)
-        self.max_dense_len = m.max_dense_len
+        self.core = LatentAttention(m.max_dense_len)
 
     def init_rules(self) -> dict[str, Init]:
         return {"*_proj.weight": Normal(self.init_std)}
@@ -207,19 +314,13 @@ class MLA(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
                 step: Step | None = None) -> torch.Tensor:
-        if step is not None:
-            return self.forward_cached(x_BTD, step.state, step.ctx)
-        t = x_BTD.shape[1]
-        self._check_length(t)
+        """With ``step`` the new tokens continue from its latents (and leave theirs)."""
+        b, t, _ = x_BTD.shape
         qn_BHTN, qr_BHTR, c_BTC, kr_BTR = self._project(x_BTD)
-        if doc_ids is None:
-            cos, sin = self._cos_sin(t, x_BTD.device, qn_BHTN.dtype)
-        else:  # positions restart at each document
-            cos, sin = rope_cos_sin_at(doc_positions(doc_ids), self.inv_freq, qn_BHTN.dtype)
-            cos, sin = self._gain(cos), self._gain(sin)
-        qr_BHTR = apply_rope(qr_BHTR, cos, sin)
-        kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
-        return self._dense(qn_BHTN, qr_BHTR, c_BTC, kr_B1TR, doc_ids)
+        expand = LatentExpand(self.kv_b_proj, self.d_nope, self.d_v)
+        o_BHTV = self.core(qn_BHTN, qr_BHTR, c_BTC, kr_BTR, expand, self.rotary, self.scale,
+                           doc_ids=doc_ids, step=step)
+        return self.o_proj(o_BHTV.transpose(1, 2).reshape(b, t, -1))
 
     def _project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The no-RoPE and RoPE parts of q ``[B, H, T, N | R]``, the normalised latent
@@ -235,25 +336,6 @@ class MLA(nn.Module):
         c_BTC, kr_BTR = self.kv_a_proj(x_BTD).split([self.kv_lora_rank, self.d_rope], dim=-1)
         return qn_BHTN, qr_BHTR, self.kv_a_norm(c_BTC), kr_BTR
 
-    def _dense(self, qn_BHTN: torch.Tensor, qr_BHTR: torch.Tensor, c_BTC: torch.Tensor,
-               kr_B1TR: torch.Tensor, doc_ids: torch.Tensor | None,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The training form: per-head keys and values from the latent, then SDPA (causal, or
-        block-diagonal by ``doc_ids``, or ``mask``)."""
-        b, h, t, _ = qn_BHTN.shape
-        kv = self.kv_b_proj(c_BTC).view(b, t, -1, self.d_nope + self.d_v)
-        kn_BHTN, v_BHTV = kv.transpose(1, 2).split([self.d_nope, self.d_v], dim=-1)
-        q_BHTQ = torch.cat([qn_BHTN, qr_BHTR], dim=-1)
-        k_BHTQ = torch.cat([kn_BHTN, kr_B1TR.expand(-1, h, -1, -1)], dim=-1)
-        if doc_ids is None:
-            with sdpa_context(q_BHTQ):  # flash first on CUDA; CPU untouched (kernels.sdpa)
-                o_BHTV = F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTV,
-                                                        attn_mask=mask, is_causal=mask is None,
-                                                        scale=self.scale)
-        else:  # block-diagonal causal: each document attends to itself only
-            o_BHTV = doc_sdpa(q_BHTQ, k_BHTQ, v_BHTV, doc_ids, self.scale)
-        return self.o_proj(o_BHTV.transpose(1, 2).reshape(b, t, -1))
-
     def init_cache(self, batch: int, max_len: int, device: torch.device,
                    dtype: torch.dtype) -> LatentState:
         """The normalised latent and the RoPE key of ``max_len`` slots: ``C + R`` numbers per
@@ -261,60 +343,6 @@ class MLA(nn.Module):
         return LatentState(
             torch.zeros(batch, max_len, self.kv_lora_rank, device=device, dtype=dtype),
             torch.zeros(batch, max_len, self.d_rope, device=device, dtype=dtype))
-
-    def forward_cached(self, x_BTD: torch.Tensor, state: LatentState,
-                       ctx: StepContext) -> torch.Tensor:
-        """The new tokens' latents and RoPE keys written into slots ``ctx.start : ctx.end``.
-        A prompt (first call) attends in the training form; later tokens in the absorbed form,
-        against the cached latents without expanding them per head:
-
-            score_h(t, s) = (W_k,h^T qn_h,t) . c_s + qr_h,t . kr_s,   o_h = W_v,h sum_s p c_s
-
-        with ``W_k,h`` / ``W_v,h`` head ``h``'s rows of ``kv_b_proj``."""
-        self._check_length(ctx.end)
-        qn_BHTN, qr_BHTR, c_BTC, kr_BTR = self._project(x_BTD)
-        cos, sin = rope_cos_sin_at(ctx.pos_BT, self.inv_freq, qn_BHTN.dtype)
-        cos, sin = self._gain(cos), self._gain(sin)
-        qr_BHTR = apply_rope(qr_BHTR, cos, sin)
-        kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
-        state.c_BSC[:, ctx.start:ctx.end] = c_BTC
-        state.kr_BSR[:, ctx.start:ctx.end] = kr_B1TR[:, 0]
-        mask = attention_mask(ctx)
-        if ctx.start == 0:
-            return self._dense(qn_BHTN, qr_BHTR, c_BTC, kr_B1TR, None, mask)
-        b, h, t, _ = qn_BHTN.shape
-        w = self.kv_b_proj.weight.view(h, self.d_nope + self.d_v, self.kv_lora_rank)
-        w_k_HNC, w_v_HVC = w[:, :self.d_nope], w[:, self.d_nope:]
-        q_lat_BHTC = torch.einsum("bhtn,hnc->bhtc", qn_BHTN, w_k_HNC)
-        c_B1SC = state.c_BSC[:, None, :ctx.end]
-        # one shared "kv head": keys [latent | RoPE key], values the latent
-        k_B1SX = torch.cat([c_B1SC, state.kr_BSR[:, None, :ctx.end]], dim=-1)
-        o_lat_BHTC = F.scaled_dot_product_attention(
-            torch.cat([q_lat_BHTC, qr_BHTR], dim=-1), k_B1SX, c_B1SC, attn_mask=mask,
-            scale=self.scale, enable_gqa=True)
-        o_BHTV = torch.einsum("bhtc,hvc->bhtv", o_lat_BHTC, w_v_HVC)
-        return self.o_proj(o_BHTV.transpose(1, 2).reshape(b, t, -1))
-
-    def _check_length(self, t: int) -> None:
-        if self.max_dense_len is not None and t > self.max_dense_len:
-            n = self.max_dense_len
-            raise ValueError(f"MLA: sequence of {t} tokens exceeds mla.max_dense_len={n}: sparse "
-                             f"attention (DeepSeek-V3.2's indexer, top-k {n}) is not built; "
-                             f"sequences up to {n} tokens are exact")
-
-    def _gain(self, table: torch.Tensor) -> torch.Tensor:
-        return table * self.rope_gain if self.rope_gain != 1.0 else table
-
-    def _cos_sin(self, t: int, device: torch.device,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The RoPE tables for length ``t``, kept while the length, device and dtype repeat."""
-        key = (t, device, dtype)
-        cached = getattr(self, "_rope_cache", None)
-        if cached is None or cached[0] != key:
-            cos, sin = rope_cos_sin(t, self.inv_freq, device, dtype)
-            cached = (key, self._gain(cos), self._gain(sin))
-            self._rope_cache = cached
-        return cached[1], cached[2]
 
     def parallel_plan(self) -> ParallelPlan:
         """Heads split over ``tp``: the query up-projection (or ``q_proj``) and ``kv_b_proj``
@@ -324,7 +352,7 @@ class MLA(nn.Module):
         q = ("q_proj",) if self.q_lora_rank is None else ("q_b_proj",)
         return ParallelPlan(colwise=(*q, "kv_b_proj"), rowwise=("o_proj",),
                             partial=("q_a_proj.weight", "q_a_norm.weight", "kv_a_proj.weight",
-                                     "kv_a_norm.weight"), context="latent_gather")
+                                     "kv_a_norm.weight"))
 
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Divisible]:

@@ -72,6 +72,21 @@ def test_max_dense_len_refuses_longer_sequences():
         mla(torch.randn(2, 7, 32))
 
 
+def test_max_dense_len_holds_under_context_parallelism():
+    """The cp variant refuses by the whole rows' length, not this rank's tokens."""
+    import dataclasses
+
+    from composer.parallel.context.layout import CPContext
+    from composer.parallel.context.variants import variant_factory
+
+    mla = MLA(_cfg(dataclasses.replace(CASES["lora-q"], max_dense_len=6)))
+    factory = variant_factory(mla.core)
+    assert factory is not None
+    mla.core = factory(mla.core, CPContext(group=None, size=2, rank=0, T=8))
+    with pytest.raises(ValueError, match="sequence of 8 tokens exceeds mla.max_dense_len=6"):
+        mla(torch.randn(1, 4, 32))
+
+
 def _hf_config(m: MLAConfig, interleave: bool):
     from transformers import DeepseekV3Config
 
@@ -152,7 +167,7 @@ def test_yarn_frequencies_match_transformers():
     inv_freq, gain = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
     ours = yarn_frequencies(m.d_head_rope, m.rope_theta, m.rope_scaling)
     torch.testing.assert_close(ours.float(), inv_freq.float(), rtol=1e-6, atol=0)
-    assert MLA(_cfg(m)).rope_gain == pytest.approx(gain, rel=1e-12)
+    assert MLA(_cfg(m)).rotary.gain == pytest.approx(gain, rel=1e-12)
 
 
 def test_flops_and_plan():

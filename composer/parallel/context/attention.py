@@ -1,4 +1,7 @@
-"""Context-parallel attention and multi-latent attention (the package docstring)."""
+"""Context-parallel attention and multi-latent attention (the package docstring): the variants
+``kv_gather`` (:class:`GatheredKV`) and ``latent_gather`` (:class:`GatheredLatent`) of the
+blocks' time-mixing ops, which take the ops' arguments and attend this rank's queries to the
+keys of the whole rows."""
 
 from __future__ import annotations
 
@@ -9,23 +12,89 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.parallel.context.layout import CPContext, gather_chunks, gather_padded
+from composer.parallel.context.variants import register_variant
 
 
-def cp_attention_forward(self: nn.Module, x_BTD: torch.Tensor, *,
-                         doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """:class:`composer.blocks.attention.Attention` over the whole rows (module docstring)."""
-    from composer.blocks.attention import apply_rope, rope_cos_sin_at
+def _no_step(step: Any) -> None:
+    if step is not None:
+        raise ValueError("decoding (step=) does not run under context parallelism")
 
-    cp: CPContext = self.cp
-    q_BHTE, k_BKTE, v_BKTE, gate_BTX = self._project(x_BTD)
-    if self.rope:
-        cos, sin = rope_cos_sin_at(cp.pos_BT, self.inv_freq, q_BHTE.dtype)
-        q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
-    if cp.layout is not None:
-        return self._output(adaptive_attention(q_BHTE, k_BKTE, v_BKTE, cp, self.scale),
-                            gate_BTX)
-    k_all, v_all = gather_chunks(k_BKTE, cp, 2), gather_chunks(v_BKTE, cp, 2)
-    return self._output(chunk_attention(q_BHTE, k_all, v_all, cp, self.scale), gate_BTX)
+
+def _gather(x: torch.Tensor, cp: CPContext, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` along ``dim``: the 2N chunks in global order, or the adaptive
+    layout's padded pieces (rank-major)."""
+    if cp.layout is None:
+        return gather_chunks(x, cp, dim)
+    return gather_padded(x, cp, dim, cp.layout.max_tokens)
+
+
+def _attend(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor, cp: CPContext,
+            scale: float) -> torch.Tensor:
+    """This rank's queries against the gathered keys: :func:`chunk_attention` in the 2N-chunk
+    layout; in the adaptive one, masked to the same document and earlier positions
+    (``cp.extra["mask"]``, :mod:`.adaptive`)."""
+    if cp.layout is None:
+        return chunk_attention(q_BHTE, k_BKSE, v_BKSE, cp, scale)
+    from composer.kernels import sdpa_context
+
+    with sdpa_context(q_BHTE):
+        return F.scaled_dot_product_attention(
+            q_BHTE, k_BKSE, v_BKSE, attn_mask=cp.extra["mask"], scale=scale,
+            enable_gqa=q_BHTE.shape[1] != k_BKSE.shape[1])
+
+
+class GatheredKV(nn.Module):
+    """``kv_gather``: :class:`composer.blocks.attention.CausalAttention` over the whole rows.
+    RoPE at the tokens' global (or in-document) positions ``cp.pos_BT``; keys and values are
+    all-gathered (their gradients reduce-scattered back)."""
+
+    def __init__(self, op: nn.Module, cp: CPContext) -> None:
+        super().__init__()
+        self.op, self.cp = op, cp
+
+    def forward(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
+                rotary: Any, scale: float, *, doc_ids: torch.Tensor | None = None,
+                step: Any = None) -> torch.Tensor:
+        """The op's output for this rank's tokens (``doc_ids``: the rows' own are in ``cp``)."""
+        from composer.blocks.attention import apply_rope
+
+        _no_step(step)
+        cp = self.cp
+        if rotary is not None:
+            cos, sin = rotary.at(cp.pos_BT, q_BHTE.dtype)
+            q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
+        return _attend(q_BHTE, _gather(k_BKTE, cp, 2), _gather(v_BKTE, cp, 2), cp, scale)
+
+
+class GatheredLatent(nn.Module):
+    """``latent_gather``: :class:`composer.blocks.mla.LatentAttention` over the whole rows.
+    The normalised latents and RoPE keys (``C + R`` numbers a token) are all-gathered and every
+    rank expands them into per-head keys and values; rows longer than the op's
+    ``max_dense_len`` are refused by their whole length."""
+
+    def __init__(self, op: nn.Module, cp: CPContext) -> None:
+        super().__init__()
+        self.op, self.cp = op, cp
+
+    def forward(self, qn_BHTN: torch.Tensor, qr_BHTR: torch.Tensor, c_BTC: torch.Tensor,
+                kr_BTR: torch.Tensor, expand: Any, rotary: Any, scale: float, *,
+                doc_ids: torch.Tensor | None = None, step: Any = None) -> torch.Tensor:
+        from composer.blocks.attention import apply_rope
+        from composer.blocks.mla import latent_keys
+
+        _no_step(step)
+        cp = self.cp
+        self.op.check_length(cp.T)
+        cos, sin = rotary.at(cp.pos_BT, qn_BHTN.dtype)
+        qr_BHTR = apply_rope(qr_BHTR, cos, sin)
+        kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
+        c_BSC, kr_B1SR = _gather(c_BTC, cp, 1), _gather(kr_B1TR, cp, 2)
+        q_BHTQ, k_BHSQ, v_BHSV = latent_keys(qn_BHTN, qr_BHTR, c_BSC, kr_B1SR, expand)
+        return _attend(q_BHTQ, k_BHSQ, v_BHSV, cp, scale)
+
+
+register_variant("kv_gather", GatheredKV)
+register_variant("latent_gather", GatheredLatent)
 
 
 def chunk_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
@@ -108,53 +177,3 @@ class _PrefixCausalAttention(torch.autograd.Function):
             dks.append(dk_b)
             dvs.append(dv_b)
         return dq, torch.cat(dks, 2), torch.cat(dvs, 2), None
-
-
-def cp_mla_forward(self: nn.Module, x_BTD: torch.Tensor, *,
-                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """:class:`composer.blocks.mla.MLA` over the whole rows: the normalised
-    latents and RoPE keys (``C + R`` numbers a token) are all-gathered, and every rank expands
-    them into per-head keys and values (module docstring)."""
-    from composer.blocks.attention import apply_rope, rope_cos_sin_at
-
-    cp: CPContext = self.cp
-    self._check_length(cp.T)
-    b, t, _ = x_BTD.shape
-    qn_BHTN, qr_BHTR, c_BTC, kr_BTR = self._project(x_BTD)
-    cos, sin = rope_cos_sin_at(cp.pos_BT, self.inv_freq, qn_BHTN.dtype)
-    cos, sin = self._gain(cos), self._gain(sin)
-    qr_BHTR = apply_rope(qr_BHTR, cos, sin)
-    kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
-    if cp.layout is not None:
-        n_max = cp.layout.max_tokens
-        c_BSC, kr_B1SR = gather_padded(c_BTC, cp, 1, n_max), gather_padded(kr_B1TR, cp, 2, n_max)
-    else:
-        c_BSC, kr_B1SR = gather_chunks(c_BTC, cp, 1), gather_chunks(kr_B1TR, cp, 2)
-    h, S = qn_BHTN.shape[1], c_BSC.shape[1]
-    kv = self.kv_b_proj(c_BSC).view(b, S, -1, self.d_nope + self.d_v)
-    kn_BHSN, v_BHSV = kv.transpose(1, 2).split([self.d_nope, self.d_v], dim=-1)
-    q_BHTQ = torch.cat([qn_BHTN, qr_BHTR], dim=-1)
-    k_BHSQ = torch.cat([kn_BHSN, kr_B1SR.expand(-1, h, -1, -1)], dim=-1)
-    if cp.layout is not None:
-        from composer.kernels import sdpa_context
-
-        with sdpa_context(q_BHTQ):
-            o_BHTV = F.scaled_dot_product_attention(q_BHTQ, k_BHSQ, v_BHSV,
-                                                    attn_mask=cp.extra["mask"], scale=self.scale)
-    else:
-        o_BHTV = chunk_attention(q_BHTQ, k_BHSQ, v_BHSV, cp, self.scale)
-    return self.o_proj(o_BHTV.transpose(1, 2).reshape(b, t, -1))
-
-
-def adaptive_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
-                       cp: CPContext, scale: float) -> torch.Tensor:
-    """This rank's queries against every rank's keys (gathered, padded), masked to the same
-    document and earlier positions."""
-    from composer.kernels import sdpa_context
-
-    n_max = cp.layout.max_tokens
-    k_all, v_all = gather_padded(k_BKTE, cp, 2, n_max), gather_padded(v_BKTE, cp, 2, n_max)
-    with sdpa_context(q_BHTE):
-        return F.scaled_dot_product_attention(
-            q_BHTE, k_all, v_all, attn_mask=cp.extra["mask"], scale=scale,
-            enable_gqa=q_BHTE.shape[1] != k_all.shape[1])

@@ -13,7 +13,6 @@ from torch import nn
 from composer.blocks.loss import IGNORE_INDEX
 from composer.blocks.protocol import declared, plan_of, time_ops
 from composer.parallel.context.adaptive import _adaptive_cut
-from composer.parallel.context.attention import cp_attention_forward, cp_mla_forward
 from composer.parallel.context.layout import (
     CPContext,
     check_cp_length,
@@ -69,8 +68,7 @@ def _cp_class(cls: type, forward: Any) -> type:  # interim: goes with FORMS
 _CLASSES: dict = {}
 
 
-FORMS = {"kv_gather": cp_attention_forward, "latent_gather": cp_mla_forward,
-         "ssd_state": cp_mamba_forward, "delta_state": cp_gdn_forward}
+FORMS = {"ssd_state": cp_mamba_forward, "delta_state": cp_gdn_forward}
 """The cp form of each ``ParallelPlan.context`` strategy (the package docstring)."""
 
 
