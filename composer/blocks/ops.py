@@ -73,7 +73,8 @@ class LinearRecurrence(TimeMixingOp):
     - ``end_state(*tokens, doc_ids=None, **consts) -> (S_local [B, ...], M [B, ...])``: with
       ``doc_ids`` only the last document feeds ``S_local`` and ``M`` is zero across a document
       start.
-    - ``carry(M, S) -> S`` (static): what a start state ``S`` becomes at the span's end.
+    - ``carry(M, S) -> S`` (static): what a start state ``S`` becomes at the span's end; any
+      leading dims (a batch of spans, or one span's state without one).
     - ``mask_steps(tokens, keep_BT) -> tokens``: the same tokens with every position where
       ``keep`` is False an identity step (no decay, no input), so padding after a span changes
       neither its outputs nor its end state.

@@ -21,7 +21,6 @@ from composer.parallel.context.layout import (
     rows_mean,
     safe_targets,
 )
-from composer.parallel.context.recurrent import cp_gdn_forward, cp_mamba_forward
 from composer.parallel.context.variants import variant_factory
 from composer.parallel.mesh import LayoutError, ParallelDims
 
@@ -70,8 +69,7 @@ def _cp_class(cls: type, forward: Any) -> type:
 _CLASSES: dict = {}
 
 
-FORMS = {"kv_gather": cp_attention_forward, "latent_gather": cp_mla_forward,
-         "ssd_state": cp_mamba_forward, "delta_state": cp_gdn_forward}
+FORMS = {"kv_gather": cp_attention_forward, "latent_gather": cp_mla_forward}
 """The cp form of each ``ParallelPlan.context`` strategy (the package docstring)."""
 
 
