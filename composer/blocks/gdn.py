@@ -31,6 +31,10 @@ b, a. Its ``conv1d.weight`` is already ``[q; k; v]``, ``out_proj`` is ``o_proj``
 ``in_proj_qkv`` (``[q; k; v]`` rows), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; OLMo-Hybrid
 stores ``q/k/v/a/b_proj``, ``g_proj`` (our ``z_proj``) and ``o_norm`` (our ``norm``).
 
+Time mixing is two parameterless ops (:mod:`composer.blocks.ops`), ``conv``
+(:class:`~composer.blocks.ops.CausalConv`, Mamba-2's) and ``rule`` (:class:`DeltaRule`);
+everything around them is token-wise.
+
 Packed documents (``doc_ids``): the convolution reads no earlier document and the state restarts
 at each document's first token (:mod:`composer.kernels.gdn`).
 

@@ -10,6 +10,11 @@ projections"); a short causal depthwise convolution plus SiLU mixes ``xBC`` over
 then the gated grouped RMSNorm (§7.2) ``norm(y * silu(z))`` and the output projection. This is
 the math of transformers' ``Mamba2Mixer`` / ``NemotronHMamba2Mixer`` torch path.
 
+Time mixing is two parameterless ops (:mod:`composer.blocks.ops`), ``conv``
+(:class:`~composer.blocks.ops.CausalConv`) and ``scan`` (:class:`SSDScan`); everything around
+them is token-wise. Context parallelism swaps them for their variants; decoding passes ``step``
+through them.
+
 Packed documents (``doc_ids``, :mod:`composer.kernels.docs`): the convolution reads no input of
 an earlier document and the scan's state restarts from zero at each document, so every document
 gives what it gives alone.
