@@ -31,6 +31,10 @@ b, a. Its ``conv1d.weight`` is already ``[q; k; v]``, ``out_proj`` is ``o_proj``
 ``in_proj_qkv`` (``[q; k; v]`` rows), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; OLMo-Hybrid
 stores ``q/k/v/a/b_proj``, ``g_proj`` (our ``z_proj``) and ``o_norm`` (our ``norm``).
 
+Time mixing is two parameterless ops (:mod:`composer.blocks.ops`), ``conv``
+(:class:`~composer.blocks.ops.CausalConv`, Mamba-2's) and ``rule`` (:class:`DeltaRule`);
+everything around them is token-wise.
+
 Packed documents (``doc_ids``): the convolution reads no earlier document and the state restarts
 at each document's first token (:mod:`composer.kernels.gdn`).
 
@@ -40,21 +44,22 @@ X conv channels (2 G K + H V).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer.blocks.cache import RecurrentState, Step, StepContext, recurrent_state
+from composer.blocks.cache import RecurrentState, Step, recurrent_state
 from composer.blocks.kind import LayerKind
 from composer.blocks.mamba2 import ALogInit, DtBiasInit
+from composer.blocks.ops import CausalConv, LinearRecurrence, keep_mask, step_docs
 from composer.blocks.plan import ONES, Divisible, Init, Normal, ParallelPlan, init_module
 from composer.blocks.split import SplitCausalConv1d
 from composer.config import ConfigError, ModelConfig, positive
-from composer.kernels import conv_silu
-from composer.kernels.conv import conv_continue, keep_window
-from composer.kernels.gdn import gated_delta_rule, gdn_recurrent_ref, gdn_step
+from composer.kernels.gdn import gated_delta_rule, gdn_end_state, gdn_recurrent_ref, gdn_step
 
 L2_EPS = 1e-6
 """transformers' and fla's ``l2norm`` epsilon (inside the square root, added to the sum)."""
@@ -137,11 +142,57 @@ class HeadGatedRMSNorm(nn.Module):
         return h * F.silu(gate.to(h.dtype))
 
 
+class DeltaRule(LinearRecurrence):
+    """The gated delta rule (:func:`composer.kernels.gated_delta_rule`) as a linear recurrence
+    over the tokens ``q, k [B, T, G, K]``, ``v [B, T, H, V]``, ``g, beta [B, T, H]``; the state
+    ``[B, H, K, V]`` ends a span as ``M @ S_start + S_local`` (``M [B, H, K, K]``,
+    :func:`composer.kernels.gdn.gdn_end_state`). With ``step``: one step of the recurrence per
+    decoded token (:func:`composer.kernels.gdn.gdn_step`), the chunked form from the cached
+    state for a prompt."""
+
+    def forward(self, q_BTGK: torch.Tensor, k_BTGK: torch.Tensor, v_BTHV: torch.Tensor,
+                g_BTH: torch.Tensor, beta_BTH: torch.Tensor, *,
+                doc_ids: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                step: Step | None = None, chunk_size: int) -> torch.Tensor:
+        if step is None:
+            return gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, chunk_size,
+                                    initial_state_BHKV=initial_state, doc_ids=doc_ids)
+        state = step.state.state
+        if q_BTGK.shape[1] == 1 and not step.fresh:  # one decoding step: the recurrence
+            return gdn_step(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, state)
+        o_BTHV, final = gated_delta_rule(
+            q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, chunk_size,
+            initial_state_BHKV=None if step.fresh else state, return_final_state=True,
+            doc_ids=step_docs(doc_ids, step))
+        state.copy_(final)
+        return o_BTHV
+
+    def end_state(self, q_BTGK: torch.Tensor, k_BTGK: torch.Tensor, v_BTHV: torch.Tensor,
+                  g_BTH: torch.Tensor, beta_BTH: torch.Tensor, *,
+                  doc_ids: torch.Tensor | None = None, chunk_size: int,
+                  **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(S_local [B, H, K, V], M [B, H, K, K])``."""
+        return gdn_end_state(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, chunk_size,
+                             doc_ids=doc_ids)
+
+    @staticmethod
+    def carry(M: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+        return M @ S
+
+    def mask_steps(self, tokens: Sequence[torch.Tensor],
+                   keep_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """No decay (``g = 0``) and no update (``beta = 0``, ``q = k = 0``)."""
+        q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH = tokens
+        return (q_BTGK * keep_mask(keep_BT, q_BTGK), k_BTGK * keep_mask(keep_BT, k_BTGK),
+                v_BTHV, g_BTH * keep_mask(keep_BT, g_BTH), beta_BTH * keep_mask(keep_BT, beta_BTH))
+
+
 class GatedDeltaNet(nn.Module):
     """``layers.i.mixer.{q,k,v,z,b,a}_proj, conv1d, A_log, dt_bias, norm, o_proj`` (docstring)."""
 
     keep_fp32 = ("A_log", "dt_bias")
     uses_doc_ids = True
+    ops = ("conv", "rule")
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -163,6 +214,8 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(d.n_heads))
         self.norm = HeadGatedRMSNorm(d.d_head_v, d.norm_eps)
         self.o_proj = nn.Linear(vv, D, bias=False)
+        self.conv = CausalConv()  # the time-mixing ops (parameterless; cp swaps them)
+        self.rule = DeltaRule()
 
     def init_rules(self) -> dict[str, Init]:
         d = self.gdn_cfg  # conv1d and norm declare their own
@@ -180,39 +233,15 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
                 step: Step | None = None) -> torch.Tensor:
-        if step is not None:
-            return self.forward_cached(x_BTD, step.state, step.ctx)
-        return self._run(x_BTD, doc_ids)
-
-    def _run(self, x_BTD: torch.Tensor, doc_ids: torch.Tensor | None,
-             state: RecurrentState | None = None, fresh: bool = True) -> torch.Tensor:
-        """The mixer; with ``state`` it continues from it (or, ``fresh``, starts from zero) and
-        leaves the conv window and delta-rule state after the last token there."""
-        d = self.gdn_cfg
-        T = x_BTD.shape[1]
-        qkv_BTX = self.project(x_BTD)
-        if state is None or fresh:
-            conv_BTX = conv_silu(qkv_BTX, self.conv1d, doc_ids)
-            if state is not None:
-                keep_window(state.conv_BXW, qkv_BTX, doc_ids, fresh)
-        else:
-            conv_BTX = conv_continue(qkv_BTX, self.conv1d, state.conv_BXW, update=True)
+        """The mixer; with ``step`` it continues from ``step.state`` (the ops read and leave
+        their fields of it: the conv window, the delta-rule state)."""
+        conv_BTX = self.conv(self.project(x_BTD), self.conv1d, doc_ids=doc_ids, step=step)
         q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH = self.rule_inputs(conv_BTX, x_BTD)
-        if state is None:
-            o_BTHV = gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, d.chunk_size,
-                                      doc_ids=doc_ids)
-        elif T == 1 and not fresh:  # one decoding step: the recurrence itself
-            o_BTHV = gdn_step(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, state.state)
-        else:
-            o_BTHV, final = gated_delta_rule(
-                q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, d.chunk_size,
-                initial_state_BHKV=None if fresh else state.state, return_final_state=True,
-                doc_ids=doc_ids)
-            state.state.copy_(final)
+        o_BTHV = self.rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, doc_ids=doc_ids, step=step,
+                           chunk_size=self.gdn_cfg.chunk_size)
         return self.finish(o_BTHV, x_BTD)
 
-    # The three stages of the mixer, also run by context parallelism (composer.parallel.context)
-    # with its own convolution halo and state passing in between.
+    # The token-wise stages around the ops.
 
     def project(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """The convolution's input ``[q, k, v]`` (``[B, T, X]``)."""
@@ -253,19 +282,13 @@ class GatedDeltaNet(nn.Module):
         return recurrent_state(batch, 2 * G * d.d_head_k + H * d.d_head_v, d.d_conv,
                                (H, d.d_head_k, d.d_head_v), device, dtype)
 
-    def forward_cached(self, x_BTD: torch.Tensor, state: RecurrentState,
-                       ctx: StepContext) -> torch.Tensor:
-        """Continue from ``state`` over the new tokens (the chunked form for a prompt, one step
-        of the recurrence per decoded token); padding of a first call is isolated."""
-        return self._run(x_BTD, ctx.doc_ids_BT, state, fresh=ctx.start == 0)
-
     def parallel_plan(self) -> ParallelPlan:
         """Heads split over ``tp`` (Megatron's GDN): the six input projections column parallel by
         heads, each part of the conv and the per-head ``A_log`` / ``dt_bias`` split alike, o_proj
         row parallel; the norm weight (one head wide, shared) replicated with partial grads."""
         return ParallelPlan(colwise=("q_proj", "k_proj", "v_proj", "z_proj", "b_proj", "a_proj"),
                             rowwise=("o_proj",), shard={"conv1d.*": 0, "A_log": 0, "dt_bias": 0},
-                            partial=("norm.weight",), context="delta_state")
+                            partial=("norm.weight",))
 
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Divisible]:

@@ -10,6 +10,11 @@ projections"); a short causal depthwise convolution plus SiLU mixes ``xBC`` over
 then the gated grouped RMSNorm (§7.2) ``norm(y * silu(z))`` and the output projection. This is
 the math of transformers' ``Mamba2Mixer`` / ``NemotronHMamba2Mixer`` torch path.
 
+Time mixing is two parameterless ops (:mod:`composer.blocks.ops`), ``conv``
+(:class:`~composer.blocks.ops.CausalConv`) and ``scan`` (:class:`SSDScan`); everything around
+them is token-wise. Context parallelism swaps them for their variants; decoding passes ``step``
+through them.
+
 Packed documents (``doc_ids``, :mod:`composer.kernels.docs`): the convolution reads no input of
 an earlier document and the scan's state restarts from zero at each document, so every document
 gives what it gives alone.
@@ -22,14 +27,17 @@ Shape legend:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from composer.blocks.cache import RecurrentState, Step, StepContext, recurrent_state
+from composer.blocks.cache import RecurrentState, Step, recurrent_state
 from composer.blocks.kind import LayerKind
 from composer.blocks.norm import GatedRMSNorm, gated_rms_norm_ref
+from composer.blocks.ops import CausalConv, LinearRecurrence, keep_mask, step_docs
 from composer.blocks.plan import (
     ONES,
     ZEROS,
@@ -42,9 +50,9 @@ from composer.blocks.plan import (
 )
 from composer.blocks.split import SplitCausalConv1d, SplitLinear
 from composer.config import ConfigError, ModelConfig, positive
-from composer.kernels import conv_silu, mamba_scan
-from composer.kernels.conv import conv_continue, keep_window
-from composer.kernels.scan import ssd_step
+from composer.kernels import mamba_scan
+from composer.kernels.docs import doc_segments
+from composer.kernels.scan import NO_LIMIT, ssd_end_state, ssd_step
 from composer.kernels.ssd import ssd_scan_ref
 
 # ---------------------------------------------------------------- the kind's config section
@@ -135,12 +143,60 @@ class ALogInit(Init):
         t.copy_(torch.log(a.uniform_(self.low, self.high, generator=generator)))
 
 
+class SSDScan(LinearRecurrence):
+    """The SSD scan (:func:`composer.kernels.mamba_scan`) as a linear recurrence over the
+    tokens ``x [B, T, H, P]``, raw ``dt [B, T, H]``, ``B``, ``C [B, T, G, N]``; the state
+    ``[B, H, P, N]`` ends a span as ``decay * S_start + S_local``
+    (:func:`composer.kernels.scan.ssd_end_state`, closed form). With ``step``: one step of the
+    recurrence per decoded token (:func:`composer.kernels.scan.ssd_step`), the chunked scan from
+    the cached state for a prompt."""
+
+    def forward(self, x_BTHP: torch.Tensor, dt_BTH: torch.Tensor, B_BTGN: torch.Tensor,
+                C_BTGN: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
+                initial_state: torch.Tensor | None = None, step: Step | None = None,
+                A_H: torch.Tensor, chunk_size: int, **dt_kw: Any) -> torch.Tensor:
+        if step is None:
+            return mamba_scan(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, chunk_size, **dt_kw,
+                              doc_ids=doc_ids, initial_state_BHPN=initial_state)
+        state = step.state.state
+        if x_BTHP.shape[1] == 1 and not step.fresh:  # one decoding step: the recurrence
+            return ssd_step(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, state, **dt_kw)
+        y_BTHP, final = mamba_scan(
+            x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, chunk_size, **dt_kw,
+            doc_ids=step_docs(doc_ids, step), initial_state_BHPN=None if step.fresh else state,
+            return_final_state=True)
+        state.copy_(final)
+        return y_BTHP
+
+    def end_state(self, x_BTHP: torch.Tensor, dt_BTH: torch.Tensor, B_BTGN: torch.Tensor,
+                  C_BTGN: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
+                  A_H: torch.Tensor, dt_bias_H: torch.Tensor | None = None,
+                  dt_softplus: bool = False, dt_limit: tuple[float, float] = NO_LIMIT,
+                  **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(S_local [B, H, P, N], decay [B, H])``."""
+        seg_BT = None if doc_ids is None else doc_segments(doc_ids)
+        return ssd_end_state(x_BTHP, dt_BTH, A_H, B_BTGN, seg_BT, dt_bias_H=dt_bias_H,
+                             dt_softplus=dt_softplus, dt_limit=dt_limit)
+
+    @staticmethod
+    def carry(M: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+        return M[..., None, None] * S
+
+    def mask_steps(self, tokens: Sequence[torch.Tensor],
+                   keep_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``dt -> -1e4`` (``softplus`` of it is 0: no decay, no input) and ``x -> 0``."""
+        x_BTHP, dt_BTH, B_BTGN, C_BTGN = tokens
+        dt_BTH = torch.where(keep_BT[..., None], dt_BTH, torch.full_like(dt_BTH, -1e4))
+        return x_BTHP * keep_mask(keep_BT, x_BTHP), dt_BTH, B_BTGN, C_BTGN
+
+
 class Mamba2Mixer(nn.Module):
     """``layers.i.mixer.{in_proj,conv1d,dt_bias,A_log,D,norm,out_proj}`` (transformers' names)."""
 
     keep_fp32 = ("A_log",)
     uses_doc_ids = True
     """``forward`` takes ``doc_ids`` (the residual layer passes them only to mixers that do)."""
+    ops = ("conv", "scan")
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -162,6 +218,8 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(m.n_heads))
         self.norm = GatedRMSNorm(d_inner, _norm_group_size(m), eps=cfg.norm_eps)
         self.out_proj = nn.Linear(d_inner, cfg.d_model, bias=m.proj_bias)
+        self.conv = CausalConv()  # the time-mixing ops (parameterless; cp swaps them)
+        self.scan = SSDScan()
 
     def init_rules(self) -> dict[str, Init]:
         m = self.mamba_cfg  # conv1d and norm declare their own
@@ -183,42 +241,19 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
                 step: Step | None = None) -> torch.Tensor:
-        if step is not None:
-            return self.forward_cached(x_BTD, step.state, step.ctx)
-        return self._run(x_BTD, doc_ids)
-
-    def _run(self, x_BTD: torch.Tensor, doc_ids: torch.Tensor | None,
-             state: RecurrentState | None = None, fresh: bool = True) -> torch.Tensor:
-        """The mixer; with ``state`` it continues from it (or, ``fresh``, starts from zero) and
-        leaves the conv window and SSM state after the last token there."""
-        b, T, _ = x_BTD.shape
+        """The mixer; with ``step`` it continues from ``step.state`` (the ops read and leave
+        their fields of it: the conv window, the SSM state)."""
         z_BTE, xBC_BTX, dt_BTH = self.project(x_BTD)
         # The conv runs on the transposed [B, X, T] layout; one copy back to [B, T, X] is
         # cheaper than the scan reading x, B and C with a stride-T inner dimension (measured:
         # 2.7% of a layer's train step).
-        if state is None or fresh:
-            conv_BTX = conv_silu(xBC_BTX, self.conv1d, doc_ids).contiguous()
-            if state is not None:
-                keep_window(state.conv_BXW, xBC_BTX, doc_ids, fresh)
-        else:
-            conv_BTX = conv_continue(xBC_BTX, self.conv1d, state.conv_BXW,
-                                     update=True).contiguous()
+        conv_BTX = self.conv(xBC_BTX, self.conv1d, doc_ids=doc_ids, step=step).contiguous()
         x_BTHP, B_BTGN, C_BTGN, A_H, extra = self.scan_inputs(conv_BTX)
-        if state is None:
-            y_BTHP = mamba_scan(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, self.mamba_cfg.chunk_size,
-                                **extra, doc_ids=doc_ids)
-        elif T == 1 and not fresh:  # one decoding step: the recurrence itself
-            y_BTHP = ssd_step(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, state.state, **extra)
-        else:
-            y_BTHP, final = mamba_scan(
-                x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, self.mamba_cfg.chunk_size, **extra,
-                doc_ids=doc_ids, initial_state_BHPN=None if fresh else state.state,
-                return_final_state=True)
-            state.state.copy_(final)
+        y_BTHP = self.scan(x_BTHP, dt_BTH, B_BTGN, C_BTGN, doc_ids=doc_ids, step=step, A_H=A_H,
+                           chunk_size=self.mamba_cfg.chunk_size, **extra)
         return self.finish(y_BTHP, z_BTE, x_BTD.dtype)
 
-    # The three stages of the mixer, also run by context parallelism (composer.parallel.context)
-    # with its own convolution halo and scan state passing in between.
+    # The token-wise stages around the ops.
 
     def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(z [B, T, E], xBC [B, T, X], dt [B, T, H])`` from the fused input projection."""
@@ -259,19 +294,12 @@ class Mamba2Mixer(nn.Module):
         return recurrent_state(batch, E + 2 * F_, m.d_conv, (H, m.d_head, m.d_state), device,
                                dtype)
 
-    def forward_cached(self, x_BTD: torch.Tensor, state: RecurrentState,
-                       ctx: StepContext) -> torch.Tensor:
-        """Continue from ``state`` over the new tokens (the chunked scan for a prompt, one step
-        of the recurrence per decoded token); padding of a first call is isolated."""
-        return self._run(x_BTD, ctx.doc_ids_BT, state, fresh=ctx.start == 0)
-
     def parallel_plan(self) -> ParallelPlan:
         """Heads and groups split over ``tp``: every component of in_proj and conv1d row-split on
         its own (Megatron's per-component sharding), the per-head vectors and the norm split;
         out_proj row parallel."""
         return ParallelPlan(shard={"in_proj.*": 0, "conv1d.*": 0, "dt_bias": 0, "A_log": 0,
-                                   "D": 0, "norm.weight": 0}, rowwise=("out_proj",),
-                            context="ssd_state")
+                                   "D": 0, "norm.weight": 0}, rowwise=("out_proj",))
 
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Divisible | DividesShard]:

@@ -155,12 +155,7 @@ class ParallelPlan:
     local_sums: tuple[str, ...] = ()
     """:class:`TokenSum` submodules: sums over this rank's own tokens (whole sequences, e.g.
     per-sequence statistics), which every tensor-parallel rank computes whole."""
-    context: str | None = None
-    """How context parallelism (``composer.parallel.context``) splits the block's mixing over
-    time: ``"kv_gather"`` (attention: keys and values all-gathered), ``"latent_gather"``
-    (multi-latent attention: latents and RoPE keys), ``"ssd_state"`` / ``"delta_state"``
-    (Mamba-2 / gated delta net: chunk state passing and conv halos); None for a block that mixes
-    nothing over time (``stateless`` MLP and MoE) or has no cp form."""
+
 
 
 class TokenSum(nn.Module):

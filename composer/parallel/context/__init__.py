@@ -7,10 +7,14 @@ chunks are cheap and the late ones dear, and each rank gets one of each). The ra
 group read the same rows; each computes its two chunks, side by side, as a ``(B, 2L)`` row
 (:mod:`.layout`).
 
-What crosses ranks, per layer kind (each block names its strategy in its plan,
-``ParallelPlan.context``; :data:`.model.FORMS` maps a strategy to the block's cp form, which
-reuses the block's own stages: ``_project`` / ``_output``, ``project`` / ``scan_inputs`` or
-``rule_inputs`` / ``finish``):
+What crosses ranks, per layer kind. A sequence mixer calls its time-mixing ops as submodules
+(``ops``: Mamba-2's ``conv`` and ``scan``, the gated delta net's ``conv`` and ``rule``, attention's
+and MLA's ``core``); everything around them is token-wise, so :func:`.model.apply_cp` swaps
+only each op for the variant its ``context`` names (:mod:`.variants`: ``halo_conv`` and
+``state_passing`` in :mod:`.recurrent`, ``kv_gather`` and ``latent_gather`` in
+:mod:`.attention`). A variant holds the op and the :class:`CPContext`; it handles both the
+2N-chunk layout and the adaptive one, and serves every kind whose op names it (a new kind's
+``LinearRecurrence`` op gets state passing as it is):
 
 - **Attention** (:mod:`.attention`): keys and values are all-gathered (Megatron's
   ``all_gather`` CP; the point-to-point ring is not built), and each local chunk ``c`` attends

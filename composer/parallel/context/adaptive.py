@@ -3,6 +3,7 @@ ones split; the layout, the padded piece rows, and the recurrences over them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from composer.blocks.loss import IGNORE_INDEX
-from composer.parallel.context.layout import CPContext, dt_args, gather_padded, safe_targets
+from composer.parallel.context.layout import CPContext, gather_padded, safe_targets
 from composer.parallel.mesh import LayoutError
 
 
@@ -158,16 +159,19 @@ def _adaptive_meta(cp: CPContext, device: torch.device) -> None:
     cp.pos_BT = (q_pos - starts.to(device))[None]
 
 
-def adaptive_halo_conv(x_1TX: torch.Tensor, conv: nn.Module, cp: CPContext) -> torch.Tensor:
-    """``silu(conv(x))`` of this rank's pieces as padded rows ``[P, Lmax, X]``, each preceded
-    by the ``K - 1`` inputs before it in its document (the previous piece's tail, gathered)."""
+def adaptive_halo_conv(x_1TX: torch.Tensor, conv: nn.Module, cp: CPContext,
+                       op: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """``op(x, conv)`` (default ``silu(conv(x))``) of this rank's pieces as padded rows
+    ``[P, Lmax, X]``, each preceded by the ``K - 1`` inputs before it in its document (the
+    previous piece's tail, gathered)."""
     from composer.kernels import conv_silu
 
+    op = conv_silu if op is None else op
     rows, layout = cp.extra["rows"], cp.layout
     h = conv.kernel - 1
     x_PLX = to_rows(x_1TX, rows)
     if h == 0:
-        return conv_silu(x_PLX, conv)
+        return op(x_PLX, conv)
     lengths = torch.tensor([layout.pieces[i].length for i in rows.ids], device=x_PLX.device)
     tail_idx = (lengths[:, None] - h + torch.arange(h, device=x_PLX.device)).clamp(min=0)
     tails = torch.gather(x_PLX, 1, tail_idx[..., None].expand(-1, -1, x_PLX.shape[-1]))
@@ -175,11 +179,12 @@ def adaptive_halo_conv(x_1TX: torch.Tensor, conv: nn.Module, cp: CPContext) -> t
     halo = torch.stack([all_tails[layout.slot[layout.pieces[g].prev]]
                         if layout.pieces[g].prev is not None else torch.zeros_like(tails[0])
                         for g in rows.ids])
-    return conv_silu(torch.cat([halo, x_PLX], 1), conv)[:, h:]
+    return op(torch.cat([halo, x_PLX], 1), conv)[:, h:]
 
 
 def adaptive_pass_states(local_P_: torch.Tensor, trans_P_: torch.Tensor, cp: CPContext,
-                         apply: Any) -> torch.Tensor:
+                         apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                         ) -> torch.Tensor:
     """The state entering each of this rank's pieces: the previous piece's end state
     ``apply(trans, start) + local`` along each split document (0 for a document's first)."""
     layout, rows, p_max = cp.layout, cp.extra["rows"], cp.layout.max_pieces
@@ -196,56 +201,12 @@ def adaptive_pass_states(local_P_: torch.Tensor, trans_P_: torch.Tensor, cp: CPC
     return torch.stack([start[g] for g in rows.ids])
 
 
-def adaptive_mamba_forward(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
-    from composer.kernels import mamba_scan
-    from composer.kernels.scan import ssd_end_state
-
-    cp: CPContext = self.cp
-    rows = cp.extra["rows"]
-    n = x_BTD.shape[1]
-    chunk = self.mamba_cfg.chunk_size
-    z_BTE, xBC_BTX, dt_BTH = self.project(x_BTD)
-    conv_PLX = adaptive_halo_conv(xBC_BTX, self.conv1d, cp).contiguous()
-    x_PLHP, B_PLGN, C_PLGN, A_H, extra = self.scan_inputs(conv_PLX)
-    # padding after a piece: dt -> softplus(-1e4) = 0 and x = 0, so the state neither decays
-    # nor takes input there, and the end state is the piece's
-    dt_PLH = to_rows(dt_BTH, rows, fill=-1e4)
-    x_PLHP = x_PLHP * rows.valid[..., None, None].to(x_PLHP.dtype)
-    end_PHPN, decay_PH = ssd_end_state(x_PLHP, dt_PLH, A_H, B_PLGN, None, **dt_args(extra))
-    start = adaptive_pass_states(end_PHPN, decay_PH, cp, lambda d, s: d[..., None, None] * s)
-    y_PLHP = mamba_scan(x_PLHP, dt_PLH, A_H, B_PLGN, C_PLGN, chunk, **extra,
-                        initial_state_BHPN=start)
-    return self.finish(from_rows(y_PLHP, rows, n), z_BTE, x_BTD.dtype)
-
-
-def adaptive_gdn_forward(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
-    from composer.kernels.gdn import gated_delta_rule, gdn_end_state
-
-    cp: CPContext = self.cp
-    rows = cp.extra["rows"]
-    n = x_BTD.shape[1]
-    chunk = self.gdn_cfg.chunk_size
-    conv_PLX = adaptive_halo_conv(self.project(x_BTD), self.conv1d, cp)
-    q, k, v, g, beta = self.rule_inputs(conv_PLX, to_rows(x_BTD, rows))
-    # padding after a piece: no decay (g = 0) and no update (beta = 0, k = q = 0)
-    valid = rows.valid.to(g.dtype)
-    q, k = q * valid[..., None, None], k * valid[..., None, None]
-    g, beta = g * valid[..., None], beta * valid[..., None]
-    end, trans = gdn_end_state(q, k, v, g, beta, chunk)
-    start = adaptive_pass_states(end, trans, cp, lambda m, s: m @ s)
-    o = gated_delta_rule(q, k, v, g, beta, chunk, initial_state_BHKV=start)
-    return self.finish(from_rows(o, rows, n), x_BTD)
-
-
-def _halo(cfg: Any) -> int:
-    return max([s.d_conv - 1 for s in (cfg.mamba, cfg.gdn) if s is not None], default=0)
-
-
 def _adaptive_cut(model: nn.Module, cp: CPContext, ids: torch.Tensor, labels: torch.Tensor,
                   kwargs: dict) -> tuple[tuple, dict]:
     """The adaptive layout of the rows (:func:`adaptive_layout`): this rank's tokens as one row
     of its pieces, their targets, and per-token document keys."""
     from composer.blocks.model import mask_doc_boundaries, shift_labels
+    from composer.specs.registry import halo
 
     doc = kwargs.get("doc_ids")
     if doc is None:
@@ -260,7 +221,7 @@ def _adaptive_cut(model: nn.Module, cp: CPContext, ids: torch.Tensor, labels: to
     b, t = ids.shape
     targets = shift_labels(mask_doc_boundaries(labels, doc))
     layout = adaptive_layout(doc.cpu().numpy(), cp.size, cp.min_tokens or t // cp.size,
-                             _halo(model.config))
+                             halo(model.config)[0])
     cp.layout, cp.T = layout, t
     mine = [layout.pieces[i] for i in layout.of_rank(cp.rank)]
     idx = torch.cat([torch.arange(p.row * t + p.start, p.row * t + p.start + p.length)

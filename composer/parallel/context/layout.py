@@ -180,9 +180,3 @@ def rows_mean(ce_local: torch.Tensor, n_local: torch.Tensor, n_rows: torch.Tenso
     token_sum = ce_local * n_local.to(ce_local.dtype)
     mean = AllReduceForward.apply(token_sum / n_rows.to(ce_local.dtype), cp.group)
     return ScaleGrad.apply(mean, float(cp.size))
-
-
-def dt_args(extra: dict) -> dict:
-    """The scan keywords that shape ``dt`` (:func:`composer.kernels.scan.scan_dt`)."""
-    return {"dt_bias_H": extra["dt_bias_H"], "dt_softplus": extra["dt_softplus"],
-            "dt_limit": extra["dt_limit"]}

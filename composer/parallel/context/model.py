@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from composer.blocks.loss import IGNORE_INDEX
-from composer.blocks.protocol import declared, plan_of, time_ops
+from composer.blocks.protocol import declared, time_ops
 from composer.parallel.context.adaptive import _adaptive_cut
 from composer.parallel.context.layout import (
     CPContext,
@@ -21,7 +21,6 @@ from composer.parallel.context.layout import (
     rows_mean,
     safe_targets,
 )
-from composer.parallel.context.recurrent import cp_gdn_forward, cp_mamba_forward
 from composer.parallel.context.variants import variant_factory
 from composer.parallel.mesh import LayoutError, ParallelDims
 
@@ -57,26 +56,6 @@ class CPDepthRows:
         return rows_mean(ce, (target_BT != IGNORE_INDEX).sum(), n_targets, self.cp)
 
 
-def _cp_class(cls: type, forward: Any) -> type:  # interim: goes with FORMS
-    name = f"ContextParallel{cls.__name__}"
-    cached = _CLASSES.get((cls, name))
-    if cached is None:
-        cached = _CLASSES[(cls, name)] = type(name, (cls,), {"forward": forward})
-    return cached
-
-
-_CLASSES: dict = {}
-
-
-FORMS = {"ssd_state": cp_mamba_forward, "delta_state": cp_gdn_forward}
-"""The cp form of each ``ParallelPlan.context`` strategy (the package docstring)."""
-
-
-def _form(mixer: nn.Module) -> Any:
-    plan = plan_of(mixer)
-    return FORMS.get(getattr(plan, "context", None))
-
-
 def _op_variants(mixer: nn.Module) -> list[tuple[str, Any]] | None:
     """``(name, factory)`` for each time-mixing op the mixer declares, or None when it declares
     none or one has no registered variant."""
@@ -95,8 +74,7 @@ def check_cp(model: nn.Module, cp: int) -> None:
 
     for key, layer in named_layers(model):
         mixer = layer.mixer
-        if declared(mixer, "stateless") or _op_variants(mixer) is not None \
-                or _form(mixer) is not None:
+        if declared(mixer, "stateless") or _op_variants(mixer) is not None:
             continue
         raise LayoutError(f"--cp: {key} ({getattr(layer, 'symbol', '?')!r}, "
                           f"{type(mixer).__name__}) has no context-parallel form yet")
@@ -193,11 +171,6 @@ def apply_cp(model: nn.Module, dims: ParallelDims) -> CPContext:
         if variants is not None:  # the ops swapped for their variants, which hold the context
             for name, factory in variants:
                 setattr(mixer, name, factory(getattr(mixer, name), cp))
-            continue
-        fwd = _form(mixer)
-        if fwd is not None:
-            mixer.__class__ = _cp_class(type(mixer), fwd)
-            mixer.cp = cp
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         mtp.rows = CPDepthRows(cp)
