@@ -1,12 +1,13 @@
-"""Typed settings: dataclasses read from plain data (YAML), written back, and set by dotted
-``key=value`` overrides, with one coercion rule for all three.
+"""Typed settings: dataclasses read from plain data (YAML), written back, set by dotted
+``key=value`` overrides and by command-line flags, with one coercion rule for all of them.
 
 A setting is a dataclass field, declared once: its annotation is its type (bool, int, float, str,
-``Literal`` choices, ``X | None``, tuples, nested dataclasses) and ``field(metadata=...)`` carries
-its help text (``help(...)``). The model config (:mod:`composer.config`), the training recipe and
-the parallel layout all use this engine, so YAML, ``--set`` and command-line flags accept and
-refuse the same values with the same one-line :class:`ConfigError`. Unknown keys are refused with
-the nearest valid key (:func:`composer.suggest.closest`).
+``Literal`` choices, ``X | None``, tuples, lists, nested dataclasses) and its metadata carries its
+help text (:func:`setting`), from which :func:`add_flags` makes its flag. The model config
+(:mod:`composer.config`), the training recipe and the parallel layout use this engine, so YAML,
+``--set`` and flags accept and refuse the same values with the same one-line
+:class:`ConfigError`. Unknown keys are refused with the nearest valid key
+(:func:`composer.suggest.closest`).
 
 A dataclass whose keys are not just its fields (the model config's registered sections) says so
 once with :func:`customize`. This module imports no torch: the CLI reads it before anything heavy.
@@ -14,6 +15,7 @@ once with :func:`customize`. This module imports no torch: the CLI reads it befo
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import types
 import typing
@@ -30,11 +32,16 @@ class ConfigError(ValueError):
     """An invalid configuration value or override; the message is one line."""
 
 
-def help(text: str, **extra: Any) -> dict[str, Any]:  # noqa: A001 - reads as field(metadata=help(...))
-    """Field metadata with help text: ``tp: int = field(default=1, metadata=help("..."))``.
-    ``extra`` may give ``flag`` (the flag's name, default ``--kebab-case`` of the field),
-    ``metavar``, ``aliases`` (other YAML keys read as this one) or ``cli=False``."""
-    return {"help": text, **extra}
+def setting(default: Any = dataclasses.MISSING, help: str = "", *,  # noqa: A002
+            factory: Any = dataclasses.MISSING, **extra: Any) -> Any:
+    """A dataclass field with its help text: ``tp: int = setting(1, "tensor-parallel size")``.
+
+    ``extra`` goes into the field's metadata for :func:`add_flags`: ``flags`` (the flag names,
+    default ``--kebab-case`` of the field, ``--no-...`` for a bool that defaults to True),
+    ``metavar``, ``nargs``, ``action``, ``cli=False`` (no flag), ``title`` (the argument group
+    of a nested settings dataclass)."""
+    return dataclasses.field(default=default, default_factory=factory,
+                             metadata={"help": help, **extra})
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,10 @@ def coerce(value: Any, tp: Any, name: str) -> Any:
         return value
     if origin is tuple:
         return _coerce_tuple(value, args, name)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} expects a list, got {value!r}")
+        return [coerce(v, args[0] if args else Any, f"{name}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -148,6 +159,9 @@ def _coerce_scalar(value: Any, tp: Any, name: str) -> Any:
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        whole = _integral(value)  # 1e6 (a string in YAML 1.1) or 8.0: lossless
+        if whole is not None:
+            return whole
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -162,6 +176,24 @@ def _coerce_scalar(value: Any, tp: Any, name: str) -> Any:
     elif tp is Any:
         return value
     raise ConfigError(f"{name} expects {type_name(tp)}, got {value!r}")
+
+
+def _integral(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (float, str)):
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return int(number) if number.is_integer() else None
+
+
+def check(obj: Any, where: str = "") -> Any:
+    """Check every field of a settings dataclass built in code (not read) against its type;
+    returns ``obj``. Reading (YAML, overrides, flags) checks as it goes."""
+    for name, tp in hints(type(obj)).items():
+        coerce(to_plain(getattr(obj, name)), tp, where + name)
+    return obj
 
 
 # ---------------------------------------------------------------- plain <-> dataclass
@@ -265,3 +297,90 @@ def _assign(target: Any, name: str, value: Any) -> None:
         custom.assign(target, name, value)
     else:
         setattr(target, name, value)
+
+
+# ---------------------------------------------------------------- flags
+
+
+def add_flags(parser: Any, cls: type, only: tuple[str, ...] | None = None,
+              defaults: bool = False) -> dict[str, Any]:
+    """One argparse flag per field of ``cls``, from its annotation and metadata: the name is
+    ``--kebab-case``, a bool is ``store_true`` (``--no-...`` / ``store_false`` when it defaults
+    to True), a ``Literal`` gives the choices, the help is the metadata's. A nested settings
+    dataclass adds its fields in an argument group. ``only``: these fields alone (in the order
+    declared). ``defaults``: the fields' defaults; otherwise only flags given reach the
+    namespace (``argparse.SUPPRESS``), to be laid over a recipe. Returns the argument groups
+    made, by field name (for flags that are no field, e.g. an alias)."""
+    keys = hints(cls)
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False or f.name not in keys:
+            continue
+        sub = subconfig(keys[f.name])
+        if sub is not None and typing.get_origin(keys[f.name]) is None:
+            group = parser.add_argument_group(f.metadata.get("title", f.name),
+                                              f.metadata.get("help") or None)
+            groups[f.name] = group
+            groups.update(add_flags(group, sub, only, defaults))
+        elif only is None or f.name in only:
+            parser.add_argument(*flag_names(f), **_flag_options(f, keys[f.name], defaults))
+    return groups
+
+
+def flag_names(f: dataclasses.Field) -> tuple[str, ...]:
+    """The flags of field ``f``: its metadata's ``flags``, or ``--kebab-case`` of its name."""
+    if "flags" in f.metadata:
+        return tuple(f.metadata["flags"])
+    kebab = f.name.replace("_", "-")
+    return (f"--no-{kebab}",) if f.default is True else (f"--{kebab}",)
+
+
+def _flag_options(f: dataclasses.Field, tp: Any, defaults: bool) -> dict[str, Any]:
+    meta = f.metadata
+    out: dict[str, Any] = {"dest": f.name, "help": meta.get("help") or None}
+    if defaults:
+        out["default"] = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+            else f.default
+    else:
+        out["default"] = argparse.SUPPRESS
+    if tp is bool:
+        out["action"] = "store_false" if f.default is True else "store_true"
+        return out
+    out.update({k: meta[k] for k in ("metavar", "nargs", "action") if k in meta})
+    item = _scalar(tp)
+    out["type"] = _FlagType(item, f.name)
+    if choices(tp):
+        out["choices"] = choices(tp)
+    return out
+
+
+def _scalar(tp: Any) -> Any:
+    """What one flag value is: ``int`` for ``int | None``, ``str`` for a ``Literal`` of strings,
+    the item of a ``list[...]``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return _scalar(rest[0]) if len(rest) == 1 else Any
+    if origin is Literal:
+        return type(args[0])
+    if origin is list:
+        return _scalar(args[0]) if args else Any
+    return tp
+
+
+class _FlagType:
+    """argparse's ``type=``: a flag's text coerced as YAML's value would be (``1e6`` is an int,
+    ``3e-4`` a float). Named after the type, so that argparse says ``invalid int value: 'x'``."""
+
+    def __init__(self, tp: Any, name: str) -> None:
+        self.tp, self.name = tp, name
+        self.__name__ = "str" if tp is Any else type_name(tp)
+
+    def __call__(self, text: str) -> Any:
+        if self.tp is str or self.tp is Any:
+            return text
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        return coerce(value, self.tp, self.name)
