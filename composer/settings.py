@@ -255,9 +255,11 @@ def apply_overrides(obj: Any, overrides: list[str], example: str = "d_model=512"
     return obj
 
 
-def set_field(obj: Any, dotted: str, value: Any) -> None:
+def set_field(obj: Any, dotted: str, value: Any, nulls: bool = True) -> None:
     """Set one dotted field with type checking; a nested setting that is None is created first
-    (with its defaults) so that ``rope_scaling.factor=4`` works from nothing."""
+    (with its defaults) so that ``rope_scaling.factor=4`` works from nothing. ``nulls``: the
+    strings ``none`` / ``null`` mean None for a field that is not a string (``--set`` text);
+    off for values already typed (a flag's ``--save none`` is a folder)."""
     target = obj
     parts = dotted.split(".")
     where = ""
@@ -277,7 +279,8 @@ def set_field(obj: Any, dotted: str, value: Any) -> None:
     keys = hints(type(target))
     if leaf not in keys:
         raise unknown(leaf, list(keys), where)
-    if isinstance(value, str) and keys[leaf] is not str and value.lower() in ("none", "null") \
+    if nulls and isinstance(value, str) and keys[leaf] is not str \
+            and value.lower() in ("none", "null") \
             and value not in literals(keys[leaf]):  # position=none is a choice, not null
         value = None
     _assign(target, leaf, coerce(value, keys[leaf], where + leaf))

@@ -183,3 +183,10 @@ def test_settings_and_layout_import_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_flag_value_none_stays_a_string():
+    from composer.train.recipe import Recipe, merge
+
+    assert merge(Recipe(), {"save": "none"}, "command line").save == "none"
+    assert merge(Recipe(), {"save": None}, "saved").save is None

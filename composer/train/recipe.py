@@ -29,7 +29,7 @@ from typing import Any, Literal
 import yaml
 
 from composer.parallel.layout import LAYOUT_KEYS, ParallelConfig
-from composer.settings import ConfigError, add_flags, set_field, setting
+from composer.settings import ConfigError, add_flags, set_field, setting, to_plain
 from composer.suggest import closest
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
@@ -108,7 +108,7 @@ class Recipe:
     """``KEY=VALUE`` config overrides applied to the model (as ``--set``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return to_plain(self)
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
@@ -145,7 +145,7 @@ def merge(recipe: Recipe, values: dict[str, Any], where: str) -> Recipe:
 
 def _set(recipe: Recipe, dotted: str, value: Any, where: str) -> None:
     try:
-        set_field(recipe, dotted, value)
+        set_field(recipe, dotted, value, nulls=False)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
