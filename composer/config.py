@@ -17,39 +17,20 @@ first use from their block files.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
+from composer import settings
 from composer.pattern import Pattern, PatternError, parse_pattern
-from composer.suggest import closest
-
-
-class ConfigError(ValueError):
-    """An invalid configuration value or override; the message is one line."""
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+from composer.settings import ConfigError, set_field
+from composer.settings import coerce as _coerce
+from composer.settings import from_plain as _from_plain
+from composer.settings import hints as _hints
+from composer.settings import to_plain as _to_plain
 
 
 @dataclass
@@ -233,101 +214,33 @@ def _used_sections(pattern: Any) -> set[str]:
 # ---------------------------------------------------------------- plain <-> dataclass
 
 
-def _to_plain(obj: Any) -> Any:
-    if isinstance(obj, ModelConfig):
-        out = {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-               if f.name not in ("mtp", "sections")}
-        out.update({k: _to_plain(v) for k, v in obj.sections.items()})
-        out["mtp"] = _to_plain(obj.mtp)
-        return out
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, tuple):
-        return [_to_plain(v) for v in obj]
-    return obj
+# The engine is composer.settings; a ModelConfig also takes its kinds' sections as keys.
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    if cls is ModelConfig:
-        hints.pop("sections")
-        hints.update({name: sec.cls | None for name, sec in section_table().items()})
-    return hints
+def _model_keys(found: dict[str, Any]) -> dict[str, Any]:
+    found.pop("sections")
+    found.update({name: sec.cls | None for name, sec in section_table().items()})
+    return found
 
 
-def _unknown(key: str, valid: list[str], where: str) -> ConfigError:
-    close = closest(key, valid)
-    hint = f"; did you mean '{where}{close}'?" if close else ""
-    return ConfigError(f"unknown config key '{where}{key}'{hint} (valid: {', '.join(valid)})")
+def _model_plain(obj: ModelConfig) -> dict[str, Any]:
+    out = {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+           if f.name not in ("mtp", "sections")}
+    out.update({k: _to_plain(v) for k, v in obj.sections.items()})
+    out["mtp"] = _to_plain(obj.mtp)
+    return out
 
 
-def _from_plain(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where.rstrip('.') or 'config'} must be a mapping, got {data!r}")
-    hints = _hints(cls)
-    kwargs = {}
-    for key, value in data.items():
-        if key not in hints:
-            raise _unknown(str(key), list(hints), where)
-        kwargs[key] = _coerce(value, hints[key], f"{where}{key}")
-    return cls(**kwargs)
+def _model_child(cfg: ModelConfig, name: str) -> Any:
+    """A section set by ``--set moe.top_k=2`` while it is None starts from its defaults."""
+    if name in section_table():
+        return default_section(name, cfg.d_model)
+    sub = settings.subconfig(_hints(ModelConfig)[name])
+    return sub() if sub is not None else None
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
-
-
-def _coerce(value: Any, tp: Any, name: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; convert where lossless (int -> float)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, name)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"{name} cannot be {value!r}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{name} must be one of {', '.join(map(str, args))}; got {value!r}")
-        return value
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name} expects a list, got {value!r}")
-        return tuple(_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{name} expects a list of {len(args)} numbers, got {value!r}")
-        pairs = enumerate(zip(value, args, strict=True))
-        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in pairs)
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        return _from_plain(tp, value, f"{name}.")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-6" and "inf" as strings
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(f"{name} expects {_type_name(tp)}, got {value!r}")
+settings.customize(ModelConfig, keys=_model_keys, build=lambda kwargs: ModelConfig(**kwargs),
+                   plain=_model_plain, child=_model_child, assign=setattr)
 
 
 # ---------------------------------------------------------------- overrides
@@ -348,14 +261,7 @@ def apply_overrides(config: ModelConfig, overrides: list[str]) -> ModelConfig:
                if sec.default is not None and config.section(n) == default_section(n, d_model)}
     touched = set()
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like key=value, e.g. d_model=512")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
+        key, value = settings.parse_override(item)
         set_field(config, key, value)
         touched.add(key.partition(".")[0])
     if config.d_model != d_model:
@@ -366,56 +272,6 @@ def apply_overrides(config: ModelConfig, overrides: list[str]) -> ModelConfig:
             if config.section(name) is None:
                 config.set_section(name, default_section(name, config.d_model))
     return config
-
-
-def set_field(config: Any, dotted: str, value: Any) -> None:
-    """Set one dotted field with type checking."""
-    target = config
-    parts = dotted.split(".")
-    where = ""
-    for part in parts[:-1]:
-        hints = _hints(type(target))
-        if part not in hints:
-            raise _unknown(part, list(hints), where)
-        child = getattr(target, part)
-        if not dataclasses.is_dataclass(child):
-            if isinstance(target, ModelConfig) and part in section_table():
-                child = default_section(part, target.d_model)
-            else:
-                sub = _subconfig(hints[part])
-                child = sub() if sub is not None else None
-            if child is None:
-                raise ConfigError(f"{where}{part} is not a section; set it as {where}{part}=VALUE")
-            _set(target, part, child)
-        target = child
-        where += part + "."
-    leaf = parts[-1]
-    hints = _hints(type(target))
-    if leaf not in hints:
-        raise _unknown(leaf, list(hints), where)
-    if isinstance(value, str) and hints[leaf] is not str and value.lower() in ("none", "null") \
-            and value not in _literals(hints[leaf]):  # position=none is a choice, not null
-        value = None
-    _set(target, leaf, _coerce(value, hints[leaf], where + leaf))
-
-
-def _subconfig(tp: Any) -> type | None:
-    """The dataclass a field annotated ``tp`` (e.g. ``YarnScaling | None``) holds, if any."""
-    return next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), None)
-
-
-def _literals(tp: Any) -> set:
-    if typing.get_origin(tp) is Literal:
-        return set(typing.get_args(tp))
-    return set().union(*(_literals(a) for a in typing.get_args(tp))) if typing.get_args(tp) \
-        else set()
-
-
-def _set(target: Any, name: str, value: Any) -> None:
-    if isinstance(target, ModelConfig) and name in section_table():
-        target.set_section(name, value)
-    else:
-        setattr(target, name, value)
 
 
 # ---------------------------------------------------------------- validation

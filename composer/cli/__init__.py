@@ -100,13 +100,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _layout(args: argparse.Namespace):
-    from composer.parallel.mesh import ParallelConfig
+EVAL_LAYOUT = ("tp", "pp", "cp", "ep", "dp", "dp_mode", "sequence_parallel", "compile")
+"""The layout flags of ``composer eval`` (:class:`~composer.parallel.layout.ParallelConfig`)."""
 
-    return ParallelConfig(tp=args.tp, ep=args.ep, dp=args.dp, dp_mode=args.dp_mode,
-                          sequence_parallel=not args.no_sequence_parallel,
-                          activation_checkpointing=args.activation_checkpointing,
-                          compile=args.compile, pp=args.pp, cp=args.cp)
+
+def _layout(args: argparse.Namespace):
+    from composer.parallel.layout import ParallelConfig
+
+    layout = ParallelConfig(**{k: getattr(args, k) for k in EVAL_LAYOUT})
+    if args.activation_checkpointing:
+        layout.ac = "full"
+    return layout
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -251,21 +255,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _add_layout(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages: the "
-                                                      "pattern's '|' segments, or balanced)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (each sequence "
-                                                      "in 2 x cp chunks over cp ranks)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides dp)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: the rest)")
-    p.add_argument("--dp-mode", choices=("shard", "replicate"), default="shard",
-                   help="FSDP2 sharding (default) or plain replication")
-    p.add_argument("--no-sequence-parallel", action="store_true",
-                   help="keep activations replicated across tp ranks")
+    from composer.parallel.layout import ParallelConfig
+    from composer.settings import add_flags
+
+    add_flags(p, ParallelConfig, only=EVAL_LAYOUT, defaults=True)
     p.add_argument("--seq-len", type=int, default=None, help="cut a 1-D token array this long")
     p.add_argument("--json", action="store_true", help="one line of JSON on stdout")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile every layer (slower start, a few %% faster steps)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each layer's activations in the backward (less memory)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),

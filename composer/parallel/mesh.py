@@ -17,17 +17,22 @@ data shards) and ``"dp_cp"`` (dp x cp: what data parallelism shards the weights 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from composer.blocks.plan import LayoutRule
-from composer.config import ConfigError
+from composer.parallel.layout import LAYOUT_KEYS, ParallelConfig
+from composer.settings import ConfigError, check
+
+__all__ = ["LayoutError", "ParallelConfig", "ParallelDims", "build_parallel_dims",
+           "check_layout", "resolve_device", "resolve_layout"]
 
 
 class LayoutError(ConfigError):
@@ -35,70 +40,50 @@ class LayoutError(ConfigError):
 
 
 @dataclass
-class ParallelConfig:
+class ParallelDims:
+    """The mesh facts of a resolved layout: the sizes of its dimensions (``dp`` filled in),
+    its meshes and the contexts applied on them. The settings it was built from are ``config``;
+    they read through as attributes too (``dims.ac`` is ``dims.config.ac``), so that nothing
+    is declared twice."""
+
+    config: ParallelConfig
+    """The layout's settings, with ``dp`` resolved."""
+    world_size: int
     tp: int = 1
     ep: int = 1
-    dp: int | None = None
-    """``None`` fills the world: ``world // (pp * cp * tp)``."""
-    dp_mode: Literal["shard", "replicate"] = "shard"
-    sequence_parallel: bool = True
-    ep_overlap: bool = False
-    """Expert parallel: dispatch one half of a forward's rows while the experts compute the
-    other (``composer.parallel.expert``; the same results)."""
+    dp: int = 1
     pp: int = 1
     cp: int = 1
-    cp_adaptive: bool = False
-    """Context parallel with short documents whole on one rank
-    (:mod:`composer.parallel.context`)."""
-    cp_min_tokens: int | None = None
-    """``--cp-adaptive``: documents this long or longer are split (default: a rank's share)."""
-    activation_checkpointing: bool = False
-    """The same as ``ac="full"`` (kept for the eval command's flag)."""
-    ac: Literal["none", "full", "selective"] = "none"
-    """Activation checkpointing per layer: ``full`` recomputes each layer in the backward,
-    ``selective`` keeps the outputs of its matmuls and recomputes the rest."""
-    compile: bool = False
-    """``torch.compile`` each layer (after the plans, before data parallel)."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """``bf16``: data parallel gathers bf16 copies of the fp32 master weights for compute and
-    reduces gradients in fp32 (FSDP2 ``MixedPrecisionPolicy``)."""
-
-
-@dataclass
-class ParallelDims:
-    tp: int
-    ep: int
-    dp: int
-    dp_mode: str
-    sequence_parallel: bool
-    world_size: int
-    ep_overlap: bool = False
     mesh: DeviceMesh | None = None
     dp_mesh: DeviceMesh | None = None
     """The flattened ``dp_outer x ep`` dimension (kept here: slicing it from the root mesh is
     deprecated): the ranks that read different rows."""
     device: torch.device = torch.device("cpu")
     """Where this rank's tensors live (``cuda:LOCAL_RANK`` with NCCL, the CPU with gloo)."""
-    ac: str = "none"
-    compile: bool = False
     precision: str = "fp32"
+    """``bf16``: data parallel gathers bf16 copies of the fp32 master weights for compute and
+    reduces gradients in fp32 (FSDP2 ``MixedPrecisionPolicy``); the trainer sets it from the
+    recipe's ``precision`` once the device is known."""
     tp_context: Any = None
     cp_context: Any = None
     """The context-parallel context (set by ``apply_cp``), or None."""
     """The tensor-parallel state once applied (``composer.parallel.tensor.TPContext``)."""
-    pp: int = 1
     pp_mesh: DeviceMesh | None = None
     tied_group: Any = None
     """With ``pp > 1``: this rank and its counterpart on the other end of the pipeline (the
     first and last pipeline ranks at the same dp / tp position), which hold the two copies of
     tied embeddings; None elsewhere."""
-    cp: int = 1
-    cp_adaptive: bool = False
-    cp_min_tokens: int | None = None
     cp_mesh: DeviceMesh | None = None
     fsdp_mesh: DeviceMesh | None = None
     """``dp x cp`` flattened (``dp_mesh`` when ``cp = 1``): data parallelism's mesh, and the
     group over which the MoE load statistics are summed."""
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names that are not fields: the layout's other settings
+        config = self.__dict__.get("config")
+        if config is not None and name in LAYOUT_KEYS:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def grad_replicas(self) -> int:
@@ -128,8 +113,10 @@ class ParallelDims:
 
 def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
     """Check sizes against the world; one-line :class:`LayoutError` otherwise."""
-    if pc.ac not in ("none", "full", "selective"):
-        raise LayoutError(f"--ac must be none, full or selective; got {pc.ac!r}")
+    try:
+        check(pc)
+    except ConfigError as exc:
+        raise LayoutError(f"--{exc}") from None  # "--ac must be one of ..."
     for name in ("tp", "ep", "pp", "cp"):
         if getattr(pc, name) < 1:
             raise LayoutError(f"--{name} must be >= 1, got {getattr(pc, name)}")
@@ -146,12 +133,8 @@ def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
     if dp % pc.ep:
         raise LayoutError(f"ep ({pc.ep}) must divide dp ({dp}): experts are spread over the "
                           "data-parallel ranks")
-    return ParallelDims(tp=pc.tp, ep=pc.ep, dp=dp, dp_mode=pc.dp_mode,
-                        sequence_parallel=pc.sequence_parallel, world_size=world_size,
-                        ep_overlap=pc.ep_overlap,
-                        ac="full" if pc.activation_checkpointing else pc.ac,
-                        compile=pc.compile, precision=pc.precision, pp=pc.pp, cp=pc.cp,
-                        cp_adaptive=pc.cp_adaptive, cp_min_tokens=pc.cp_min_tokens)
+    return ParallelDims(config=dataclasses.replace(pc, dp=dp), world_size=world_size,
+                        tp=pc.tp, ep=pc.ep, dp=dp, pp=pc.pp, cp=pc.cp)
 
 
 def check_layout(dims: ParallelDims, rules: Iterable[LayoutRule]) -> None:

@@ -28,7 +28,7 @@ from composer.parallel.checkpoint import (
     load_checkpoint,
     remove_incomplete,
 )
-from composer.parallel.mesh import LayoutError, ParallelConfig, build_parallel_dims
+from composer.parallel.mesh import LayoutError, build_parallel_dims
 from composer.train.data import SYNTHETIC, Batches, Rows, synthetic_rows
 from composer.train.loop import Run, Summary, seed_everything, train_loop
 from composer.train.metrics import MetricsLog
@@ -267,16 +267,17 @@ def save_data_tokenizer(recipe: Recipe) -> None:
 
 def _check_cp(recipe: Recipe, cfg: ModelConfig, seq_len: int) -> None:
     """Context parallelism's row checks (:mod:`composer.parallel.context`)."""
-    if recipe.cp <= 1:
+    layout = recipe.parallel
+    if layout.cp <= 1:
         return
-    if recipe.cp_adaptive:
+    if layout.cp_adaptive:
         if not recipe.document_isolation:
             raise LayoutError("--cp-adaptive places whole documents: it needs "
                               "--document-isolation (packed documents)")
         return
     from composer.parallel.context import check_cp_length
 
-    check_cp_length(cfg, recipe.cp, seq_len)
+    check_cp_length(cfg, layout.cp, seq_len)
 
 
 def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run, int]:
@@ -289,15 +290,10 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         cfg, tensors = ModelConfig.load(resume / CONFIG_FILE), None
     else:
         cfg, tensors = _model_config(recipe)
-    pc = ParallelConfig(tp=recipe.tp, ep=recipe.ep, dp=recipe.dp, dp_mode=recipe.dp_mode,
-                        sequence_parallel=recipe.sequence_parallel, ac=recipe.ac,
-                        ep_overlap=recipe.ep_overlap,
-                        compile=recipe.compile, pp=recipe.pp, cp=recipe.cp,
-                        cp_adaptive=recipe.cp_adaptive, cp_min_tokens=recipe.cp_min_tokens)
     batches, valid, seq_len = open_data(recipe, cfg)
     _check_cp(recipe, cfg, seq_len)  # before the mesh: a refusal leaves no peer waiting
     try:
-        dims = build_parallel_dims(pc, recipe.device)
+        dims = build_parallel_dims(recipe.parallel, recipe.device)
     except LayoutError as exc:
         if resume is None:
             raise
@@ -310,7 +306,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     if dims.pp > 1:  # the stage split, the schedule and the micro-batch count, before any work
         from composer.specs.stages import check_pipeline
 
-        _, schedule = check_pipeline(cfg, dims.pp, recipe.pp_schedule,
+        _, schedule = check_pipeline(cfg, dims.pp, recipe.parallel.pp_schedule,
                                      recipe.global_batch_size // (micro * dims.dp))
     if recipe.eval_every and valid is None and recipe.steps:  # --steps 0 evaluates nothing
         raise ConfigError("--eval-every needs validation data: an indexed dataset (--data) "
