@@ -1,4 +1,4 @@
-"""Time-mixing ops shared by the recurrent mixers (DESIGN §5): the causal convolution and the
+"""Time-mixing ops shared by the recurrent mixers (docs/architecture.md): the causal convolution and the
 base of every recurrence linear in its state.
 
 A mixer calls its ops as parameterless submodules (:class:`~composer.blocks.protocol.
