@@ -1,5 +1,5 @@
-"""Time-mixing ops shared by the recurrent mixers (docs/architecture.md): the causal convolution and the
-base of every recurrence linear in its state.
+"""Time-mixing ops shared by the recurrent mixers (docs/architecture.md): the causal convolution
+and the base of every recurrence linear in its state.
 
 A mixer calls its ops as parameterless submodules (:class:`~composer.blocks.protocol.
 TimeMixingOp`) and hands them its tensors and parameters; everything around them is token-wise.
