@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.plan import Init, Uniform, init_module
-from composer.kernels.conv import causal_conv1d_docs
+from composer.kernels.conv import causal_conv1d, causal_conv1d_docs
 
 
 class SplitParams(nn.Module):
@@ -169,11 +169,7 @@ class SplitCausalConv1d(SplitParams):
 
     def forward(self, x_BTC: torch.Tensor, *, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """With ``doc_ids`` (``(B, T)``) no tap reaches into an earlier document."""
-        t = x_BTC.shape[1]
         w = self.fused_weight()
         if doc_ids is not None:
             return causal_conv1d_docs(x_BTC, w, self.fused_bias(), doc_ids)
-        # Padding K - 1 on both sides and keeping the first T outputs makes it causal.
-        y = F.conv1d(x_BTC.transpose(1, 2), w, self.fused_bias(), padding=self.kernel - 1,
-                     groups=w.shape[0])
-        return y[..., :t].transpose(1, 2)
+        return causal_conv1d(x_BTC, w, self.fused_bias())

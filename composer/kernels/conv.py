@@ -32,13 +32,20 @@ KERNEL_WIDTHS = (2, 3, 4)
 ConvFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def conv1d_silu_torch(x_BTC: torch.Tensor, weight_C1K: torch.Tensor,
-                      bias_C: torch.Tensor | None) -> torch.Tensor:
-    """Torch path (the same ops as ``SplitCausalConv1d.forward``, then SiLU)."""
+def causal_conv1d(x_BTC: torch.Tensor, weight_C1K: torch.Tensor,
+                  bias_C: torch.Tensor | None) -> torch.Tensor:
+    """The depthwise causal convolution in torch (no activation): padding ``K - 1`` on both
+    sides and keeping the first ``T`` outputs makes it causal."""
     t, k = x_BTC.shape[1], weight_C1K.shape[-1]
     y = F.conv1d(x_BTC.transpose(1, 2), weight_C1K, bias_C, padding=k - 1,
                  groups=weight_C1K.shape[0])
-    return F.silu(y[..., :t].transpose(1, 2))
+    return y[..., :t].transpose(1, 2)
+
+
+def conv1d_silu_torch(x_BTC: torch.Tensor, weight_C1K: torch.Tensor,
+                      bias_C: torch.Tensor | None) -> torch.Tensor:
+    """Torch path: :func:`causal_conv1d`, then SiLU."""
+    return F.silu(causal_conv1d(x_BTC, weight_C1K, bias_C))
 
 
 def causal_conv1d_docs(x_BTC: torch.Tensor, weight_C1K: torch.Tensor, bias_C: torch.Tensor | None,
