@@ -17,6 +17,7 @@ first use from their block files.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,19 +172,31 @@ class Section:
     always: bool = False
 
 
-def section_table() -> dict[str, Section]:
-    """Config sections by name, in the order the kinds were registered (built-in kinds first):
-    derived from the records that ``composer/specs/registry.py`` collects."""
-    from composer.specs.registry import SECTIONS
+SECTIONS: dict[str, Section] = {}
+"""Config sections by name, in the order the kinds were registered (built-in kinds first);
+filled from the kinds' records by the registry (``composer/specs/registry.py``)."""
+SYMBOL_SECTIONS: dict[str, str] = {}
+"""Pattern symbol -> the config section its kind reads (filled by the registry)."""
 
+
+def _load_kinds() -> None:
+    """Load the registry once, which registers the built-in kinds. It sits above this module
+    (it imports the block files, and torch), so it is found by name, as a plugin table is: the
+    config stays importable without torch and below the kinds."""
+    if not SECTIONS:
+        importlib.import_module("composer.specs.registry")
+
+
+def section_table() -> dict[str, Section]:
+    """Config sections by name (:data:`SECTIONS`, the built-in kinds loaded first)."""
+    _load_kinds()
     return SECTIONS
 
 
 def symbol_sections() -> dict[str, str]:
     """Pattern symbol -> the config section its kind reads."""
-    from composer.specs.registry import REGISTRY
-
-    return {sym: kind.section for sym, kind in REGISTRY.items() if kind.section is not None}
+    _load_kinds()
+    return SYMBOL_SECTIONS
 
 
 def default_section(name: str, d_model: int) -> Any:
@@ -390,6 +403,4 @@ def __getattr__(name: str) -> Any:  # PEP 562: loaded on first use (their module
     module = _MOVED.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(f"composer.blocks.{module}"), name)

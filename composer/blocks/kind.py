@@ -114,3 +114,21 @@ class LayerKind:
         if not ops or any(op.context is None for _, op in ops):
             return None
         return tuple(op.context for _, op in ops)
+
+
+KINDS: dict[str, LayerKind] = {}
+"""Pattern symbol -> its record, in registration order (built-in kinds first); filled by the
+registry (``composer/specs/registry.py``), which collects the records from the block files."""
+
+
+def kinds_of(cfg: Any) -> list[LayerKind]:
+    """The kinds ``cfg``'s pattern uses (its MTP parts too), each once, in order."""
+    pattern = cfg.parsed
+    return [KINDS[s] for s in dict.fromkeys(pattern.layers + "".join(pattern.mtp)) if s in KINDS]
+
+
+def halo(cfg: Any) -> tuple[int, str | None]:
+    """The widest convolution halo of the kinds ``cfg`` uses, with the kind's section (or
+    name): ``(0, None)`` when none convolves over time."""
+    widths = [(kind.halo_width(cfg), kind.section or kind.name) for kind in kinds_of(cfg)]
+    return max(widths, default=(0, None), key=lambda w: w[0])

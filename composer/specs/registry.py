@@ -23,16 +23,14 @@ from typing import Any
 from torch import nn
 
 from composer.blocks import attention, gdn, mamba2, mla, mlp, moe
-from composer.blocks.kind import LayerKind
+from composer.blocks.kind import KINDS, LayerKind, halo
 from composer.blocks.layer import Layer
 from composer.blocks.plan import LayoutRule
-from composer.config import ConfigError, ModelConfig, Section
+from composer.config import SECTIONS, SYMBOL_SECTIONS, ConfigError, ModelConfig, Section
 from composer.pattern import MEGATRON_SYMBOLS, SYMBOLS, register_symbol
 
-REGISTRY: dict[str, LayerKind] = {}
+REGISTRY: dict[str, LayerKind] = KINDS
 """Pattern symbol -> its kind's record, in registration order (built-in kinds first)."""
-SECTIONS: dict[str, Section] = {}
-"""Config section name -> its :class:`~composer.config.Section`, from the records."""
 _FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 
 
@@ -55,6 +53,8 @@ def register(kind: LayerKind | str, name: str | None = None, mixer: type[nn.Modu
     if kind.symbol not in SYMBOLS or kind.symbol not in REGISTRY:
         register_symbol(kind.symbol, kind.name)
     REGISTRY[kind.symbol] = kind
+    if kind.section is not None:
+        SYMBOL_SECTIONS[kind.symbol] = kind.section
     return kind
 
 
@@ -84,6 +84,7 @@ def _add_section(kind: LayerKind) -> None:
 def unregister(symbol: str) -> None:
     """Forget a kind registered with :func:`register` (and the section it created)."""
     kind = REGISTRY.pop(symbol)
+    SYMBOL_SECTIONS.pop(symbol, None)
     if symbol not in MEGATRON_SYMBOLS:
         SYMBOLS.pop(symbol, None)
     if kind.config is not None and not any(k.section == kind.section for k in REGISTRY.values()):
@@ -116,12 +117,8 @@ def layout_rules(cfg: ModelConfig) -> list[LayoutRule]:
     return [rule for kind in _kinds(cfg) for rule in kind.layout_rules(cfg)]
 
 
-def halo(cfg: ModelConfig) -> tuple[int, str | None]:
-    """The widest convolution halo of the kinds the pattern uses, with the kind's section (or
-    name): ``(0, None)`` when none convolves over time."""
-    widths = [(kind.halo_width(cfg), kind.section or kind.name) for kind in _kinds(cfg)]
-    return max(widths, default=(0, None), key=lambda w: w[0])
-
+__all__ = ["REGISTRY", "SECTIONS", "build_layer", "halo", "layer_kind", "layout_rules", "register",
+           "unregister"]
 
 for _kind in (mamba2.KIND, attention.KIND, mlp.KIND, moe.KIND, gdn.KIND, mla.KIND):
     register(_kind)

@@ -205,8 +205,8 @@ def _adaptive_cut(model: nn.Module, cp: CPContext, ids: torch.Tensor, labels: to
                   kwargs: dict) -> tuple[tuple, dict]:
     """The adaptive layout of the rows (:func:`adaptive_layout`): this rank's tokens as one row
     of its pieces, their targets, and per-token document keys."""
+    from composer.blocks.kind import halo
     from composer.blocks.model import mask_doc_boundaries, shift_labels
-    from composer.specs.registry import halo
 
     doc = kwargs.get("doc_ids")
     if doc is None:

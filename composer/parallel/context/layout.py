@@ -153,7 +153,7 @@ def check_cp_length(cfg: Any, cp: int, row_len: int) -> None:
         raise LayoutError(f"--cp {cp}: rows of {row_len} tokens do not cut into 2 x cp = "
                           f"{2 * cp} chunks (the sequence length must be a multiple of "
                           f"{2 * cp})")
-    from composer.specs.registry import halo
+    from composer.blocks.kind import halo
 
     chunk = n // (2 * cp)
     width, kind = halo(cfg)
