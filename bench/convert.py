@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from composer.checkpoint import DTYPES, PlannedTensor, ShardedWriter, TensorSource
+from composer.portable import DTYPES, PlannedTensor, ShardedWriter, TensorSource
 
 MB, GB = 10**6, 10**9
 TARGET_X_CP = 3.0

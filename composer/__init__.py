@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy table below resolves to, for type checkers and editors
     from composer.blocks.model import HybridModel, ModelOutput
+    from composer.build.builder import build_model, cast_model, load, model_stats, save
+    from composer.build.registry import register
     from composer.config import (
         AttentionConfig,
         ConfigError,
@@ -30,8 +32,6 @@ if TYPE_CHECKING:  # what the lazy table below resolves to, for type checkers an
     )
     from composer.inference import generate
     from composer.pattern import Pattern, PatternError, parse_pattern
-    from composer.specs.builder import build_model, cast_model, load, model_stats, save
-    from composer.specs.registry import register
 
 _EXPORTS = {
     "composer.blocks.model": ("HybridModel", "ModelOutput"),
@@ -39,8 +39,8 @@ _EXPORTS = {
                         "ModelConfig", "MoEConfig", "RopeScaling", "apply_overrides"),
     "composer.inference": ("generate",),
     "composer.pattern": ("Pattern", "PatternError", "parse_pattern"),
-    "composer.specs.builder": ("build_model", "cast_model", "load", "model_stats", "save"),
-    "composer.specs.registry": ("register",),
+    "composer.build.builder": ("build_model", "cast_model", "load", "model_stats", "save"),
+    "composer.build.registry": ("register",),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 

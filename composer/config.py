@@ -7,7 +7,7 @@ uses. Sizes are ``d_*``, counts ``n_*``. Every error is a one-line :class:`Confi
 Each layer kind's section (its dataclass, validator and defaults) is declared in the kind's own
 block file, in its :class:`~composer.blocks.kind.LayerKind` record; this module knows no kind by
 name. Which section a symbol needs (:func:`symbol_sections`) and how a section validates
-(:func:`section_table`) are derived from the records that ``composer/specs/registry.py`` collects,
+(:func:`section_table`) are derived from the records that ``composer/build/registry.py`` collects,
 so a user-registered kind's section loads, saves, takes ``--set`` overrides and validates like the
 built-in ones (at the top level of the YAML, beside ``attention`` and ``mamba``). The section
 dataclasses are importable from here too (``from composer.config import MambaConfig``), loaded on
@@ -174,7 +174,7 @@ class Section:
 
 SECTIONS: dict[str, Section] = {}
 """Config sections by name, in the order the kinds were registered (built-in kinds first);
-filled from the kinds' records by the registry (``composer/specs/registry.py``)."""
+filled from the kinds' records by the registry (``composer/build/registry.py``)."""
 SYMBOL_SECTIONS: dict[str, str] = {}
 """Pattern symbol -> the config section its kind reads (filled by the registry)."""
 
@@ -184,7 +184,7 @@ def _load_kinds() -> None:
     (it imports the block files, and torch), so it is found by name, as a plugin table is: the
     config stays importable without torch and below the kinds."""
     if not SECTIONS:
-        importlib.import_module("composer.specs.registry")
+        importlib.import_module("composer.build.registry")
 
 
 def section_table() -> dict[str, Section]:

@@ -18,12 +18,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from composer.blocks.plan import named_state
-from composer.checkpoint import CONFIG_FILE, DEFAULT_MAX_SHARD
+from composer.build.builder import build_model, write_portable
+from composer.build.init import stored_as
 from composer.config import ConfigError, ModelConfig
 from composer.data.tokenizer import TOKENIZER_DIR
 from composer.parallel.checkpoint import is_training_checkpoint, latest_step
-from composer.specs.builder import build_model, write_portable
-from composer.specs.init import stored_as
+from composer.portable import CONFIG_FILE, DEFAULT_MAX_SHARD
 
 GROUP_BYTES = 256 * 2**20
 

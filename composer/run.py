@@ -19,13 +19,7 @@ import torch
 import torch.distributed as dist
 
 from composer.blocks.model import HybridModel
-from composer.checkpoint import CONFIG_FILE, TensorSource
-from composer.config import ConfigError, ModelConfig
-from composer.parallel.checkpoint import is_training_checkpoint, load_checkpoint
-from composer.parallel.data import reshard
-from composer.parallel.mesh import ParallelConfig, ParallelDims, build_parallel_dims
-from composer.parallel.parallelize import parallelize
-from composer.specs.builder import (
+from composer.build.builder import (
     adopt_dtypes,
     build_model,
     cast_model,
@@ -33,7 +27,13 @@ from composer.specs.builder import (
     check_model,
     open_portable,
 )
-from composer.specs.init import check_source, init_weights, load_weights
+from composer.build.init import check_source, init_weights, load_weights
+from composer.config import ConfigError, ModelConfig
+from composer.parallel.checkpoint import is_training_checkpoint, load_checkpoint
+from composer.parallel.data import reshard
+from composer.parallel.mesh import ParallelConfig, ParallelDims, build_parallel_dims
+from composer.parallel.parallelize import parallelize
+from composer.portable import CONFIG_FILE, TensorSource
 
 
 def load_tokens(path: str | Path, seq_len: int | None) -> list[np.ndarray]:
@@ -117,8 +117,8 @@ def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,
     check_model(dims, cfg)
     pipeline = None
     if dims.pp > 1:  # this rank's stages only (composer.parallel.pipeline)
+        from composer.build.stages import build_pipeline_model
         from composer.parallel.pipeline import Pipeline
-        from composer.specs.stages import build_pipeline_model
 
         if tensors is not None:
             check_source(build_model(cfg, device="meta"), tensors)

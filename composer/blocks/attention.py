@@ -14,7 +14,7 @@ emits ``2 * d_head`` rows per head, ``[q_h; g_h]`` (transformers' layout, so con
 rows as they are), and the attention output is multiplied by ``sigmoid(g)`` channel by channel
 before ``o_proj``. With ``ModelConfig.norm_zero_centered`` the qk-norms scale by ``1 + w``.
 
-Packed documents (``doc_ids``, :mod:`composer.kernels.docs`; Megatron's reset-attention-mask and
+Packed documents (``doc_ids``, :mod:`composer.kernels.packing`; Megatron's reset-attention-mask and
 reset-position-ids): the mask is block-diagonal causal (a query sees the earlier keys of its own
 document) and RoPE positions restart at 0 at each document.
 
@@ -50,7 +50,7 @@ from composer.blocks.plan import (
 from composer.blocks.protocol import TimeMixingOp
 from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import sdpa_context
-from composer.kernels.docs import doc_positions
+from composer.kernels.packing import doc_positions
 from composer.kernels.sdpa import doc_sdpa
 
 # ---------------------------------------------------------------- the kind's config section

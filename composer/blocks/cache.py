@@ -21,7 +21,7 @@ least): a decoding step adds to them thousands of times.
 
 Padding. Prompts of different lengths are left-padded; ``real_BS`` marks the slots that hold a
 real token. The prefill treats the padding as a separate, earlier document of each row
-(``doc_ids`` = 0 for padding, 1 for the prompt; :mod:`composer.kernels.docs`): attention and
+(``doc_ids`` = 0 for padding, 1 for the prompt; :mod:`composer.kernels.packing`): attention and
 RoPE positions, the convolutions and the scans of the prompt are exactly those of the prompt
 alone. Later steps attend only to real slots; the conv windows hold zeros, never padding.
 

@@ -1,6 +1,6 @@
 """The record of one layer kind: everything about it, declared in the kind's own block file.
 
-A pattern symbol maps to one :class:`LayerKind` (``composer/specs/registry.py`` collects them).
+A pattern symbol maps to one :class:`LayerKind` (``composer/build/registry.py`` collects them).
 The record names the symbol, the kind, its mixer class and the config section it reads, with that
 section's dataclass, validator and defaults; the rest is declared by the mixer class next to its
 code and reached through the record, one hop away (:class:`composer.blocks.protocol.Mixer`):
@@ -118,7 +118,7 @@ class LayerKind:
 
 KINDS: dict[str, LayerKind] = {}
 """Pattern symbol -> its record, in registration order (built-in kinds first); filled by the
-registry (``composer/specs/registry.py``), which collects the records from the block files."""
+registry (``composer/build/registry.py``), which collects the records from the block files."""
 
 
 def kinds_of(cfg: Any) -> list[LayerKind]:

@@ -9,7 +9,7 @@ before the residual add, with the same ``layers.i.norm.weight``; the residual st
 never normalised there. Under tensor parallelism the parallel layer wraps the *mixer* call (gather
 the sequence on the way in, reduce the partial sums on the way out); this code does not change.
 
-Packed documents: ``doc_ids`` (``(B, T)``, :mod:`composer.kernels.docs`) go, as a keyword, only
+Packed documents: ``doc_ids`` (``(B, T)``, :mod:`composer.kernels.packing`) go, as a keyword, only
 to mixers whose class sets ``uses_doc_ids = True`` (attention, Mamba-2): token-wise mixers (MLP,
 MoE) need nothing, and a user-registered mixer without the keyword keeps working. A keyword
 passes untouched through the tensor-parallel pre-hooks (they rewrite ``args[0]`` only) and

@@ -15,7 +15,7 @@ Time mixing is two parameterless ops (:mod:`composer.blocks.ops`), ``conv``
 them is token-wise. Context parallelism swaps them for their variants; decoding passes ``step``
 through them.
 
-Packed documents (``doc_ids``, :mod:`composer.kernels.docs`): the convolution reads no input of
+Packed documents (``doc_ids``, :mod:`composer.kernels.packing`): the convolution reads no input of
 an earlier document and the scan's state restarts from zero at each document, so every document
 gives what it gives alone.
 
@@ -51,7 +51,7 @@ from composer.blocks.plan import (
 from composer.blocks.split import SplitCausalConv1d, SplitLinear
 from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import mamba_scan
-from composer.kernels.docs import doc_segments
+from composer.kernels.packing import doc_segments
 from composer.kernels.scan import NO_LIMIT, ssd_end_state, ssd_step
 from composer.kernels.ssd import ssd_scan_ref
 

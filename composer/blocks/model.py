@@ -1,6 +1,6 @@
 """HybridModel: embedding -> residual layers (one per pattern symbol) -> final norm -> LM head.
 
-The builder (``composer/specs/builder.py``) builds the layers from the registry and hands them
+The builder (``composer/build/builder.py``) builds the layers from the registry and hands them
 over; this module never looks a symbol up. Layers live in a ``ModuleDict`` keyed by their global
 index, so state-dict keys (``layers.7.mixer.in_proj.weight``) are the same whatever pipeline stage
 holds the layer. With ``labels`` the forward returns the mean next-token cross-entropy instead
@@ -10,7 +10,7 @@ ignored) plus the MoE load-balancing losses; the head and the loss then run chun
 ``return_logits=True``. The readout (head + loss) is its own parameterless module so that the
 vocabulary-parallel version can stand in for it (``composer/parallel/tensor.py``).
 
-Packed documents (``doc_ids``, ``(B, T)``, :mod:`composer.kernels.docs`): every token sees only
+Packed documents (``doc_ids``, ``(B, T)``, :mod:`composer.kernels.packing`): every token sees only
 the earlier tokens of its own document (attention masks, RoPE positions, the Mamba-2 convolution
 and state restart: each document gives what it gives alone), and nothing is predicted across a
 boundary: the label of each document's first token, the target of the previous document's last
@@ -42,7 +42,7 @@ from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Init, Normal
 from composer.blocks.protocol import declared, has_cache
 from composer.config import ModelConfig
-from composer.kernels.docs import doc_starts
+from composer.kernels.packing import doc_starts
 
 
 def shift_labels(labels_BT: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ from composer.blocks.loss import IGNORE_INDEX
 from composer.blocks.norm import RMSNorm, rms_norm_ref
 from composer.blocks.plan import Init, Normal, SequenceChunk
 from composer.config import ModelConfig
-from composer.kernels.docs import doc_segments
+from composer.kernels.packing import doc_segments
 
 
 def shift_left(x_BT: torch.Tensor, k: int, fill: int) -> torch.Tensor:

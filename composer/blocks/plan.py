@@ -5,7 +5,7 @@ meshes, ranks or collectives. Next to its code each block declares
 
 - its **initialisation** (:meth:`init_rules`): parameter name -> :class:`Init`, so that the
   builder can initialise any shard of any parameter without the block's help, identically
-  whatever the layout (``composer/specs/init.py``);
+  whatever the layout (``composer/build/init.py``);
 - its **parallel plan** (:class:`ParallelPlan`, from ``parallel_plan()``): which weights split by
   rows or columns, per-part splits of fused projections, replicated weights whose gradients are
   partial sums, its expert group, and the statistics that must cover the global batch.
@@ -86,7 +86,7 @@ def find_rule(rules: Mapping[str, object], name: str) -> object | None:
 def init_module(module: nn.Module, generator: torch.Generator | None = None) -> None:
     """Initialise ``module``'s own parameters and persistent buffers from its declared rules, in
     state-dict order from one generator (a unit-test convenience: the builder uses the
-    layout-independent per-parameter generators of ``composer/specs/init.py``)."""
+    layout-independent per-parameter generators of ``composer/build/init.py``)."""
     with torch.no_grad():
         for name, t in named_state(module):
             rule = rule_for(module, name)

@@ -50,10 +50,10 @@ def _progress_bar(total: int, label: str):
 def cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from composer.checkpoint import parse_size
     from composer.config import ConfigError
     from composer.convert import from_hf, to_hf
     from composer.convert.infer import NoFamilyError
+    from composer.portable import parse_size
 
     if args.dtype not in DTYPE_NAMES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}; got {args.dtype!r}")
@@ -225,8 +225,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from composer.checkpoint import parse_size
     from composer.export import export
+    from composer.portable import parse_size
 
     try:
         max_shard = parse_size(args.max_shard_size)
@@ -276,7 +276,7 @@ def _command(argv: Sequence[str]) -> str | None:
 
 
 def make_parser(argv: Sequence[str] | None = None) -> Parser:
-    """The ``composer`` parser. ``generate``'s options live in :mod:`composer.inference.cli`,
+    """The ``composer`` parser. ``generate``'s options live in :mod:`composer.cli.generate`,
     which imports torch: they are added only when ``argv`` runs ``generate`` (``None``: always);
     otherwise ``generate`` is listed with its help line alone."""
     parser = Parser(prog="composer", description=__doc__.splitlines()[0])
@@ -375,7 +375,7 @@ def make_parser(argv: Sequence[str] | None = None) -> Parser:
     ex.set_defaults(func=cmd_export)
 
     if argv is None or _command(argv) == "generate":
-        from composer.inference.cli import add_parser as add_generate
+        from composer.cli.generate import add_parser as add_generate
 
         add_generate(sub)
     else:

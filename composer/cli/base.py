@@ -41,7 +41,7 @@ def version() -> str:
 
 def config_params(cfg: Any) -> int:
     """Parameters of a model config, counted on the meta device (no memory, no init)."""
-    from composer.specs.builder import build_model, model_stats
+    from composer.build.builder import build_model, model_stats
 
     return model_stats(build_model(cfg, device="meta")).n_params
 

@@ -51,7 +51,7 @@ def resolve_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def stats_dict(cfg: ModelConfig, seq_len: int) -> dict[str, Any]:
-    from composer.specs.builder import build_model, model_stats
+    from composer.build.builder import build_model, model_stats
 
     stats = model_stats(build_model(cfg, device="meta"), seq_len=seq_len)
     return {
@@ -69,7 +69,7 @@ def stats_dict(cfg: ModelConfig, seq_len: int) -> dict[str, Any]:
 
 
 def print_stats(info: dict[str, Any]) -> None:
-    from composer.specs.registry import REGISTRY
+    from composer.build.registry import REGISTRY
 
     rows = [("pattern", info["pattern"]), ("layers", str(info["n_layers"]))]
     for sym, n in info["layer_counts"].items():
@@ -98,7 +98,7 @@ def print_stats(info: dict[str, Any]) -> None:
 
 
 def stages_dict(cfg: ModelConfig, pp: int, seq_len: int) -> list[dict[str, Any]]:
-    from composer.specs.stages import split_stages
+    from composer.build.stages import split_stages
 
     return [{"stage": st.index, "rank": st.index % pp, "layers": st.pattern,
              "first_layer": st.layers[0], "n_params": st.n_params,
@@ -140,13 +140,15 @@ CONFIG_ALLOWANCE = 2**20
 def write_built(cfg: ModelConfig, folder: str, seed: int, force: bool, max_shard_size: str | None,
                 family: str | None) -> list[str]:
     """Initialise ``cfg`` from ``seed`` straight into a portable checkpoint in ``folder``, row block
-    by row block (:func:`~composer.specs.init.initial_pieces`): memory is bounded by a block,
+    by row block (:func:`~composer.build.init.initial_pieces`): memory is bounded by a block,
     never the model, and the bytes equal ``composer.save(build_model(cfg, seed=seed))``'s. The
     free disk is checked against the files' exact size first. Returns the files' names."""
     import errno
     from pathlib import Path
 
-    from composer.checkpoint import (
+    from composer.build.builder import build_model, write_portable
+    from composer.build.init import initial_pieces
+    from composer.portable import (
         DEFAULT_MAX_SHARD,
         DTYPE_NAMES,
         INDEX_NAME,
@@ -156,8 +158,6 @@ def write_built(cfg: ModelConfig, folder: str, seed: int, force: bool, max_shard
         check_free_space,
         parse_size,
     )
-    from composer.specs.builder import build_model, write_portable
-    from composer.specs.init import initial_pieces
 
     try:
         max_shard = parse_size(max_shard_size) if max_shard_size else DEFAULT_MAX_SHARD
@@ -199,7 +199,7 @@ def _counted(pieces: Iterator[tuple[str, Any]], total: int,
 
 
 def cmd_zoo_list(args: argparse.Namespace) -> int:
-    from composer.specs.builder import build_model, model_stats
+    from composer.build.builder import build_model, model_stats
     from composer.zoo import presets
 
     items = []

@@ -17,7 +17,7 @@ keeps the block's parameters and keys; each wrapper translates the kernel's argu
 and is tested against the torch path with stand-in modules (``tests/kernels``) and on a GPU by
 ``bench/gpu_check.py``. The device rule lives in one function, ``probe.on_gpu``.
 
-Packed documents (``doc_ids``, :mod:`composer.kernels.docs`): ``mamba_scan`` and ``conv_silu``
+Packed documents (``doc_ids``, :mod:`composer.kernels.packing`): ``mamba_scan`` and ``conv_silu``
 take ``doc_ids`` and hand the kernels ``seq_idx``; their torch paths isolate the documents
 themselves.
 

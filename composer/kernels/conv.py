@@ -9,7 +9,7 @@ weight as ``(C, K)`` and ``activation="silu"``. A ``(B, T, C)`` tensor transpose
 multiples of 8 (its own checks); otherwise we hand it a contiguous ``(B, C, T)`` copy. The kernel
 wants weight and bias in one dtype and supports widths 2 to 4; other widths take the torch path.
 
-Packed documents (``doc_ids``, :mod:`composer.kernels.docs`): a tap that would read an input of
+Packed documents (``doc_ids``, :mod:`composer.kernels.packing`): a tap that would read an input of
 an earlier document reads 0 instead, as if each document were convolved alone (the kernel's
 ``seq_idx``; it takes ``seq_idx`` only in the channel-last layout, so we hand it one, and a
 channel count that is not a multiple of 8 takes the torch path).
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.kernels import probe
-from composer.kernels.docs import doc_positions, seq_idx
+from composer.kernels.packing import doc_positions, seq_idx
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL_WIDTHS = (2, 3, 4)

@@ -30,7 +30,7 @@ sequential. Cumulative sums are taken in fp64 and their differences rounded once
 :mod:`composer.kernels.ssd`). Padded steps have ``g = beta = k = v = 0``: they neither decay nor
 write, so the final state is exact for any ``T``.
 
-Packed documents (``doc_ids``, :mod:`composer.kernels.docs`): the state restarts from zero at
+Packed documents (``doc_ids``, :mod:`composer.kernels.packing`): the state restarts from zero at
 each document's first token, i.e. the decay across a boundary is exactly 0. As in ``ssd.py``
 every exponential of a cumulative-sum difference is masked to 0 across a boundary: ``Γ`` (so
 ``I + A`` becomes block diagonal by document), ``exp(c_t)`` (0 unless ``t`` continues the
@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from composer.kernels import probe
-from composer.kernels.docs import doc_segments, doc_starts
+from composer.kernels.packing import doc_segments, doc_starts
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

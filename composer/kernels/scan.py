@@ -15,7 +15,7 @@ in the same dtype. The torch path computes in that dtype from the start; the ker
 ``B``, ``C`` in their own dtype (bf16 operands, fp32 accumulation and fp32 dt / decay) and its
 output, in ``x``'s dtype, is upcast.
 
-Packed documents: ``doc_ids`` (``(B, T)``, :mod:`composer.kernels.docs`) restarts the state at
+Packed documents: ``doc_ids`` (``(B, T)``, :mod:`composer.kernels.packing`) restarts the state at
 each document; the torch path masks its decays, the kernel gets ``seq_idx`` (int32, 0 for each
 row's first document), which its chunk-state, state-passing and chunk-scan kernels compare.
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from composer.kernels import probe
-from composer.kernels.docs import seq_idx
+from composer.kernels.packing import seq_idx
 from composer.kernels.ssd import ssd_scan
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from composer.kernels import probe
-from composer.kernels.docs import doc_causal_mask
+from composer.kernels.packing import doc_causal_mask
 
 GPU_ORDER = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
@@ -51,14 +51,14 @@ def sdpa_context(q: torch.Tensor) -> AbstractContextManager:
 
 def doc_sdpa(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
              doc_ids_BT: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention inside each packed document (:mod:`composer.kernels.docs`): SDPA with
+    """Causal attention inside each packed document (:mod:`composer.kernels.packing`): SDPA with
     the ``(B, 1, T, T)`` block-diagonal causal boolean mask, ``o_BHTE`` like the causal call.
 
     This is the torch path, right on every device. A boolean mask rules FlashAttention out, so
     on CUDA SDPA takes cuDNN / memory-efficient / math from :data:`GPU_ORDER`. The GPU hook for
     a varlen kernel (flash-attn's ``flash_attn_varlen_func``, or torch's varlen attention) is
     here: behind ``probe.on_gpu(q)`` and an availability probe, flatten the rows' documents to
-    ``(total, heads, E)`` with ``cu_seqlens`` from :func:`composer.kernels.docs.doc_segments`
+    ``(total, heads, E)`` with ``cu_seqlens`` from :func:`composer.kernels.packing.doc_segments`
     (``is_causal=True`` per document), and return the same ``(B, H, T, E)``; not wired yet.
     """
     mask_B1TS = doc_causal_mask(doc_ids_BT)

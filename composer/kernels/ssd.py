@@ -27,7 +27,7 @@ two large fp32 sums would lose digits to cancellation).
 Padded steps get ``dt = 0``: they neither decay the state (``exp(0) = 1``) nor feed it, so the
 final state is exact for any ``T``.
 
-Packed documents (``doc_ids``, :mod:`composer.kernels.docs`): the state restarts from zero at
+Packed documents (``doc_ids``, :mod:`composer.kernels.packing`): the state restarts from zero at
 the first token of every document, i.e. the decay across a boundary is exactly 0. Every path by
 which state moves forward in time goes through one of three exponentials of cumulative-sum
 differences, and each gets a 0/1 mask of "no boundary in between" (``exp(-inf)`` for the pairs
@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from composer.kernels.docs import doc_segments
+from composer.kernels.packing import doc_segments
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -329,7 +329,7 @@ def ssd_scan(
     Returns ``y_BTHP`` in the dtype of ``x``, and with ``return_final_state`` also the state after
     the last step, ``[B, H, P, N]`` in the compute dtype (fp32, or fp64 for fp64 inputs). The
     result does not depend on ``chunk_size`` (up to rounding); a sequence shorter than one chunk
-    is one chunk of its own length. With ``doc_ids`` (``(B, T)``, :mod:`composer.kernels.docs`)
+    is one chunk of its own length. With ``doc_ids`` (``(B, T)``, :mod:`composer.kernels.packing`)
     the state restarts from zero at each document's first token.
     """
     out_dtype = x_BTHP.dtype

@@ -3,7 +3,7 @@ single-device blocks: the layout's settings (``layout.py``, no torch) and one na
 (``mesh.py``), tensor + sequence parallel read from the plans the blocks declare (``tensor.py``),
 expert parallel on the declared expert groups (``expert.py``), FSDP2 sharded or replicated data
 parallel (``data.py``), in the one order of ``parallelize.py``; DCP checkpoints that reshard on
-load (``checkpoint.py``). Nothing here imports ``composer.specs``.
+load (``checkpoint.py``). Nothing here imports ``composer.build``.
 
 The names below load lazily (PEP 562): ``composer.parallel.layout`` is read by the CLI's parser,
 which must not import torch."""

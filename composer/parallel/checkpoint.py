@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from composer.blocks.plan import named_state
-from composer.checkpoint import CONFIG_FILE
 from composer.parallel.data import reshard
+from composer.portable import CONFIG_FILE
 
 LATEST = "latest"
 STEP_RE = re.compile(r"step-(\d+)$")

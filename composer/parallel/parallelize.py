@@ -12,7 +12,7 @@
    ``precision="bf16"`` bf16 compute copies of the fp32 masters and fp32 gradient reduction).
 
 Run it on the meta device (``build_model(cfg, device="meta")``): nothing is allocated, and each
-rank then materialises only its own shards (``to_empty`` + ``composer.specs.init``). It also works
+rank then materialises only its own shards (``to_empty`` + ``composer.build.init``). It also works
 on a materialised model whose ranks hold the same full weights (each keeps its chunk).
 """
 

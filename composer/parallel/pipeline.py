@@ -2,7 +2,7 @@
 
 Stages. With ``|`` in the pattern the segments are the stages, ``pp x V`` of them (``V >= 1``
 virtual stages per rank); without, the layers are cut into ``pp`` contiguous stages that balance
-forward FLOPs per token (:mod:`composer.specs.stages`; the LM head counts on the last stage).
+forward FLOPs per token (:mod:`composer.build.stages`; the LM head counts on the last stage).
 Stage ``s``
 lives on pipeline rank ``s % pp`` (rank ``r`` holds ``r, r + pp, ...``: the interleaved layout).
 The embedding sits on the first stage; the final norm, the head, the loss (and multi-token

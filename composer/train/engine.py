@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from composer.checkpoint import CONFIG_FILE
 from composer.config import ConfigError, ModelConfig, apply_overrides
 from composer.parallel.checkpoint import (
     is_rank0,
@@ -29,6 +28,7 @@ from composer.parallel.checkpoint import (
     remove_incomplete,
 )
 from composer.parallel.mesh import LayoutError, build_parallel_dims
+from composer.portable import CONFIG_FILE
 from composer.train.data import SYNTHETIC, Batches, Rows, synthetic_rows
 from composer.train.loop import Run, Summary, seed_everything, train_loop
 from composer.train.metrics import MetricsLog
@@ -122,7 +122,7 @@ def check_same_model(resume: Path, source: str | None, config: str | None,
 
 def _model_config(recipe: Recipe) -> tuple[ModelConfig, Any]:
     """The config and, for a portable checkpoint, its tensors."""
-    from composer.specs.builder import open_portable
+    from composer.build.builder import open_portable
     from composer.zoo import get_preset, presets
 
     name, pattern, overrides = model_source(recipe.model)
@@ -282,8 +282,8 @@ def _check_cp(recipe: Recipe, cfg: ModelConfig, seq_len: int) -> None:
 
 def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run, int]:
     """Build the run; returns it and the last step to take."""
+    from composer.build.builder import build_model, model_stats
     from composer.run import build_sharded
-    from composer.specs.builder import build_model, model_stats
 
     if resume is not None:
         remove_incomplete(resume)
@@ -304,7 +304,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     micro = _check(recipe, dims.dp)
     schedule = None
     if dims.pp > 1:  # the stage split, the schedule and the micro-batch count, before any work
-        from composer.specs.stages import check_pipeline
+        from composer.build.stages import check_pipeline
 
         _, schedule = check_pipeline(cfg, dims.pp, recipe.parallel.pp_schedule,
                                      recipe.global_batch_size // (micro * dims.dp))

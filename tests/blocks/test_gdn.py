@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from composer.blocks.gdn import GatedDeltaNet, gdn_ref
+from composer.build.builder import build_model
 from composer.config import (
     AttentionConfig,
     ConfigError,
@@ -23,7 +24,6 @@ from composer.config import (
 )
 from composer.kernels import gdn as gdn_kernels
 from composer.kernels.gdn import gdn_chunked, gdn_recurrent_ref
-from composer.specs.builder import build_model
 
 F64 = torch.float64
 # transformers picks fla's kernels when it is importable, and those need CUDA.

@@ -12,6 +12,7 @@ from composer.blocks.attention import Attention, attention_ref
 from composer.blocks.layer import Layer
 from composer.blocks.mamba2 import Mamba2Mixer, mamba2_ref
 from composer.blocks.model import mask_doc_boundaries
+from composer.build.builder import build_model
 from composer.config import (
     AttentionConfig,
     MambaConfig,
@@ -20,9 +21,8 @@ from composer.config import (
     MoEConfig,
     d_head_of,
 )
-from composer.kernels.docs import doc_causal_mask, doc_positions, doc_segments, seq_idx
+from composer.kernels.packing import doc_causal_mask, doc_positions, doc_segments, seq_idx
 from composer.kernels.ssd import ssd_scan, ssd_scan_ref
-from composer.specs.builder import build_model
 from composer.testing import randomize
 
 F64 = torch.float64

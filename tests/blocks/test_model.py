@@ -137,7 +137,7 @@ def test_meta_build_and_counts():
 
 def test_register_a_new_symbol():
     from composer.blocks.mlp import MLP
-    from composer.specs import registry
+    from composer.build import registry
 
     class Doubler(MLP):
         def forward(self, x):

@@ -9,8 +9,8 @@ import composer
 from composer import ModelConfig, build_model, model_stats
 from composer.blocks.loss import IGNORE_INDEX
 from composer.blocks.mtp import depth_inputs, mtp_loss_ref, segments
+from composer.build.registry import REGISTRY
 from composer.config import AttentionConfig, MambaConfig, MLPConfig, MoEConfig, MTPConfig
-from composer.specs.registry import REGISTRY
 from composer.testing import randomize
 
 F64 = torch.float64

@@ -27,9 +27,9 @@ from composer.blocks.kind import LayerKind
 from composer.blocks.ops import CausalConv, LinearRecurrence, keep_mask, step_docs
 from composer.blocks.plan import ZEROS, Constant, Divisible, Normal, ParallelPlan
 from composer.blocks.split import SplitCausalConv1d
+from composer.build.registry import unregister
 from composer.config import ConfigError, ModelConfig, positive
 from composer.parallel.launch import run_distributed
-from composer.specs.registry import unregister
 from tests.distributed.test_parallel import case, check_same
 
 # ---------------------------------------------------------------- the kind, in one file
@@ -161,10 +161,10 @@ def registered():
 
 
 def test_builds_validates_and_counts(registered, capsys):
+    from composer.build.builder import check_model
+    from composer.build.registry import REGISTRY
     from composer.parallel.context import check_cp_length
     from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
-    from composer.specs.builder import check_model
-    from composer.specs.registry import REGISTRY
 
     cfg = ModelConfig.from_dict(cfg_dict())
     assert cfg.ema == EMAConfig(d_inner=48) and ModelConfig.from_dict(cfg.to_dict()) == cfg

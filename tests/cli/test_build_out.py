@@ -20,10 +20,10 @@ from safetensors import safe_open
 from torch import nn
 
 import composer
-from composer.checkpoint import ShardedWriter
+from composer.build import init
+from composer.build.registry import unregister
 from composer.cli import main
-from composer.specs import init
-from composer.specs.registry import unregister
+from composer.portable import ShardedWriter
 from composer.zoo import get_preset
 
 
@@ -201,7 +201,7 @@ def peak():  # VmHWM: this process's own peak resident set
             return int(line.split()[1]) * 1024
 from composer.cli import main
 if sys.argv[1:] == ["idle"]:
-    import composer.specs.builder, composer.specs.init, composer.zoo  # what build imports
+    import composer.build.builder, composer.build.init, composer.zoo  # what build imports
     print(peak())
 else:
     assert main(sys.argv[1:]) == 0

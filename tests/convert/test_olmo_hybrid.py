@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 
 import composer
 from composer.blocks.layer import Layer
-from composer.checkpoint import CheckpointError
 from composer.config import ConfigError, ModelConfig
 from composer.convert import from_hf, infer_adapter, to_hf
 from composer.convert.olmo_hybrid import OlmoHybridAdapter
+from composer.portable import CheckpointError
 from composer.testing import FP32_PARITY, load_hf, rel_err
 from composer.zoo import get_preset
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
+from composer.build.builder import build_model
 from composer.config import ModelConfig
 from composer.parallel.context import check_cp, check_cp_length, local_index
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
-from composer.specs.builder import build_model
 from composer.testing import layout_case, train_case
 from tests.distributed.test_mla_tp import mla_cfg
 from tests.distributed.test_pipeline import (

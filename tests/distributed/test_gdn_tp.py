@@ -62,7 +62,7 @@ def test_gdn_tp2_exact_in_fp64(n_kv_heads):
 
 
 def test_gdn_heads_must_divide_tp():
-    from composer.specs.builder import check_model
+    from composer.build.builder import check_model
 
     cfg = gdn_cfg(n_kv_heads=1)
     with pytest.raises(LayoutError, match=r"gdn.n_kv_heads \(1\) is not divisible by tp \(2\)"):

@@ -63,7 +63,7 @@ def test_mla_tp2_exact_in_fp64():
 
 
 def test_mla_heads_must_divide_tp():
-    from composer.specs.builder import check_model
+    from composer.build.builder import check_model
 
     cfg = mla_cfg(12)
     cfg.mla.n_heads = 3

@@ -91,7 +91,7 @@ def test_mtp_with_packed_documents_tp2_sp():
 
 
 def test_mtp_layers_are_held_to_the_layout_rules():
-    from composer.specs.builder import check_model
+    from composer.build.builder import check_model
 
     cfg = mtp_cfg()
     cfg.pattern = "M-/*-"  # attention only in the MTP part
@@ -102,9 +102,9 @@ def test_mtp_layers_are_held_to_the_layout_rules():
 
 def load_case(layout: dict, folder: str) -> dict:
     """Every parameter (gathered whole) of a portable checkpoint loaded shard by shard."""
+    from composer.build.builder import open_portable
     from composer.parallel.mesh import build_parallel_dims
     from composer.run import build_sharded
-    from composer.specs.builder import open_portable
 
     dims = build_parallel_dims(ParallelConfig(**layout))
     cfg, source = open_portable(folder)

@@ -166,7 +166,7 @@ def test_layout_errors():
         resolve_layout(ParallelConfig(ep=3), 4)
     dims = resolve_layout(ParallelConfig(tp=2, ep=2), 4)
     assert (dims.dp, dims.dp_outer) == (2, 1)
-    from composer.specs.builder import check_model
+    from composer.build.builder import check_model
 
     cfg = tiny_cfg()
     cfg.attention.n_heads = 6

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from composer.build.stages import check_pipeline, split_stages, stage_layers
 from composer.cli import main
 from composer.config import ModelConfig
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError
-from composer.specs.stages import check_pipeline, split_stages, stage_layers
 from composer.testing import layout_case, read_all, train_case
 
 SIZES = {"d_model": 32, "vocab_size": 61, "attention.n_heads": 4, "attention.n_kv_heads": 2,

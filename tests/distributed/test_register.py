@@ -16,9 +16,9 @@ from torch import nn
 
 import composer
 from composer.blocks.plan import ONES, ZEROS, Divisible, Normal, ParallelPlan, init_module
+from composer.build.registry import unregister
 from composer.config import ConfigError, ModelConfig
 from composer.parallel.launch import run_distributed
-from composer.specs.registry import unregister
 from tests.distributed.test_parallel import case, check_same, tokens
 
 
@@ -137,7 +137,7 @@ def test_the_kind_is_known_everywhere(registered, capsys):
     with pytest.raises(ConfigError, match="unknown config key 'meanmx'"):
         ModelConfig.from_dict({**cfg_dict(), "meanmx": {}})
     cfg = ModelConfig.from_dict(cfg_dict())
-    from composer.specs.registry import REGISTRY
+    from composer.build.registry import REGISTRY
 
     kind = REGISTRY["R"]  # everything about the kind, one hop away
     assert kind.section_type is MeanMixConfig and kind.mixer is MeanMix
@@ -153,8 +153,8 @@ def test_the_kind_is_known_everywhere(registered, capsys):
     assert stats.forward_flops_per_token > 2 * 2 * 3 * 32 * 48
     ids = torch.randint(0, 61, (2, 8))
     assert model(ids).shape == (2, 8, 61)
+    from composer.build.builder import check_model
     from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
-    from composer.specs.builder import check_model
 
     with pytest.raises(LayoutError, match=r"meanmix.d_inner \(48\) is not divisible by tp \(5\)"):
         check_model(resolve_layout(ParallelConfig(tp=5), 5), cfg)

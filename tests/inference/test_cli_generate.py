@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from composer.cli import main
+from composer.cli.generate import Stream
 from composer.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from composer.inference.cli import Stream
 
 TINY = ["--set", "d_model=32", "--set", "mamba.n_heads=2", "--set", "mamba.d_head=16",
         "--set", "mamba.d_state=16", "--set", "mamba.chunk_size=16", "--set", "mlp.d_ff=64"]

@@ -239,7 +239,7 @@ def test_import_raising_runtime_error_is_unavailable(
 def test_importing_composer_imports_no_optional_package() -> None:
     code = textwrap.dedent(f"""
         import sys, torch, composer, composer.kernels as k
-        from composer.specs.registry import REGISTRY
+        from composer.build.registry import REGISTRY
         x = torch.randn(1, 6, 2, 3)
         k.mamba_scan(x, torch.rand(1, 6, 2), -torch.ones(2), torch.randn(1, 6, 1, 4),
                      torch.randn(1, 6, 1, 4), 4, dt_softplus=True)

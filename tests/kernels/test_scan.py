@@ -8,7 +8,7 @@ import torch
 def test_end_state_is_the_scans(docs: bool) -> None:
     """ssd_end_state (context parallelism's closed form) gives the scan's final state from zero
     and, with its decay, from any start state; fp64, with and without documents."""
-    from composer.kernels.docs import doc_segments
+    from composer.kernels.packing import doc_segments
     from composer.kernels.scan import ssd_end_state, ssd_scan_torch
 
     g = torch.Generator().manual_seed(0)

@@ -168,7 +168,7 @@ def test_weight_decay_skips_1d_parameters():
     from composer.train.optim import build_optimizers
 
     out = train_case(recipe(steps=0))
-    from composer.specs.builder import build_model
+    from composer.build.builder import build_model
     from composer.train.engine import _model_config
     from composer.train.recipe import Recipe
 

@@ -26,7 +26,7 @@ def test_every_kind_trains_and_exports(tmp_path):
     assert out["losses"][-1] < out["losses"][0] - 0.5, out["losses"][::10]
     assert main(["export", str(run), str(tmp_path / "portable")]) == 0
     exported = read_all(tmp_path / "portable")
-    from composer.specs.builder import load
+    from composer.build.builder import load
 
     model = load(tmp_path / "portable")
     for name, p in model.named_parameters():

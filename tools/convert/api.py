@@ -21,18 +21,7 @@ from typing import Any
 
 import torch
 
-from composer.checkpoint import (
-    CONFIG_FILE,
-    DEFAULT_MAX_SHARD,
-    DTYPE_NAMES,
-    DTYPES,
-    CheckpointError,
-    ShardedWriter,
-    TensorInfo,
-    TensorSource,
-    atomic_folder,
-    check_destination,
-)
+from composer.build.builder import build_model, check_buildable, fp32_names
 from composer.config import ConfigError, ModelConfig
 from composer.convert.base import (
     Adapter,
@@ -62,7 +51,18 @@ from composer.convert.plan import (
 )
 from composer.convert.sources import open_source, resolve_source
 from composer.parallel.checkpoint import is_training_checkpoint
-from composer.specs.builder import build_model, check_buildable, fp32_names
+from composer.portable import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD,
+    DTYPE_NAMES,
+    DTYPES,
+    CheckpointError,
+    ShardedWriter,
+    TensorInfo,
+    TensorSource,
+    atomic_folder,
+    check_destination,
+)
 
 HF_DIR = "hf"
 CONVERSION_FILE = "conversion.json"

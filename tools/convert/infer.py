@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from composer.checkpoint import ORIGIN_FILE
 from composer.config import MOE_TRAINING_ONLY, ConfigError, ModelConfig, config_diff
 from composer.convert.base import Adapter, without_mtp
+from composer.portable import ORIGIN_FILE
 
 
 class NoFamilyError(ConfigError):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from composer.checkpoint import (
+from composer.portable import (
     DTYPE_NAMES,
     DTYPES,
     CheckpointError,

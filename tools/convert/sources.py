@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from composer.checkpoint import DTYPE_NAMES, CheckpointError, TensorInfo, TensorSource
+from composer.portable import DTYPE_NAMES, CheckpointError, TensorInfo, TensorSource
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]

@@ -42,7 +42,7 @@ class CPContext:
     pos_BT: torch.Tensor | None = None
     """RoPE positions of the local tokens: global, or within their document."""
     seg_BT: torch.Tensor | None = None
-    """The whole rows' document segments (:func:`composer.kernels.docs.doc_segments`), or None."""
+    """The whole rows' document segments (:func:`composer.kernels.packing.doc_segments`)."""
     doc_BT: torch.Tensor | None = None
     """The whole rows' doc ids (cut to ``T``), or None."""
     rows_doc: torch.Tensor | None = None
@@ -67,7 +67,7 @@ class CPContext:
         """The rows about to run: the length cut (``t``), the local tokens' RoPE positions, the
         whole rows' doc ids (or None) and, for multi-token prediction, ids (uncut: a row of
         ``t + 1`` keeps its last token, a target)."""
-        from composer.kernels.docs import doc_segments
+        from composer.kernels.packing import doc_segments
 
         self.T, self.pos_BT, self.rows_ids = t, pos_BT, ids_BT
         self.rows_doc = doc_BT

@@ -104,7 +104,7 @@ def cut_rows(cp: CPContext, ids: torch.Tensor, labels: torch.Tensor,
     """Shift the targets on the whole rows (masked at document starts), then keep this rank's
     chunks of ids, targets and doc ids, and its tokens' RoPE positions."""
     from composer.blocks.model import mask_doc_boundaries, shift_labels
-    from composer.kernels.docs import doc_positions
+    from composer.kernels.packing import doc_positions
 
     check_cp_length(model_cfg, cp.size, ids.shape[1])
     rows_ids, rows_doc = ids, doc

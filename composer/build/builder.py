@@ -3,10 +3,10 @@
 ``build_model`` validates the config, builds every layer from its registry record on the meta
 device (no memory, any size) and hands the layers to :class:`HybridModel`; unless
 ``device="meta"``, it then allocates the weights on ``device`` and initialises them from ``seed``
-(:func:`composer.specs.init.init_weights`: the same values whatever the layout or device).
+(:func:`composer.build.init.init_weights`: the same values whatever the layout or device).
 Parameter and FLOP counts work on the meta model, so a 56B preset is counted in seconds.
 Portable checkpoints (``config.yaml`` + ``model.safetensors``) are written and read through
-:mod:`composer.checkpoint`, the one owner of the format.
+:mod:`composer.portable`, the one owner of the format.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ import torch
 from composer.blocks.model import HybridModel
 from composer.blocks.plan import named_state
 from composer.blocks.protocol import declared, plan_of
-from composer.checkpoint import (
+from composer.build.init import init_weights, load_weights, stored_dtypes
+from composer.build.registry import REGISTRY, build_layer, layer_kind, layout_rules
+from composer.config import ModelConfig
+from composer.portable import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD,
     DTYPE_NAMES,
@@ -34,9 +37,6 @@ from composer.checkpoint import (
     atomic_folder,
     tensor_bytes,
 )
-from composer.config import ModelConfig
-from composer.specs.init import init_weights, load_weights, stored_dtypes
-from composer.specs.registry import REGISTRY, build_layer, layer_kind, layout_rules
 
 if TYPE_CHECKING:
     from composer.parallel.mesh import ParallelDims

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from composer.blocks.model import HybridModel
+from composer.build.builder import build_model
+from composer.build.registry import REGISTRY
 from composer.config import ModelConfig
 from composer.parallel.mesh import LayoutError, ParallelDims
 from composer.parallel.pipeline import SCHEDULES, embed_on_last, prune, rank_stages
-from composer.specs.builder import build_model
-from composer.specs.registry import REGISTRY
 
 
 @dataclass(frozen=True)

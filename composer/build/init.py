@@ -30,7 +30,7 @@ from torch import nn
 
 from composer.blocks.plan import Init, named_state, rule_for
 from composer.blocks.protocol import declared
-from composer.checkpoint import CheckpointError, TensorSource, bytes_to_tensor
+from composer.portable import CheckpointError, TensorSource, bytes_to_tensor
 
 BLOCK_ELEMENTS = 1 << 22
 """Elements per initialisation block (16 MiB in fp32); part of the definition of the init."""

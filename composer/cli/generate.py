@@ -38,10 +38,10 @@ from typing import Any, TextIO
 import torch
 
 from composer.blocks.model import HybridModel
-from composer.checkpoint import CONFIG_FILE
 from composer.data.indexed import DataError
 from composer.data.tokenizer import TOKENIZER_DIR, ByteTokenizer, HFTokenizer, load_tokenizer
 from composer.parallel.checkpoint import is_training_checkpoint
+from composer.portable import CONFIG_FILE
 
 DEFAULT_MAX_NEW_TOKENS = 128
 EOS_FILES = ("generation_config.json", "config.json")
