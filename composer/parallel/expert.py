@@ -240,14 +240,15 @@ def apply_ep(moe: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None 
     if isinstance(experts, ExpertParallelExperts):
         raise ValueError("apply_ep was already applied to this MoE")
     n_experts = next(iter(experts.parameters())).shape[0]
-    for name, _ in list(experts.named_parameters(recurse=False)):
+    wrapper = ExpertParallelExperts(experts, ExpertParallel(ep_mesh, n_experts, chunks))
+    # placed on the wrapper: the group itself keeps its parameters as they were
+    for name, _ in list(wrapper.named_parameters(recurse=False)):
         if ep_tp_mesh is None:
-            distribute_param(experts, name, ep_mesh, [Shard(0)])
+            distribute_param(wrapper, name, ep_mesh, [Shard(0)])
         else:  # with tensor parallel too: experts over ep, each expert's hidden units over tp
             hidden = plan.expert_hidden[name]
-            distribute_param(experts, name, ep_tp_mesh, [Shard(0), Shard(hidden)])
-    ep = ExpertParallel(ep_mesh, n_experts, chunks)
-    replace_submodule(moe, plan.experts, ExpertParallelExperts(experts, ep))
+            distribute_param(wrapper, name, ep_tp_mesh, [Shard(0), Shard(hidden)])
+    replace_submodule(moe, plan.experts, wrapper)
     for name in plan.token_sums:
         make_global(moe, name, group=ep_mesh.get_group())
 
