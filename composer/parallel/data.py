@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from composer.blocks.model import named_layers
+from composer.blocks.protocol import plan_of
 from composer.parallel.comm import all_reduce_coalesced
 from composer.parallel.mesh import ParallelDims
 from composer.parallel.tensor import expert_params, local_grad, reduce_tp_grads
@@ -49,7 +50,7 @@ def _experts_apart(layer: nn.Module, dims: ParallelDims) -> set[nn.Parameter] | 
 def _expert_modules(mixer: nn.Module) -> list[nn.Module]:
     out = []
     for module in mixer.modules():
-        plan = module.parallel_plan() if hasattr(module, "parallel_plan") else None
+        plan = plan_of(module)
         if plan is not None and plan.experts is not None:
             out.append(module.get_submodule(plan.experts))
     return out

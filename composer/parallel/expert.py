@@ -1,9 +1,10 @@
 """Expert parallel (EP): each rank of a 1-D ``ep`` mesh holds ``E / ep`` of an MoE's experts.
 
 Applied from outside the block: the MoE's plan names its expert group (``experts``) and its token
-sums; :func:`apply_ep` shards the group's weights and swaps in :class:`ExpertParallelExperts`
-(the same computation behind an all-to-all there and back) and a :class:`GlobalSum` for the
-statistics. The MoE's forward is unchanged.
+sums; :func:`apply_ep` shards the group's weights and sets in their places on the MoE an
+:class:`ExpertParallelExperts` (holding the group's Parameter objects: the same keys; the
+group's own computation behind an all-to-all there and back) and a :class:`GlobalSum` for the
+statistics. The MoE's forward is unchanged, and nothing is written onto the MoE's modules.
 
 Layout (GShard, Lepikhin et al. 2020; as Megatron-Core and torchtitan): the routed-expert weights
 ``experts.{gate_proj, up_proj, down_proj}`` become DTensors with ``Shard(0)`` on the ep mesh, so
@@ -49,12 +50,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.func import functional_call
 
 from composer.blocks.plan import TokenSum
+from composer.blocks.protocol import declared, plan_of
 from composer.parallel.comm import AllReduceSum, ScaleGrad
 from composer.parallel.mesh import ParallelDims
-from composer.parallel.tensor import distribute_param, install_local_views
+from composer.parallel.tensor import distribute_param, replace_submodule
 
 
 def expert_grad_scale(ep: int) -> float:
@@ -78,8 +81,10 @@ class GlobalSum(TokenSum):
     gradients too), after scaling the gradient by ``grad_scale`` (``1 / tp``: every tp rank
     computes the same statistics while the weights behind them sum their gradients over tp)."""
 
-    group: dist.ProcessGroup | None = None
-    grad_scale: float = 1.0
+    def __init__(self, group: dist.ProcessGroup | None = None, grad_scale: float = 1.0) -> None:
+        super().__init__()
+        self.group = group
+        self.grad_scale = grad_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.grad_scale != 1.0:
@@ -89,14 +94,17 @@ class GlobalSum(TokenSum):
         return x
 
 
-def make_global(token_sum: nn.Module, group: dist.ProcessGroup | None = None,
+def make_global(moe: nn.Module, name: str, group: dist.ProcessGroup | None = None,
                 grad_scale: float | None = None) -> None:
-    """Turn a :class:`TokenSum` into a :class:`GlobalSum` (or update one)."""
-    token_sum.__class__ = GlobalSum
-    if group is not None:
-        token_sum.group = group
-    if grad_scale is not None:
-        token_sum.grad_scale = grad_scale
+    """Set a :class:`GlobalSum` in place of ``moe``'s :class:`TokenSum` ``name``; over a
+    :class:`GlobalSum` already there, a new one keeping what is not given (a group, a scale)."""
+    old = moe.get_submodule(name)
+    if isinstance(old, GlobalSum):
+        group = old.group if group is None else group
+        grad_scale = old.grad_scale if grad_scale is None else grad_scale
+    elif not isinstance(old, TokenSum):
+        raise TypeError(f"{type(moe).__name__}.{name} is a {type(old).__name__}, not a TokenSum")
+    replace_submodule(moe, name, GlobalSum(group, 1.0 if grad_scale is None else grad_scale))
 
 
 class ExpertParallel:
@@ -118,9 +126,14 @@ class ExpertParallel:
 
 
 class ExpertParallelExperts(nn.Module):
-    """Mixed in front of an experts class: the rows (sorted by global expert, ``n_tokens_E``
-    per expert) go to the ranks holding their experts, are computed there by the original
-    class's forward on the local experts, and come back in the same order.
+    """In place of an expert group: the rows (sorted by global expert, ``n_tokens_E`` per
+    expert) go to the ranks holding their experts, are computed there by the group's own
+    forward on the local experts, and come back in the same order.
+
+    It holds the group's Parameter objects as its own (so the keys, ``experts.<name>``, their
+    placements and FSDP's view of them are those of the group) and the group itself outside the
+    module tree, for its computation only: :func:`torch.func.functional_call` runs it on this
+    module's current parameters (their local shards), whatever FSDP or ``to_empty`` made them.
 
     With ``ep.chunks = C > 1`` (all-to-all / compute overlap) each expert's rows are cut into
     C consecutive parts, chunk c holding rows ``floor(c n / C) .. floor((c + 1) n / C)`` of an
@@ -133,7 +146,18 @@ class ExpertParallelExperts(nn.Module):
     module together, since both hold collectives, even when a rank has no token for another.
     """
 
-    ep: ExpertParallel
+    def __init__(self, experts: nn.Module, ep: ExpertParallel) -> None:
+        super().__init__()
+        nested = [n for n, _ in experts.named_parameters() if "." in n]
+        if nested:
+            raise TypeError(f"{type(experts).__name__} holds parameters in submodules "
+                            f"({nested[0]}): expert parallel needs them on the group itself")
+        for name, p in experts.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        self.ep = ep
+        # outside the module tree (a tuple is no submodule): its keys would double ours
+        self.body = (experts,)
+        self.train(experts.training)
 
     def forward(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
         ep = self.ep
@@ -186,17 +210,15 @@ class ExpertParallelExperts(nn.Module):
         P, L = recv_counts_PL.shape
         local_R = torch.arange(L).repeat(P).repeat_interleave(recv_counts_PL.flatten())
         order_R = torch.argsort(local_R, stable=True).to(x_RD.device)
-        y_sorted_RD = super().forward(x_RD[order_R], recv_counts_PL.sum(0))
+        y_sorted_RD = self._local_experts(x_RD[order_R], recv_counts_PL.sum(0))
         return torch.empty_like(y_sorted_RD).index_copy(0, order_R, y_sorted_RD)
 
-
-_EP_CLASSES: dict[type, type] = {}
-
-
-def _ep_class(cls: type) -> type:
-    if cls not in _EP_CLASSES:
-        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {})
-    return _EP_CLASSES[cls]
+    def _local_experts(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
+        """The group's forward on this rank's experts: its weights' local shards (``to_local``
+        keeps the gradients flowing to the DTensors)."""
+        local = {name: p.to_local() if isinstance(p, DTensor) else p
+                 for name, p in self.named_parameters(recurse=False)}
+        return functional_call(self.body[0], local, (x_AD, n_tokens_E))
 
 
 def apply_ep(moe: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None,
@@ -211,22 +233,24 @@ def apply_ep(moe: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None 
     Each rank keeps its own chunk of its own weights (no communication): on the meta device
     before initialisation, or with the same full weights on every rank. Call it once per MoE.
     """
-    plan = moe.parallel_plan()
+    plan = plan_of(moe)
+    if plan is None or plan.experts is None:
+        raise ValueError(f"{type(moe).__name__} declares no expert group (parallel_plan)")
     experts = moe.get_submodule(plan.experts)
     if isinstance(experts, ExpertParallelExperts):
         raise ValueError("apply_ep was already applied to this MoE")
     n_experts = next(iter(experts.parameters())).shape[0]
-    for name, _ in list(experts.named_parameters(recurse=False)):
+    wrapper = ExpertParallelExperts(experts, ExpertParallel(ep_mesh, n_experts, chunks))
+    # placed on the wrapper: the group itself keeps its parameters as they were
+    for name, _ in list(wrapper.named_parameters(recurse=False)):
         if ep_tp_mesh is None:
-            distribute_param(experts, name, ep_mesh, [Shard(0)])
+            distribute_param(wrapper, name, ep_mesh, [Shard(0)])
         else:  # with tensor parallel too: experts over ep, each expert's hidden units over tp
             hidden = plan.expert_hidden[name]
-            distribute_param(experts, name, ep_tp_mesh, [Shard(0), Shard(hidden)])
-    experts.__class__ = _ep_class(type(experts))
-    experts.ep = ExpertParallel(ep_mesh, n_experts, chunks)
-    install_local_views(experts)
+            distribute_param(wrapper, name, ep_tp_mesh, [Shard(0), Shard(hidden)])
+    replace_submodule(moe, plan.experts, wrapper)
     for name in plan.token_sums:
-        make_global(moe.get_submodule(name), group=ep_mesh.get_group())
+        make_global(moe, name, group=ep_mesh.get_group())
 
 
 def finish_moe_step(model: nn.Module, dims: ParallelDims | None = None,
@@ -239,10 +263,11 @@ def finish_moe_step(model: nn.Module, dims: ParallelDims | None = None,
     parallel (ep lies inside dp) and context parallel (``dp x cp``); tensor-parallel ranks route
     the same tokens (gathered over the sequence) and count them whole, and pipeline ranks hold
     other layers, so neither joins."""
-    routers = [m for m in model.modules() if getattr(m, "balancing", False)]
+    routers = [m for m in model.modules() if declared(m, "balancing", False)]
     for module in model.modules():
-        if hasattr(module, "end_step"):
-            module.end_step()
+        end_step = declared(module, "end_step")
+        if end_step is not None:
+            end_step()
     loads = [router.take_load() for router in routers]
     if not stepped or not loads:
         return

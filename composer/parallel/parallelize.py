@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed._composable.checkpoint_activation import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from composer.blocks.protocol import plan_of
 from composer.parallel.context import apply_cp
 from composer.parallel.data import apply_fsdp, apply_replicate
 from composer.parallel.expert import apply_ep, make_global
@@ -35,7 +36,7 @@ from composer.parallel.tensor import TPContext, apply_tp
 def _moes(model: nn.Module) -> list[nn.Module]:
     out = []
     for layer in model.all_layers():  # the MTP depths' layers too
-        plan = layer.mixer.parallel_plan() if hasattr(layer.mixer, "parallel_plan") else None
+        plan = plan_of(layer.mixer)
         if plan is not None and plan.experts is not None:
             out.append(layer.mixer)
     return out
@@ -76,7 +77,7 @@ def parallelize(model: nn.Module, dims: ParallelDims,
                                     rank=tp_mesh.get_local_rank(),
                                     sequence_parallel=dims.sequence_parallel,
                                     experts_on_ep=dims.ep > 1)
-        apply_tp(model, dims.tp_context)
+        apply_tp(model, dims.tp_context, roots)
     if dims.mesh is not None:
         for moe in _moes(model):
             if dims.ep > 1:
@@ -85,13 +86,13 @@ def parallelize(model: nn.Module, dims: ParallelDims,
             # the load-balancing statistics of the global batch, not of each rank's share; every
             # tp rank computes them whole while the router sums its gradients over tp
             group = dims.fsdp_mesh.get_group() if dims.grad_replicas > 1 else None
-            plan = moe.parallel_plan()
+            plan = plan_of(moe)
             for name in plan.token_sums:
-                make_global(moe.get_submodule(name), group=group, grad_scale=1.0 / dims.tp)
+                make_global(moe, name, group=group, grad_scale=1.0 / dims.tp)
             # per-sequence sums: a sequence is cut over the cp ranks
             seq_group = dims.cp_mesh.get_group() if dims.cp > 1 else None
             for name in plan.local_sums:
-                make_global(moe.get_submodule(name), group=seq_group, grad_scale=1.0 / dims.tp)
+                make_global(moe, name, group=seq_group, grad_scale=1.0 / dims.tp)
     if dims.cp > 1:
         apply_cp(model, dims)
     apply_ac(model, dims.ac)

@@ -15,9 +15,13 @@ with explicit collectives around each mixer:
 Module swaps that live here: row-parallel linears (bias added on one rank), head-selecting
 linears (fewer kv heads than ranks), the sequence cut of multi-token prediction's keep mask
 (:class:`SequenceChunkTP`); and from ``vocab.py`` the vocabulary-parallel embedding and
-readout (head + loss, never gathering the logits for the loss). Replicated weights whose
-per-rank gradients are partial sums (norms under SP, qk-norms, the router, replicated kv
-projections, row-parallel biases) are recorded and summed over ``tp`` by
+readout (head + loss, never gathering the logits for the loss). A swap builds a new module that
+holds the old one's Parameter objects and the context it needs, and sets it in the old one's
+place on its parent (:func:`replace_submodule`), so state-dict keys, parameter order and
+everything later layers (FSDP, DCP, the optimizer) see are unchanged; no block is mutated.
+Replicated weights whose per-rank gradients are partial sums (norms under SP, qk-norms, the
+router, replicated kv projections, row-parallel biases) are recorded in the
+:class:`TPContext` (:attr:`TPContext.grad_kinds`) and summed over ``tp`` by
 :func:`reduce_tp_grads`, in buckets.
 """
 
@@ -34,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from composer.blocks.plan import ParallelPlan, SequenceChunk
+from composer.blocks.protocol import plan_of
 from composer.parallel.comm import all_gather, all_reduce_coalesced, reduce_scatter
 from composer.parallel.vocab import VocabParallelEmbedding, VocabParallelReadout
 
@@ -54,6 +59,17 @@ class TPContext:
     """Expert parallelism will shard routed experts on the 2-D ep x tp mesh; leave them."""
     grad_kinds: dict[str, str] = field(default_factory=dict)
     """Parameter name -> PARTIAL / PARTIAL_IF_SP, for :func:`reduce_tp_grads`."""
+    param_kinds: dict[int, str] = field(default_factory=dict, repr=False)
+    """``id(parameter)`` -> its kind while :func:`apply_tp` places parameters; the names (and
+    :attr:`grad_kinds`) are known only once every plan is applied. Emptied then: data
+    parallelism later replaces the Parameter objects, names outlive it."""
+
+    def place(self, module: nn.Module, name: str, placements: list,
+              grad: str | None = None) -> None:
+        """:func:`distribute_param` on the ``tp`` mesh, recording the gradient kind."""
+        p = distribute_param(module, name, self.mesh, placements)
+        if p is not None and grad is not None:
+            self.param_kinds[id(p)] = grad
 
     def sp_active(self, t: int) -> bool:
         return self.sequence_parallel and t % self.size == 0
@@ -117,42 +133,77 @@ def _drop_local(module: nn.Module, args: tuple, out: object) -> None:
 
 def install_local_views(module: nn.Module) -> None:
     """During ``module``'s forward, its DTensor parameters read as their local shards (through
-    ``to_local``, so gradients reach the DTensors). Once per module."""
-    if getattr(module, "_composer_local_views", False):
+    ``to_local``, so gradients reach the DTensors). Once per module: the hook itself says
+    whether it is there, nothing is written onto the module."""
+    if any(hook is _use_local for hook in module._forward_pre_hooks.values()):
         return
     module.register_forward_pre_hook(_use_local)
     module.register_forward_hook(_drop_local, always_call=True)
-    module._composer_local_views = True
 
 
 def install_all_local_views(root: nn.Module) -> None:
+    """Local views on every module holding DTensor parameters, but the parallel modules that
+    read their shards themselves (the vocabulary-parallel embedding)."""
     for module in root.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            continue
         if any(isinstance(p, DTensor) for p in module._parameters.values()):
             install_local_views(module)
+
+
+def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Set ``new`` in place of ``root``'s submodule ``name`` (dotted, relative to ``root``) on
+    its parent: the module swap of a parallel form, done from outside."""
+    prefix, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(prefix) if prefix else root, leaf, new)
+
+
+def replace_everywhere(roots: list[nn.Module], old: nn.Module, new: nn.Module) -> None:
+    """Set ``new`` in every place where ``old`` is a child inside ``roots`` (a pipeline rank's
+    stages hold the model's embedding and readout too, and are no submodules of it)."""
+    slots = [(parent, leaf) for root in roots for parent in root.modules()
+             for leaf, child in parent.named_children() if child is old]
+    for parent, leaf in slots:
+        setattr(parent, leaf, new)
 
 
 # ---------------------------------------------------------------- placing parameters
 
 
-def distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placements: list,
-                     grad: str | None = None) -> None:
+def distribute_param(module: nn.Module, name: str, mesh: DeviceMesh,
+                     placements: list) -> nn.Parameter | None:
     """Replace ``module.<name>`` by a DTensor parameter with ``placements`` on ``mesh`` (on the
-    meta device no memory is touched; each rank keeps its own chunk, no communication)."""
+    meta device no memory is touched; each rank keeps its own chunk, no communication).
+    Returns the new parameter, or None when there was nothing to place (no parameter, or one
+    an outer plan placed already)."""
     p = getattr(module, name)
     if p is None or isinstance(p, DTensor):
-        return
+        return None
     new = nn.Parameter(distribute_tensor(p.data, mesh, placements, src_data_rank=None),
                        requires_grad=p.requires_grad)
-    if grad is not None:
-        new._tp_grad = grad  # type: ignore[attr-defined]
     module.register_parameter(name, new)
+    return new
 
 
-class RowParallelLinear(nn.Linear):
+class _TakenLinear(nn.Linear):
+    """An ``nn.Linear`` built around another one's Parameter objects (nothing allocated), so that
+    keys, parameter order and placements stay those of the linear it replaces."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a new weight
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)
+        self.train(linear.training)
+
+
+class RowParallelLinear(_TakenLinear):
     """Input features split over ``tp``: weight ``Shard(1)``; the output is a partial sum, so the
     bias (replicated) is added on tp rank 0 only and reaches every rank through the reduction."""
 
-    tp_rank: int = 0
+    def __init__(self, linear: nn.Linear, tp_rank: int) -> None:
+        super().__init__(linear)
+        self.tp_rank = tp_rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -161,10 +212,12 @@ class RowParallelLinear(nn.Linear):
         return y
 
 
-class HeadSelectLinear(nn.Linear):
+class HeadSelectLinear(_TakenLinear):
     """A replicated linear of which this rank computes only rows ``rows`` (its head)."""
 
-    rows: tuple[int, int] = (0, 0)
+    def __init__(self, linear: nn.Linear, rows: tuple[int, int]) -> None:
+        super().__init__(linear)
+        self.rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lo, hi = self.rows
@@ -172,10 +225,17 @@ class HeadSelectLinear(nn.Linear):
         return F.linear(x, self.weight[lo:hi], bias)
 
 
-def _swap(module: nn.Module, cls: type) -> None:
-    if type(module) is not nn.Linear and not issubclass(cls, type(module)):
-        raise TypeError(f"cannot make {type(module).__name__} a {cls.__name__}")
-    module.__class__ = cls
+def _swap_linear(module: nn.Module, name: str, cls: type, **context: object) -> nn.Linear:
+    """Put a ``cls`` holding the parameters of ``module``'s linear ``name`` in its place (once:
+    a linear an outer plan swapped already stays)."""
+    linear = module.get_submodule(name)
+    if isinstance(linear, cls):
+        return linear
+    if type(linear) is not nn.Linear:
+        raise TypeError(f"cannot make {type(linear).__name__} a {cls.__name__}")
+    new = cls(linear, **context)
+    replace_submodule(module, name, new)
+    return new
 
 
 def _params(module: nn.Module, pattern: str) -> list[tuple[nn.Module, str]]:
@@ -189,40 +249,38 @@ def _params(module: nn.Module, pattern: str) -> list[tuple[nn.Module, str]]:
 
 def apply_plan(module: nn.Module, plan: ParallelPlan, tp: TPContext) -> None:
     """Place ``module``'s parameters as its plan says (names relative to ``module``)."""
-    mesh = tp.mesh
     for name in plan.colwise:
         linear = module.get_submodule(name)
-        distribute_param(linear, "weight", mesh, [Shard(0)])
-        distribute_param(linear, "bias", mesh, [Shard(0)])
+        tp.place(linear, "weight", [Shard(0)])
+        tp.place(linear, "bias", [Shard(0)])
     for name in plan.rowwise:
-        linear = module.get_submodule(name)
-        _swap(linear, RowParallelLinear)
-        linear.tp_rank = tp.rank
-        distribute_param(linear, "weight", mesh, [Shard(1)])
-        distribute_param(linear, "bias", mesh, [Replicate()], grad=PARTIAL)
+        linear = _swap_linear(module, name, RowParallelLinear, tp_rank=tp.rank)
+        tp.place(linear, "weight", [Shard(1)])
+        tp.place(linear, "bias", [Replicate()], grad=PARTIAL)
     for name, n_heads in plan.heads.items():
         linear = module.get_submodule(name)
         if n_heads % tp.size == 0:
-            distribute_param(linear, "weight", mesh, [Shard(0)])
-            distribute_param(linear, "bias", mesh, [Shard(0)])
+            tp.place(linear, "weight", [Shard(0)])
+            tp.place(linear, "bias", [Shard(0)])
             continue
-        _swap(linear, HeadSelectLinear)
         width = linear.out_features // n_heads
         head = tp.rank // (tp.size // n_heads)
-        linear.rows = (head * width, (head + 1) * width)
+        linear = _swap_linear(module, name, HeadSelectLinear,
+                              rows=(head * width, (head + 1) * width))
         for leaf in ("weight", "bias"):
-            distribute_param(linear, leaf, mesh, [Replicate()], grad=PARTIAL)
+            tp.place(linear, leaf, [Replicate()], grad=PARTIAL)
     for pattern, dim in plan.shard.items():
         for owner, leaf in _params(module, pattern):
-            distribute_param(owner, leaf, mesh, [Shard(dim)])
+            tp.place(owner, leaf, [Shard(dim)])
     for pattern in plan.partial:
         for owner, leaf in _params(module, pattern):
-            distribute_param(owner, leaf, mesh, [Replicate()], grad=PARTIAL)
+            tp.place(owner, leaf, [Replicate()], grad=PARTIAL)
     if plan.experts is not None and not tp.experts_on_ep:
         experts = module.get_submodule(plan.experts)
+        own = dict(experts.named_parameters(recurse=False))
         for leaf, dim in plan.expert_hidden.items():
-            if getattr(experts, leaf, None) is not None:
-                distribute_param(experts, leaf, mesh, [Shard(dim)])
+            if own.get(leaf) is not None:
+                tp.place(experts, leaf, [Shard(dim)])
 
 
 def expert_params(mixer: nn.Module) -> list[nn.Parameter]:
@@ -230,7 +288,7 @@ def expert_params(mixer: nn.Module) -> list[nn.Parameter]:
     order: the same order on every rank, which a coalesced reduction of them relies on."""
     out: dict[int, nn.Parameter] = {}
     for module in mixer.modules():
-        plan = module.parallel_plan() if hasattr(module, "parallel_plan") else None
+        plan = plan_of(module)
         if plan is not None and plan.experts is not None:
             out.update((id(p), p) for p in module.get_submodule(plan.experts).parameters())
     return list(out.values())
@@ -251,7 +309,9 @@ class SequenceChunkTP(SequenceChunk):
     """:class:`~composer.blocks.plan.SequenceChunk` under tp: this rank's chunk of ``T`` when
     the forward runs sequence parallel (the residual stream's cut), else the whole tensor."""
 
-    tp: TPContext
+    def __init__(self, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tp
@@ -263,26 +323,28 @@ def apply_mtp_tp(depth: nn.Module, tp: TPContext) -> None:
     norms and ``proj`` are token-wise on the residual stream as it is, so replicated, their
     gradients partial sums under SP; the keep mask is cut over ``T`` like the stream."""
     for norm in (depth.norm_h, depth.norm_e, depth.final_norm):
-        distribute_param(norm, "weight", tp.mesh, [Replicate()], grad=PARTIAL_IF_SP)
-    distribute_param(depth.proj, "weight", tp.mesh, [Replicate()], grad=PARTIAL_IF_SP)
-    depth.keep.__class__ = SequenceChunkTP
-    depth.keep.tp = tp
+        tp.place(norm, "weight", [Replicate()], grad=PARTIAL_IF_SP)
+    tp.place(depth.proj, "weight", [Replicate()], grad=PARTIAL_IF_SP)
+    if not isinstance(depth.keep, SequenceChunk):
+        raise TypeError(f"an MTP depth's keep is a {type(depth.keep).__name__}, not a "
+                        "SequenceChunk")
+    replace_submodule(depth, "keep", SequenceChunkTP(tp))
 
 
-def apply_tp(model: nn.Module, tp: TPContext) -> None:
-    """Shard every layer's mixer by the plans its modules declare, the norms replicated, the
-    embedding and head split by vocabulary; record which gradients need a ``tp`` sum."""
+def _shard_layers(model: nn.Module, tp: TPContext) -> None:
+    """Every layer's norm and mixer (the MTP depths' layers too), by the mixers' plans."""
     from composer.parallel.mesh import LayoutError
 
-    for layer in model.all_layers():  # the MTP depths' layers too
-        distribute_param(layer.norm, "weight", tp.mesh, [Replicate()], grad=PARTIAL_IF_SP)
+    for layer in model.all_layers():
+        tp.place(layer.norm, "weight", [Replicate()], grad=PARTIAL_IF_SP)
         mixer = layer.mixer
-        if not hasattr(mixer, "parallel_plan"):
+        if plan_of(mixer) is None:
             raise LayoutError(f"{type(mixer).__name__} (symbol {layer.symbol!r}) declares no "
                               "tensor-parallel plan (parallel_plan); use --tp 1")
-        for module in mixer.modules():  # outer plans first: they win
-            if hasattr(module, "parallel_plan"):
-                apply_plan(module, module.parallel_plan(), tp)
+        for module in list(mixer.modules()):  # outer plans first: they win
+            plan = plan_of(module)
+            if plan is not None:
+                apply_plan(module, plan, tp)
         skip = {id(p) for p in expert_params(mixer)} if tp.experts_on_ep else set()
         for name, p in mixer.named_parameters():
             if not isinstance(p, DTensor) and id(p) not in skip:
@@ -290,24 +352,29 @@ def apply_tp(model: nn.Module, tp: TPContext) -> None:
                                   f"{name!r} is not in its parallel plan; use --tp 1")
         mixer.register_forward_pre_hook(_mixer_enter(tp))
         mixer.register_forward_hook(_mixer_leave(tp))
+
+
+def apply_tp(model: nn.Module, tp: TPContext, roots: list[nn.Module] | None = None) -> None:
+    """Shard every layer's mixer by the plans its modules declare, the norms replicated, the
+    embedding and head split by vocabulary; record which gradients need a ``tp`` sum.
+    ``roots``: a pipeline rank's stages, which hold the model's embedding and readout too."""
+    _shard_layers(model, tp)
+    roots = [model, *(roots or ())]
     # a pipeline stage may hold no embedding, final norm or head (composer.parallel.pipeline)
     if model.final_norm is not None:
-        distribute_param(model.final_norm, "weight", tp.mesh, [Replicate()],
-                         grad=PARTIAL_IF_SP)
+        tp.place(model.final_norm, "weight", [Replicate()], grad=PARTIAL_IF_SP)
     if model.embed is not None:
-        distribute_param(model.embed, "weight", tp.mesh, [Shard(0)])
-        model.embed.__class__ = VocabParallelEmbedding
-        model.embed.tp = tp
-        model.embed._composer_local_views = True  # it reads its shard itself
+        tp.place(model.embed, "weight", [Shard(0)])
+        replace_everywhere(roots, model.embed, VocabParallelEmbedding(model.embed, tp))
     if not model.config.tie_embeddings and getattr(model, "lm_head", None) is not None:
-        distribute_param(model.lm_head, "weight", tp.mesh, [Shard(0)])
+        tp.place(model.lm_head, "weight", [Shard(0)])
     for depth in getattr(model, "mtp", None) or ():
         apply_mtp_tp(depth, tp)
-    model.readout.__class__ = VocabParallelReadout
-    model.readout.tp = tp
+    replace_everywhere(roots, model.readout, VocabParallelReadout(model.readout, tp))
     install_all_local_views(model)
-    tp.grad_kinds = {name: p._tp_grad for name, p in model.named_parameters()
-                     if getattr(p, "_tp_grad", None)}
+    tp.grad_kinds = {name: tp.param_kinds[id(p)] for name, p in model.named_parameters()
+                     if id(p) in tp.param_kinds}
+    tp.param_kinds.clear()
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor:

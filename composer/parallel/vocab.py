@@ -2,8 +2,9 @@
 head's rows are split over ``tp`` (unevenly when the vocabulary does not divide it: DTensor's
 chunking); the loss is computed chunk by chunk from the local logits without gathering them
 (never ``[tokens, V/tp]`` at once), and the logits, when asked for, are gathered with padding
-that exists only inside the gather. Swapped in for
-the model's ``embed`` and ``readout`` by :func:`composer.parallel.tensor.apply_tp`.
+that exists only inside the gather. Set in place of the model's ``embed`` and ``readout`` by
+:func:`composer.parallel.tensor.apply_tp`: each holds what it replaces (the embedding's very
+Parameter, the readout's scaling) and the :class:`~composer.parallel.tensor.TPContext`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from composer.parallel.tensor import TPContext
 
 
-
 class _GatherLast(torch.autograd.Function):
     """All-gather an unevenly split last dimension (vocab); backward keeps the local part."""
 
@@ -42,7 +42,6 @@ class _GatherLast(torch.autograd.Function):
         return g[..., start:start + ctx.sizes[ctx.tp.rank]].contiguous(), None, None
 
 
-
 def vocab_sizes(vocab: int, size: int) -> list[int]:
     """Rows per rank of a ``Shard(0)`` split of ``vocab`` (DTensor's torch.chunk semantics)."""
     chunk = -(-vocab // size)
@@ -51,9 +50,17 @@ def vocab_sizes(vocab: int, size: int) -> list[int]:
 
 class VocabParallelEmbedding(nn.Embedding):
     """Each rank looks up its rows of the vocabulary; the partial sums are reduced (scattered
-    over the sequence under SP). The first op of the model: it decides SP for this forward."""
+    over the sequence under SP). The first op of the model: it decides SP for this forward.
+    It reads its shard itself (no local-view hooks)."""
 
-    tp: TPContext
+    def __init__(self, embed: nn.Embedding, tp: TPContext) -> None:
+        nn.Module.__init__(self)  # not nn.Embedding's: it would allocate a new weight
+        for attr in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+                     "scale_grad_by_freq", "sparse"):
+            setattr(self, attr, getattr(embed, attr))
+        self.weight = embed.weight  # the same Parameter: keys and placements stay
+        self.tp = tp
+        self.train(embed.training)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         tp = self.tp
@@ -163,7 +170,10 @@ class VocabParallelReadout(Readout):
     """The readout with the head split by vocabulary: the loss from the local logits, the logits
     (when asked for) gathered across ranks."""
 
-    tp: TPContext
+    def __init__(self, readout: Readout, tp: TPContext) -> None:
+        super().__init__(readout.logits_scaling)
+        self.tp = tp
+        self.train(readout.training)
 
     def forward(self, h_BTD, weight_VD, labels_BT=None, return_logits=False, *,
                 targets_BT=None):
