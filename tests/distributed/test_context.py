@@ -21,7 +21,6 @@ from composer.parallel.context import check_cp, check_cp_length, local_index
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
 from composer.specs.builder import build_model
-from composer.testing import layout_case, train_case
 from tests.distributed.test_mla_tp import mla_cfg
 from tests.distributed.test_pipeline import (
     BASE,
@@ -34,6 +33,7 @@ from tests.distributed.test_pipeline import (
     isolated,
     write_dataset,
 )
+from tests.helpers import layout_case, train_case
 
 GDN = {"gdn.n_heads": 4, "gdn.n_kv_heads": 2, "gdn.d_head_k": 8, "gdn.d_head_v": 6,
        "gdn.chunk_size": 8}

@@ -7,7 +7,7 @@ import pytest
 from composer.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
-from composer.testing import layout_case, rel_err
+from tests.helpers import layout_case, rel_err
 
 
 def gdn_cfg(n_kv_heads: int = 2, conv_bias: bool = False) -> ModelConfig:

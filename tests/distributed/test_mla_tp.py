@@ -8,7 +8,7 @@ import pytest
 from composer.config import MLAConfig, MLPConfig, ModelConfig, MoEConfig, YarnScaling
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
-from composer.testing import layout_case, rel_err
+from tests.helpers import layout_case, rel_err
 
 
 def mla_cfg(q_lora_rank: int | None) -> ModelConfig:

@@ -18,7 +18,7 @@ import torch
 
 from composer.config import ModelConfig
 from composer.parallel.launch import run_distributed
-from composer.testing import train_case
+from tests.helpers import train_case
 
 ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:  # spawned ranks unpickle this module's functions by name
@@ -61,7 +61,7 @@ def bias_case(layout: dict, cfg: dict, data: np.ndarray, steps: int = 3) -> dict
     from composer.parallel.expert import finish_moe_step
     from composer.parallel.mesh import ParallelConfig, build_parallel_dims
     from composer.run import build_sharded
-    from composer.testing import adamw_steps
+    from tests.helpers import adamw_steps
 
     dims = build_parallel_dims(ParallelConfig(**layout))
     model = build_sharded(ModelConfig.from_dict(cfg), dims, seed=7, dtype=torch.float64)

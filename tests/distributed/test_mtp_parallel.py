@@ -10,7 +10,7 @@ import torch
 from composer.config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig, MoEConfig
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
-from composer.testing import layout_case, rel_err
+from tests.helpers import layout_case, rel_err
 
 
 def mtp_cfg() -> ModelConfig:
@@ -116,7 +116,7 @@ def load_case(layout: dict, folder: str) -> dict:
 
 def test_mtp_weights_load_slice_by_slice_under_tp2(tmp_path):
     import composer
-    from composer.testing import randomize
+    from tests.helpers import randomize
 
     model = composer.build_model(mtp_cfg(), seed=1)
     randomize(model, seed=2)

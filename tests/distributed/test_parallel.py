@@ -41,7 +41,7 @@ def case(layout: dict, cfg_dict: dict, data: np.ndarray, steps: int, fp64: bool 
     from composer.parallel.data import finish_grads
     from composer.parallel.mesh import build_parallel_dims
     from composer.run import build_sharded, evaluate
-    from composer.testing import adamw_steps as train
+    from tests.helpers import adamw_steps as train
 
     cfg = ModelConfig.from_dict(cfg_dict)
     dims = build_parallel_dims(ParallelConfig(**layout))
@@ -125,7 +125,7 @@ def test_exact_in_fp64(world, layout, cfg):
 def save_then_eval(save_layout: dict, folder: str, data: np.ndarray) -> float:
     from composer.parallel.checkpoint import save_checkpoint
     from composer.run import prepare
-    from composer.testing import adamw_steps as train
+    from tests.helpers import adamw_steps as train
 
     model, dims, opt, _ = prepare(folder + "/portable", ParallelConfig(**save_layout),
                                   optimizer_lr=1e-2)

@@ -19,7 +19,7 @@ from composer.config import ModelConfig
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError
 from composer.specs.stages import check_pipeline, split_stages, stage_layers
-from composer.testing import layout_case, read_all, train_case
+from tests.helpers import layout_case, read_all, train_case
 
 SIZES = {"d_model": 32, "vocab_size": 61, "attention.n_heads": 4, "attention.n_kv_heads": 2,
          "mamba.n_heads": 4, "mamba.d_head": 8, "mamba.n_groups": 2, "mamba.d_state": 8,

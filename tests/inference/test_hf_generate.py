@@ -12,8 +12,8 @@ import torch
 
 import composer
 from composer.convert import from_hf, to_hf
-from composer.testing import randomize
 from composer.zoo import presets
+from tests.helpers import randomize
 
 DEBUG = sorted(name for name in presets() if name.endswith("-debug"))
 NEW = 32

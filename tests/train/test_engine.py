@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from composer.cli import main
-from composer.testing import train_case
 from composer.train.schedule import Schedule
+from tests.helpers import train_case
 
 MODEL = {"pattern": "M*-E", "set": {
     "d_model": 32, "vocab_size": 61, "attention.n_heads": 4, "attention.n_kv_heads": 2,
@@ -88,7 +88,7 @@ def test_bf16_trains_close_to_fp32_with_fp32_masters(tmp_path):
     assert abs(bf16["losses"][-1] - fp32["losses"][-1]) <= 0.05 * fp32["losses"][-1]
     assert all(p.dtype == torch.float32 for p in bf16["params"].values())
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
-    from composer.testing import read_all
+    from tests.helpers import read_all
 
     assert {t.dtype for t in read_all(tmp_path / "out").values()} == {torch.float32}
 
@@ -148,7 +148,7 @@ def test_huge_lr_stops_with_exit_3_and_leaves_finite_checkpoints(tmp_path, capsy
     assert len(err.splitlines()) == 1 and "non-finite" in err, err
     assert (run / "latest").exists()
     assert main(["export", str(run), str(tmp_path / "out")]) == 0  # latest loads
-    from composer.testing import read_all
+    from tests.helpers import read_all
 
     for step in sorted(run.glob("step-*")):
         (run / "latest").write_text(step.name)

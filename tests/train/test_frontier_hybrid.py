@@ -5,7 +5,7 @@ through `composer export`: the portable checkpoint holds the trained weights bit
 import torch
 
 from composer.cli import main
-from composer.testing import read_all, train_case
+from tests.helpers import read_all, train_case
 
 MODEL = {"pattern": "G+M*-E", "set": {
     "d_model": 32, "vocab_size": 61,
