@@ -30,7 +30,10 @@ exec(compile(block, f"README[{sys.argv[2]}]", "exec"), {})
 """
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
+# the doctests are quick; a plain block builds models in a fresh interpreter (seconds)
+@pytest.mark.parametrize("index", [i if b.lstrip().startswith(">>>") else
+                                   pytest.param(i, marks=pytest.mark.slow)
+                                   for i, b in enumerate(BLOCKS)])
 def test_readme_example_runs(index, tmp_path):
     # Each example in a fresh interpreter (in a scratch folder: examples may write files), as a
     # reader runs it: what it uses must be reachable from its own imports, not from modules
