@@ -22,6 +22,8 @@ ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:  # spawned ranks unpickle this module's functions by name
     sys.path.insert(0, ROOT)
 
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
+
 
 def cfg_dict() -> dict:
     return {"pattern": "*E-E", "d_model": 32, "vocab_size": 61, "init_std": 0.1,

@@ -12,6 +12,8 @@ import torch
 
 from composer.parallel.launch import run_distributed
 
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
+
 N_LAYERS = 32
 D_MODEL, D_FF = 256, 2048
 UNIT_MIB = 3 * D_MODEL * D_FF * 4 / 2**20

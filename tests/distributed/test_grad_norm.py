@@ -20,6 +20,8 @@ from composer.parallel.launch import run_distributed
 from tests.distributed.test_pipeline import _engine
 from tests.helpers import train_case
 
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
+
 MODEL = {"pattern": "M*-EG-", "set": {
     "d_model": 32, "vocab_size": 61, "tie_embeddings": True, "attention.n_heads": 4,
     "attention.n_kv_heads": 2, "mamba.n_heads": 4, "mamba.d_head": 8, "mamba.n_groups": 2,

@@ -24,6 +24,8 @@ ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:  # spawned ranks unpickle this module's functions by name
     sys.path.insert(0, ROOT)
 
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
+
 MOE = {"n_experts": 4, "top_k": 2, "d_ff": 16, "score_func": "sigmoid",
        "score_correction_bias": True, "bias_update_rate": 0.01, "n_shared_experts": 1}
 

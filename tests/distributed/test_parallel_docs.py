@@ -11,6 +11,8 @@ from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import ParallelConfig
 from tests.distributed.test_parallel import tiny_cfg
 
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
+
 
 def case(layout: dict, cfg_dict: dict) -> dict:
     from composer.parallel.data import finish_grads

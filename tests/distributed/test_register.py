@@ -169,6 +169,7 @@ def test_the_kind_is_known_everywhere(registered, capsys):
     register()
 
 
+@pytest.mark.slow
 def test_tp2_equals_one_process():
     register()
     try:

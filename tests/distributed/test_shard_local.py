@@ -15,6 +15,8 @@ from composer.cli import main
 from composer.parallel.launch import run_distributed
 from tests.helpers import assert_same_tensors, rel_err
 
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
+
 # together: M, *, - and E
 PRESETS = ("nemotron-h-debug", "nemotron-3-nano-debug")
 SEED = 5

@@ -8,6 +8,8 @@ import torch
 from composer.parallel.launch import run_distributed
 from tests.helpers import train_case
 
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
+
 MODEL = {"pattern": "M*-E", "set": {
     "d_model": 32, "vocab_size": 61, "attention.n_heads": 4, "attention.n_kv_heads": 2,
     "mamba.n_heads": 4, "mamba.d_head": 8, "mamba.n_groups": 2, "mamba.d_state": 8,
