@@ -100,10 +100,28 @@ importing it again (torch.distributed.tensor alone takes seconds per rank: 91 s 
 pool or process group exists; a module that fails to import there is imported by the rank."""
 
 
-def _run_once(fn: Callable[..., Any], world_size: int, args: tuple,
-              timeout: float) -> list[Any]:
+AT_START = ("MALLOC_", "LD_", "GLIBC_TUNABLES", "PYTHON")
+"""Environment variables read when a process starts (glibc's, the dynamic loader's, Python's):
+a fork inherits the fork server's, so when the caller's differ from those the server started
+with, the ranks are spawned instead (bench/long_context.py sets glibc's ``MALLOC_*``)."""
+_server_env: dict[str, str] | None = None
+
+
+def _context() -> Any:
+    global _server_env
+    now = {k: v for k, v in os.environ.items() if k.startswith(AT_START)}
+    if _server_env is None:  # the fork server starts with this call's first process
+        _server_env = now
+    if now != _server_env:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple,
+              timeout: float) -> list[Any]:
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue,
