@@ -1,5 +1,6 @@
-"""Markers by place: every test under a directory named here gets that directory's marker, so
-``pytest -m "not distributed"`` (or ``convert``, ``kernels``, ``gpu``) needs no mark in the files.
+"""Markers by place: every test under a directory of ``BY_DIRECTORY`` gets its marker
+(tests/parallel: ``distributed``), so ``pytest -m "not distributed"`` (or ``convert``,
+``kernels``, ``gpu``) needs no mark in the files.
 ``slow`` is marked by hand on the tests that take more than about 1.5 s on two CPU cores
 (``pytest -m "not slow"``: the fast subset, under 3 minutes)."""
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-BY_DIRECTORY = {"distributed": "distributed", "convert": "convert", "kernels": "kernels",
+BY_DIRECTORY = {"parallel": "distributed", "convert": "convert", "kernels": "kernels",
                 "gpu": "gpu"}
 
 

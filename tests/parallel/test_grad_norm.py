@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from composer.parallel.launch import run_distributed
-from tests.distributed.test_pipeline import _engine
 from tests.helpers import train_case
+from tests.parallel.test_pipeline import _engine
 
 pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
 

@@ -21,8 +21,9 @@ from composer.parallel.context import check_cp, check_cp_length, local_index
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
 from composer.specs.builder import build_model
-from tests.distributed.test_mla_tp import mla_cfg
-from tests.distributed.test_pipeline import (
+from tests.helpers import layout_case, train_case
+from tests.parallel.test_mla_tp import mla_cfg
+from tests.parallel.test_pipeline import (
     BASE,
     MODEL,
     NO_AUX,
@@ -33,7 +34,6 @@ from tests.distributed.test_pipeline import (
     isolated,
     write_dataset,
 )
-from tests.helpers import layout_case, train_case
 
 GDN = {"gdn.n_heads": 4, "gdn.n_kv_heads": 2, "gdn.d_head_k": 8, "gdn.d_head_v": 6,
        "gdn.chunk_size": 8}

@@ -32,7 +32,7 @@ from composer.parallel.expert import apply_ep, expert_grad_scale
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import ParallelConfig, build_parallel_dims
 
-# Spawned ranks unpickle the functions below by module name (tests.distributed.test_expert under
+# Spawned ranks unpickle the functions below by module name (tests.parallel.test_expert under
 # --import-mode=importlib); plain `pytest`, unlike `python -m pytest`, leaves the repository root
 # off the sys.path they inherit.
 ROOT = str(Path(__file__).resolve().parents[2])

@@ -19,7 +19,7 @@ from composer.blocks.plan import ONES, ZEROS, Divisible, Normal, ParallelPlan, i
 from composer.config import ConfigError, ModelConfig
 from composer.parallel.launch import run_distributed
 from composer.specs.registry import unregister
-from tests.distributed.test_parallel import case, check_same, tokens
+from tests.parallel.test_parallel import case, check_same, tokens
 
 
 @dataclass

@@ -46,7 +46,7 @@ def forward_only() -> dict:
     from composer.config import ModelConfig
     from composer.parallel.mesh import ParallelConfig, build_parallel_dims
     from composer.run import build_sharded, evaluate
-    from tests.distributed.test_pipeline import cfg_dict
+    from tests.parallel.test_pipeline import cfg_dict
 
     cfg = ModelConfig.from_dict(cfg_dict("-" * N_LAYERS, {"d_model": D_MODEL, "vocab_size": 61,
                                                           "mlp.d_ff": D_FF}))
