@@ -375,13 +375,16 @@ def time_interleaved(steps: dict[str, Callable[[], torch.Tensor]], tokens: int, 
     return rates, first
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|`` in fp64 (tests/helpers.py has the same, for the tests)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
 def check_logits(ours: torch.nn.Module, theirs: torch.nn.Module) -> tuple[bool, str]:
     """Ours against theirs in fp32 (relative max error < ``LOGIT_TOL``). Deeper models can miss
     that through fp32 rounding alone, on both sides: then both are compared with theirs run in
     fp64 (the exact answer), and ours passes if it is within ``LOGIT_TOL`` of it or no further
     from it than transformers' own fp32 logits. A wrong conversion is off by far more."""
-    from composer.testing import rel_err
-
     ids = token_ids(Shape(2, 300), seed=2)  # longer than one scan chunk, not a multiple of it
     ours.eval()
     theirs.eval()

@@ -71,7 +71,6 @@ def bench_prepare(repeat: int, scale: int) -> list[dict]:
 
 
 def bench_loader(steps: int) -> list[dict]:
-    from composer.testing import train_case  # noqa: F401  (the engine, imported warm)
     from composer.train import loop
     from composer.train.engine import resolve, setup
 

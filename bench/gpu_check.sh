@@ -19,29 +19,32 @@
 #            -> $OUT/setup.json: versions, GPU, which kernels and torchao import
 #   train    `python -m composer train` of a 1.0B hybrid (M-M-M*-M-M-M*-M-, d_model 2048,
 #            vocab 131072), bf16, --ac full, 30 steps of 8 x 4096 synthetic tokens, MFU against
-#            989 TFLOP/s; asserts from metrics.jsonl that parameters and batches are on CUDA
+#            989 TFLOP/s (the timing; that training runs on CUDA is tests/gpu's)
 #            -> $OUT/train/ (recipe.yaml, model.json, command.txt, metrics.jsonl, stdout.txt,
 #            train.log, report.json)
 #   fp8      the same for 6 steps with --precision fp8 -> $OUT/fp8/ ("skipped: ..." without
 #            torchao)
-#   moe      grouped expert GEMMs against the loop (fp32, bf16, forward and backward), a whole
-#            MoE layer without host synchronisation, and the expert time per token for 8, 64
+#   moe      the expert time per token of the loop, padded bmm and grouped GEMMs for 8, 64
 #            and 128 experts (bench/moe.py) -> $OUT/moe.json
-#   kernels  parity of composer.kernels against the torch path -> $OUT/kernels.jsonl (rows as
-#            they come), $OUT/kernels.json
+#   kernels  forward + backward time of composer.kernels and the torch path -> $OUT/kernels.jsonl
+#            (rows as they come), $OUT/kernels.json
+#   tests    the correctness checks: pytest tests/gpu (kernels, blocks and routed experts
+#            against fp64, a MoE layer without host synchronisation, a short training run on
+#            CUDA) -> $OUT/tests.txt, $OUT/tests.xml
 #   summary  one line per phase -> $OUT/summary.txt; exit status 0 when every phase passed
 # bench/gpu_check.py (its docstring) says what each phase checks and measures.
 #
 # Budget (GPU_CHECK_BUDGET, 460 s, counted from the start): the setup steps have their own
-# timeouts (60 s each; about 10 s in all as a rule); then train gets at most 240 s, fp8 60 s,
-# moe 60 s and kernels the rest, each less what the phases after it need at least (fp8 50 s,
-# moe 40 s, kernels 100 s, summary 15 s, and 10 s for a last `timeout -k`); a phase left under
-# 30 s is skipped, which the summary counts as not passed.
+# timeouts (60 s each; about 10 s in all as a rule); then train gets at most 200 s, fp8 60 s,
+# moe 60 s, kernels 120 s and tests the rest, each less what the phases after it need at least
+# (fp8 50 s, moe 40 s, kernels 60 s, tests 90 s, summary 15 s, and 10 s for a last
+# `timeout -k`); a phase left under 30 s is skipped, which the summary counts as not passed.
 #
 # Environment:
 #   OUT                 results folder (default bench/out)
 #   GPU_CHECK_BUDGET    seconds in all (460)
-#   GPU_CHECK_PHASES    which of train,fp8,moe,kernels to run (all four); setup always runs
+#   GPU_CHECK_PHASES    which of train,fp8,moe,kernels,tests to run (all five); setup always
+#                       runs
 #   GPU_CHECK_STEPS     train steps (30)
 #   PYTHON              the interpreter to use (default: the first of .venv/bin/python,
 #                       python3, python whose torch sees CUDA)
@@ -54,15 +57,15 @@ cd "$(dirname "$0")/.." || exit 1
 ROOT=$(pwd)
 START=$(date +%s)
 BUDGET=${GPU_CHECK_BUDGET:-460}
-PHASES=${GPU_CHECK_PHASES:-train,fp8,moe,kernels}
+PHASES=${GPU_CHECK_PHASES:-train,fp8,moe,kernels,tests}
 STEPS=${GPU_CHECK_STEPS:-30}
 OUT=${OUT:-$ROOT/bench/out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1
 export OUT
 for p in ${PHASES//,/ }; do
   case $p in
-    train | fp8 | moe | kernels) ;;
-    *) echo "GPU_CHECK_PHASES: unknown phase $p (train, fp8, moe, kernels)" >&2; exit 2 ;;
+    train | fp8 | moe | kernels | tests) ;;
+    *) echo "GPU_CHECK_PHASES: unknown phase $p (train, fp8, moe, kernels, tests)" >&2; exit 2 ;;
   esac
 done
 left() { echo $((BUDGET - ($(date +%s) - START))); }
@@ -161,13 +164,15 @@ phase() {
 }
 R_FP8=0; selected fp8 && R_FP8=50
 R_MOE=0; selected moe && R_MOE=40
-R_KERNELS=0; selected kernels && R_KERNELS=100
+R_KERNELS=0; selected kernels && R_KERNELS=60
+R_TESTS=0; selected tests && R_TESTS=90
 
 phase setup 60 0 --pip "$PIP_STATUS"
-selected train && phase train 240 $((R_FP8 + R_MOE + R_KERNELS + 25)) --steps "$STEPS"
-selected fp8 && phase fp8 60 $((R_MOE + R_KERNELS + 25))
-selected moe && phase moe 60 $((R_KERNELS + 25))
-selected kernels && phase kernels 300 25
+selected train && phase train 200 $((R_FP8 + R_MOE + R_KERNELS + R_TESTS + 25)) --steps "$STEPS"
+selected fp8 && phase fp8 60 $((R_MOE + R_KERNELS + R_TESTS + 25))
+selected moe && phase moe 60 $((R_KERNELS + R_TESTS + 25))
+selected kernels && phase kernels 120 $((R_TESTS + 25))
+selected tests && phase tests 300 25
 
 timeout 15 "$PY" bench/gpu_check.py summary --out "$OUT"
 rc=$?

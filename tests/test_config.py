@@ -137,6 +137,7 @@ def test_every_symbol_gets_its_section_sized_by_d_model():
     assert cfg.validate() is cfg
 
 
+@pytest.mark.slow
 def test_a_pattern_of_g_and_plus_builds_and_runs():
     import torch
 

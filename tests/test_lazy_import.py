@@ -4,6 +4,8 @@ version and the subpackages (``composer.zoo``, ``composer.convert``) load on fir
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = """
 import sys
 import composer
@@ -21,6 +23,7 @@ except AttributeError as exc:
 """
 
 
+@pytest.mark.slow
 def test_import_composer_is_lazy(tmp_path):
     from importlib.metadata import version
 

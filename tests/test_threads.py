@@ -45,6 +45,7 @@ def test_available_cpus_is_the_affinity_shared_by_local_ranks():
     assert available_cpus({"LOCAL_WORLD_SIZE": str(4 * mine)}) == 1
 
 
+@pytest.mark.slow
 def test_the_debug_recipe_gets_one_thread():
     from composer.cli.base import train_work
     from composer.train.engine import resolve

@@ -23,7 +23,7 @@ from composer.config import (
 )
 from composer.kernels.packing import doc_causal_mask, doc_positions, doc_segments, seq_idx
 from composer.kernels.ssd import ssd_scan, ssd_scan_ref
-from composer.testing import randomize
+from tests.helpers import randomize
 
 F64 = torch.float64
 CHUNK = 8

@@ -11,7 +11,7 @@ from composer.blocks.loss import IGNORE_INDEX
 from composer.blocks.mtp import depth_inputs, mtp_loss_ref, segments
 from composer.build.registry import REGISTRY
 from composer.config import AttentionConfig, MambaConfig, MLPConfig, MoEConfig, MTPConfig
-from composer.testing import randomize
+from tests.helpers import randomize
 
 F64 = torch.float64
 

@@ -5,7 +5,7 @@ the ranks of a cp group (its all-gather and reduce-scatter exchange through shar
 pieces, and must equal the op run whole, outputs and gradients, for Mamba-2's scan, the delta
 rule and a kind defined here (a scalar-decay linear attention that only subclasses
 ``LinearRecurrence``); the mixers with their ops swapped equal the mixers. Real gloo ranks:
-tests/distributed/test_context.py."""
+tests/parallel/test_context.py."""
 
 from __future__ import annotations
 

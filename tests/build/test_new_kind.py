@@ -30,7 +30,7 @@ from composer.blocks.split import SplitCausalConv1d
 from composer.build.registry import unregister
 from composer.config import ConfigError, ModelConfig, positive
 from composer.parallel.launch import run_distributed
-from tests.distributed.test_parallel import case, check_same
+from tests.parallel.test_parallel import case, check_same
 
 # ---------------------------------------------------------------- the kind, in one file
 
@@ -189,7 +189,7 @@ def test_builds_validates_and_counts(registered, capsys):
 
 
 def test_trains_two_steps(registered, tmp_path):
-    from composer.testing import train_case
+    from tests.helpers import train_case
 
     sections = {**cfg_dict(), "vocab_size": 257}  # the built-in corpus's byte tokenizer
     del sections["pattern"]

@@ -59,6 +59,7 @@ def test_build_preset(capsys):
     assert json.loads(out)["n_params"] == 8_030_261_248
 
 
+@pytest.mark.slow
 def test_zoo_list_and_show(capsys):
     code, out, _ = run(capsys, "zoo", "list", "--json")
     assert code == 0 and len(out.splitlines()) == 1
@@ -109,6 +110,7 @@ def test_out_refuses_non_empty_dir(capsys, tmp_path):
     assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_python_dash_m_entry_point(tmp_path):
     # run outside the checkout so the installed package is what gets imported
     proc = subprocess.run([sys.executable, "-m", "composer", "build", "--pattern", "*-", "--json"],
@@ -121,6 +123,7 @@ def test_python_dash_m_entry_point(tmp_path):
     assert bad.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.slow
 def test_train_compile_gives_the_eager_losses(capsys, tmp_path):
     """`--compile` (inductor, the real CPU backend) trains to the same losses as eager."""
     import numpy as np
@@ -152,6 +155,7 @@ def test_explicitly_empty_pattern_is_an_error(capsys):
     assert err.count("\n") == 1 and "empty pattern ''" in err
 
 
+@pytest.mark.slow
 def test_output_to_a_closed_pipe_exits_quietly(tmp_path):
     # `composer zoo show NAME | head`: here a reader that leaves before anything is written
     proc = subprocess.run(f"{sys.executable} -m composer zoo show nemotron-h-8b | true",

@@ -30,6 +30,7 @@ def run(cmd, cwd):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=ENV, timeout=400)
 
 
+@pytest.mark.slow
 def test_a_mistake_is_one_line_per_rank_and_exit_2(tmp_path, capsys):
     mistake = [*DEBUG, "--steps", "2", "--lr", "-1"]
     assert main(mistake) == 2
@@ -41,6 +42,7 @@ def test_a_mistake_is_one_line_per_rank_and_exit_2(tmp_path, capsys):
     assert proc.stdout == ""
 
 
+@pytest.mark.slow
 def test_a_run_prints_what_torchrun_prints(tmp_path):
     cmd = [*DEBUG, "--steps", "3"]
     ours, theirs = run([*LAUNCH, *cmd], tmp_path), run([*TORCHRUN, *cmd], tmp_path)
@@ -54,6 +56,7 @@ def test_a_run_prints_what_torchrun_prints(tmp_path):
     assert ours.stderr == ""
 
 
+@pytest.mark.slow
 def test_sigint_to_the_launcher_saves_and_exits_0(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([*LAUNCH, *DEBUG, "--steps", "400", "--save", str(run_dir)],

@@ -10,7 +10,7 @@ import torch
 
 import composer
 from composer.convert import from_hf, to_hf
-from composer.testing import FP32_PARITY, assert_same_tensors, load_hf, randomize, rel_err
+from tests.helpers import FP32_PARITY, assert_same_tensors, load_hf, randomize, rel_err
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import torch
 
 import composer
 from composer.convert import from_hf, to_hf
-from composer.testing import FP32_PARITY, rel_err
+from tests.helpers import FP32_PARITY, rel_err
 
 
 def small(**kw):

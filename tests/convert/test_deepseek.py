@@ -94,7 +94,7 @@ def mtp_checkpoint(folder, n_mtp: int, randomize, dtype=torch.float32):
                                          (1, torch.bfloat16)], ids=["D1", "D2", "D1-bf16"])
 def test_mtp_layers_round_trip_inside_the_model(tmp_path, randomize, n_mtp, dtype):
     from composer.convert import from_hf, to_hf
-    from composer.testing import assert_same_tensors, read_all
+    from tests.helpers import assert_same_tensors, read_all
 
     _, _, weights = mtp_checkpoint(tmp_path / "hf", n_mtp, randomize, dtype)
     cfg = from_hf(tmp_path / "hf", tmp_path / "ours")
@@ -150,7 +150,7 @@ def test_mtp_loss_equals_a_reference_from_the_hf_tensors(tmp_path, randomize):
             ces.append(-logp.gather(-1, ids[:, k + 1:, None]).mean())
     # a mean of log-softmax values of fp32 logits (FP32_PARITY's error model; log-softmax
     # passes an error with gain <= 2, the mean averages them): the same bound holds
-    from composer.testing import FP32_PARITY
+    from tests.helpers import FP32_PARITY
 
     for got, want in zip(out.mtp_losses, ces, strict=True):
         assert abs(got - want) < FP32_PARITY * want
@@ -166,7 +166,7 @@ def test_an_mtp_layer_with_its_own_copy_is_kept_aside(tmp_path, randomize, capsy
     from safetensors.torch import save_file
 
     from composer.cli import main
-    from composer.testing import assert_same_tensors, read_all
+    from tests.helpers import assert_same_tensors, read_all
 
     _, _, weights = mtp_checkpoint(tmp_path / "hf", 1, randomize)
     weights[f"model.layers.3.{copy}"][5, 7] += 1.0
@@ -282,8 +282,8 @@ def test_a_built_model_with_mtp_exports_and_comes_back(tmp_path):
 
     import composer
     from composer.convert import from_hf, to_hf
-    from composer.testing import read_all
     from composer.zoo import get_preset
+    from tests.helpers import read_all
 
     cfg = get_preset("deepseek-v3-debug").config()
     cfg.pattern += "/+E"

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 from composer.config import ConfigError
 from composer.convert import from_hf, infer_adapter, to_hf
 from composer.convert.glm4_moe import Glm4MoeAdapter, MiniMaxM2Adapter
-from composer.testing import FP32_PARITY, rel_err
 from composer.zoo import get_preset
+from tests.helpers import FP32_PARITY, rel_err
 
 
 def glm_kwargs(**kw):

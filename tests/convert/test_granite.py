@@ -7,7 +7,7 @@ import composer
 from composer.config import ConfigError
 from composer.convert import from_hf, infer_adapter, to_hf
 from composer.convert.granite import BambaAdapter, GraniteMoeHybridAdapter
-from composer.testing import FP32_PARITY, rel_err
+from tests.helpers import FP32_PARITY, rel_err
 
 # 19 tokens: not a multiple of the Mamba chunk size (8), so the scan's padding path runs.
 IDS = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(1))

@@ -13,8 +13,8 @@ import composer
 from composer.config import ConfigError
 from composer.convert import from_hf, infer_adapter, to_hf
 from composer.convert.mamba import Mamba2Adapter, NemotronHAdapter
-from composer.testing import FP32_PARITY, assert_same_tensors, read_all, rel_err
 from composer.zoo import get_preset
+from tests.helpers import FP32_PARITY, assert_same_tensors, read_all, rel_err
 
 
 def mamba2_kwargs(**kw):

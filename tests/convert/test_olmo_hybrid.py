@@ -14,8 +14,8 @@ from composer.config import ConfigError, ModelConfig
 from composer.convert import from_hf, infer_adapter, to_hf
 from composer.convert.olmo_hybrid import OlmoHybridAdapter
 from composer.portable import CheckpointError
-from composer.testing import FP32_PARITY, load_hf, rel_err
 from composer.zoo import get_preset
+from tests.helpers import FP32_PARITY, load_hf, rel_err
 
 
 def olmo_kwargs(**kw):

@@ -18,8 +18,8 @@ from composer.blocks.norm import RMSNorm, rms_norm_ref
 from composer.config import AttentionConfig, ConfigError, ModelConfig, MoEConfig
 from composer.convert import from_hf, infer_adapter, to_hf
 from composer.convert.qwen3_next import Qwen3_5MoeAdapter, Qwen3NextAdapter
-from composer.testing import FP32_PARITY, rel_err
 from composer.zoo import get_preset
+from tests.helpers import FP32_PARITY, rel_err
 
 FLA_REASON = ("flash-linear-attention is installed: transformers would run its CUDA kernels, "
               "not the torch path these CPU comparisons need")
@@ -160,7 +160,7 @@ def test_qwen3_5_mtp_round_trips_inside_the_model(tmp_path, randomize):
     """Qwen3.5 dense: the MTP layer is full attention with a dense SwiGLU (``/*-``)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 
-    from composer.testing import assert_same_tensors
+    from tests.helpers import assert_same_tensors
 
     model = qwen3_5(randomize, seed=55)
     save_with_mtp(tmp_path / "hf", model, Qwen3_5DecoderLayer(model.config, 3), randomize)
@@ -172,7 +172,7 @@ def test_qwen3_5_mtp_round_trips_inside_the_model(tmp_path, randomize):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_qwen3_next_mtp_round_trips_inside_the_model(tmp_path, randomize, dtype):
-    from composer.testing import assert_same_tensors, read_all
+    from tests.helpers import assert_same_tensors, read_all
 
     _, _, tensors = qwen3_next_with_mtp(tmp_path / "hf", randomize, dtype)
     cfg = from_hf(tmp_path / "hf", tmp_path / "ours")
@@ -193,7 +193,7 @@ def test_qwen3_next_mtp_that_is_not_our_part_is_kept_aside(tmp_path, randomize, 
     """An MTP layer that cannot become our MTP part exactly (an ``mtp.fc`` over three inputs, or
     a tensor our part would not read) is kept aside whole, byte for byte, with a one-line
     notice; the model converts and the export is the source bit for bit."""
-    from composer.testing import assert_same_tensors, read_all
+    from tests.helpers import assert_same_tensors, read_all
 
     _, _, tensors = qwen3_next_with_mtp(tmp_path / "hf", randomize)
     g = torch.Generator().manual_seed(7)

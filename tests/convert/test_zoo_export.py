@@ -12,8 +12,8 @@ import torch
 
 import composer
 from composer.cli import main
-from composer.testing import FP32_PARITY, rel_err
 from composer.zoo import presets
+from tests.helpers import FP32_PARITY, rel_err
 
 DEBUG = sorted(name for name in presets() if name.endswith("-debug"))
 ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",

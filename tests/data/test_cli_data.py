@@ -3,6 +3,8 @@ as one-line errors that leave nothing behind."""
 
 import json
 
+import pytest
+
 from composer.cli import main
 
 
@@ -68,6 +70,7 @@ def test_bad_inputs_are_one_line_errors_and_leave_nothing(tmp_path, capsys):
     assert "not a Megatron indexed dataset" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_shakespeare_recipe_beats_a_bigram_model(tmp_path, capsys):
     """The README's real-text run on the built-in corpus: validation loss below 2.2 nats per
     byte (a bigram model of the same bytes: 2.50). About 2 minutes on 2 cores."""
@@ -77,6 +80,7 @@ def test_the_shakespeare_recipe_beats_a_bigram_model(tmp_path, capsys):
     assert len(val) == 6 and val[-1] < 2.2 and val[-1] < val[0], val
 
 
+@pytest.mark.slow
 def test_parquet_input(tmp_path, capsys):
     import pytest
 

@@ -64,6 +64,7 @@ def test_without_eod(tmp_path):
     assert IndexedDataset(tmp_path / "ds").document(1).tolist() == list("héllo wörld ✓".encode())
 
 
+@pytest.mark.slow
 def test_workers_give_identical_files(tmp_path, monkeypatch):
     texts = [f"document {i} " + "ü✓x"[i % 3] * (i % 17) for i in range(2000)]
     inputs = [_jsonl(tmp_path / "a.jsonl", texts, blank_every=7)]
@@ -94,6 +95,7 @@ def _hf_folder(tmp_path, config):
     return folder, tok
 
 
+@pytest.mark.slow
 def test_hf_tokenizer(tmp_path):
     folder, ref = _hf_folder(tmp_path, {"eos_token": "<|endoftext|>", "name_or_path": "tiny-bpe"})
     texts = [*SENTENCES, "unseen wörds ✓ too"]
@@ -188,7 +190,8 @@ BAD = {
 
 # errors found while tokenising are raised in a worker when there is a pool
 @pytest.mark.parametrize("case,workers", [(c, 1) for c in sorted(BAD)]
-                         + [("no key", 2), ("bad json", 2)])
+                         + [pytest.param(c, 2, marks=pytest.mark.slow)  # a pool: seconds
+                            for c in ("no key", "bad json")])
 def test_bad_inputs_leave_nothing(tmp_path, monkeypatch, case, workers):
     src = tmp_path / "src"
     src.mkdir()

@@ -86,6 +86,7 @@ BASE = ["train", "llama-debug", "--set", "vocab_size=257", "--seq-len", "16",
         "--lr", "1e-3", "--device", "cpu", "--json"]
 
 
+@pytest.mark.slow
 def test_resume_after_a_change_of_global_batch(tmp_path, docs, capsys):
     _, ds = docs
     run = tmp_path / "run"
@@ -134,6 +135,7 @@ print(int(peak.split()[1]) * 1024)
 """
 
 
+@pytest.mark.slow
 def test_memory_does_not_grow_with_the_corpus(tmp_path):
     rng = np.random.default_rng(0)
     peaks = []

@@ -167,6 +167,7 @@ def test_export_keeps_the_tokenizer_and_the_greedy_ids(run, capsys, tmp_path):
     assert exported["token_ids"] == ours["token_ids"]
 
 
+@pytest.mark.slow
 def test_a_hugging_face_folder_gives_the_checkpoints_ids(llama, bpe, capsys, tmp_path):
     from transformers import AutoTokenizer
 
@@ -222,6 +223,7 @@ def test_chat_renders_and_encodes_as_transformers(llama, bpe, capsys):
                               "roles are system, user and assistant)")
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_with_a_seed(run, capsys):
     def ids(*flags) -> list[int]:
         return generate_json(capsys, run, "--prompt", "ROMEO:", "--max-new-tokens", 8,
@@ -285,6 +287,7 @@ def _errors(run, llama, bpe, tmp_path) -> list[tuple[list, str]]:
     ]
 
 
+@pytest.mark.slow
 def test_mistakes_are_one_line_and_exit_2(run, llama, bpe, tmp_path, capsys):
     for args, message in _errors(run, llama, bpe, tmp_path):
         code, out, err = generate(capsys, *args)

@@ -14,7 +14,7 @@ from composer.inference.decode import filter_logits
 from composer.kernels.gdn import gdn_recurrent_ref, gdn_step
 from composer.kernels.scan import ssd_step
 from composer.kernels.ssd import ssd_scan_ref
-from composer.testing import rel_err
+from tests.helpers import randomize, rel_err
 
 SIZES = {
     "d_model": 32, "vocab_size": 61,
@@ -41,7 +41,7 @@ def tiny(pattern: str, extra: dict | None = None, seed: int = 0) -> composer.Hyb
     values = {**SIZES, **(extra or {})}
     apply_overrides(cfg, [f"{k}={_yaml(v)}" for k, v in values.items()])
     model = composer.build_model(cfg.validate(), seed=seed)
-    composer.testing.randomize(model, seed=seed + 1, std=0.1)
+    randomize(model, seed=seed + 1, std=0.1)
     return model.eval()
 
 

@@ -236,6 +236,7 @@ def test_import_raising_runtime_error_is_unavailable(
     torch.testing.assert_close(kernels.te_linear(x, linear), linear(x), atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_importing_composer_imports_no_optional_package() -> None:
     code = textwrap.dedent(f"""
         import sys, torch, composer, composer.kernels as k

@@ -19,6 +19,7 @@ def _model() -> torch.nn.Module:
     return build_model(cfg, seed=3)
 
 
+@pytest.mark.slow
 def test_compiled_layers_match_eager() -> None:
     torch._dynamo.reset()
     eager, compiled = _model(), _model()

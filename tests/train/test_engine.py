@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from composer.cli import main
-from composer.testing import train_case
 from composer.train.schedule import Schedule
+from tests.helpers import train_case
 
 MODEL = {"pattern": "M*-E", "set": {
     "d_model": 32, "vocab_size": 61, "attention.n_heads": 4, "attention.n_kv_heads": 2,
@@ -51,6 +51,7 @@ def test_schedule_formulas(kind):
         assert sched(s) == pytest.approx(formula(kind, s, 20, 4, 6, 1e-3, 1e-4), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_logged_learning_rates_follow_the_schedule(tmp_path):
     for kind in ("constant", "cosine", "linear", "wsd"):
         out = train_case(recipe(steps=6, warmup_steps=2, schedule=kind, decay_steps=2,
@@ -81,6 +82,7 @@ def test_ac_full_and_selective_equal_none():
         close(got["params"], none["params"], 1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_trains_close_to_fp32_with_fp32_masters(tmp_path):
     fp32 = train_case(recipe(steps=20))
     bf16 = train_case(recipe(steps=20, precision="bf16", save=str(tmp_path / "run")))
@@ -88,7 +90,7 @@ def test_bf16_trains_close_to_fp32_with_fp32_masters(tmp_path):
     assert abs(bf16["losses"][-1] - fp32["losses"][-1]) <= 0.05 * fp32["losses"][-1]
     assert all(p.dtype == torch.float32 for p in bf16["params"].values())
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
-    from composer.testing import read_all
+    from tests.helpers import read_all
 
     assert {t.dtype for t in read_all(tmp_path / "out").values()} == {torch.float32}
 
@@ -104,6 +106,7 @@ def test_clipping_bounds_the_update():
     assert clipped["rows"][0]["grad_norm"] > 1e-3  # logged before clipping
 
 
+@pytest.mark.slow
 def test_exact_resume(tmp_path):
     straight = train_case(recipe(steps=6, save=str(tmp_path / "a")))
     first = train_case(recipe(steps=6, exit_at_step=3, save=str(tmp_path / "b")))
@@ -115,18 +118,21 @@ def test_exact_resume(tmp_path):
     assert rest["step"] == 6
 
 
+@pytest.mark.slow
 def test_steps_extend_a_finished_run(tmp_path):
     train_case(recipe(steps=2, save=str(tmp_path / "r")))
     more = train_case({"steps": 4}, source=str(tmp_path / "r"))
     assert len(more["losses"]) == 2 and more["step"] == 4
 
 
+@pytest.mark.slow
 def test_keep_last(tmp_path):
     train_case(recipe(steps=5, save_every=1, keep_last=2, save=str(tmp_path / "r")))
     steps = sorted(p.name for p in (tmp_path / "r").iterdir() if p.name.startswith("step-"))
     assert steps == ["step-00000004", "step-00000005"]
 
 
+@pytest.mark.slow
 def test_async_save_resumes_like_sync(tmp_path):
     sync = train_case(recipe(steps=4, save_every=1, save=str(tmp_path / "s"), exit_at_step=2))
     asyn = train_case(recipe(steps=4, save_every=1, save=str(tmp_path / "a"), exit_at_step=2,
@@ -148,7 +154,7 @@ def test_huge_lr_stops_with_exit_3_and_leaves_finite_checkpoints(tmp_path, capsy
     assert len(err.splitlines()) == 1 and "non-finite" in err, err
     assert (run / "latest").exists()
     assert main(["export", str(run), str(tmp_path / "out")]) == 0  # latest loads
-    from composer.testing import read_all
+    from tests.helpers import read_all
 
     for step in sorted(run.glob("step-*")):
         (run / "latest").write_text(step.name)
@@ -157,6 +163,7 @@ def test_huge_lr_stops_with_exit_3_and_leaves_finite_checkpoints(tmp_path, capsy
         assert all(torch.isfinite(t).all() for t in read_all(out).values()), step.name
 
 
+@pytest.mark.slow
 def test_debug_recipe_loss_falls(capsys):
     assert main(["train", "--config", "debug", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from composer.cli import main
 
 TRAIN = [sys.executable, "-m", "composer", "train", "--config", "debug", "--steps", "400",
@@ -44,6 +46,7 @@ def steps_logged(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_step_and_resume_is_exact(tmp_path, capsys):
     run = tmp_path / "run"
     proc = start(run)
@@ -61,6 +64,7 @@ def test_sigterm_saves_the_step_and_resume_is_exact(tmp_path, capsys):
     assert resumed == straight[last:]  # bit for bit, schedule and data position included
 
 
+@pytest.mark.slow
 def test_sigint_says_where_it_stopped_and_resume_says_where_it_starts(tmp_path, capsys):
     run = tmp_path / "run"
     proc = start(run)
@@ -76,6 +80,7 @@ def test_sigint_says_where_it_stopped_and_resume_says_where_it_starts(tmp_path, 
         == 1
 
 
+@pytest.mark.slow
 def test_a_second_signal_exits_at_once(tmp_path):
     run = tmp_path / "run"
     proc = start(run)
@@ -89,6 +94,7 @@ def test_a_second_signal_exits_at_once(tmp_path):
     assert proc.returncode in (128 + signal.SIGTERM, -signal.SIGTERM), proc.returncode
 
 
+@pytest.mark.slow
 def test_kill_9_never_leaves_latest_unloadable(tmp_path):
     run = tmp_path / "run"
     rng = random.Random(0)
@@ -106,6 +112,7 @@ def test_kill_9_never_leaves_latest_unloadable(tmp_path):
                  str(steps_logged(run)[-1]["step"] + 1)]) == 0
 
 
+@pytest.mark.slow
 def test_watchdog_prints_stacks_and_exits(tmp_path):
     proc = subprocess.run([*TRAIN, "--timeout-s", "0.001"], capture_output=True, text=True,
                           timeout=120)

@@ -2,10 +2,11 @@
 attention, MLP, MoE), builds, trains with the engine (loss falls over 30 steps) and round-trips
 through `composer export`: the portable checkpoint holds the trained weights bit for bit."""
 
+import pytest
 import torch
 
 from composer.cli import main
-from composer.testing import read_all, train_case
+from tests.helpers import read_all, train_case
 
 MODEL = {"pattern": "G+M*-E", "set": {
     "d_model": 32, "vocab_size": 61,
@@ -18,6 +19,7 @@ MODEL = {"pattern": "G+M*-E", "set": {
     "mamba.chunk_size": 8, "mlp.d_ff": 64, "moe.n_experts": 4, "moe.top_k": 2, "moe.d_ff": 32}}
 
 
+@pytest.mark.slow
 def test_every_kind_trains_and_exports(tmp_path):
     run = tmp_path / "run"
     out = train_case({"model": MODEL, "tokens": "synthetic", "seq_len": 16, "steps": 30,

@@ -6,8 +6,8 @@ import math
 import torch
 
 from composer import ModelConfig, apply_overrides, build_model
-from composer.testing import train_case
 from composer.train.data import synthetic_rows
+from tests.helpers import train_case
 
 SET = {"d_model": 32, "vocab_size": 61, "attention.n_heads": 4, "attention.n_kv_heads": 2,
        "mamba.n_heads": 4, "mamba.d_head": 8, "mamba.n_groups": 2, "mamba.d_state": 8,

@@ -22,6 +22,8 @@ ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:  # spawned ranks unpickle this module's functions by name
     sys.path.insert(0, ROOT)
 
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
+
 
 def cfg_dict() -> dict:
     return {"pattern": "*E-E", "d_model": 32, "vocab_size": 61, "init_std": 0.1,
@@ -55,7 +57,7 @@ def save_case(layout: dict, folder: str, data: np.ndarray) -> dict:
     """Two AdamW steps, save, one more step: the continuation a resume must reproduce."""
     from composer.parallel.checkpoint import save_checkpoint
     from composer.run import prepare
-    from composer.testing import adamw_steps
+    from tests.helpers import adamw_steps
 
     model, dims, opt, _ = prepare(folder + "/portable", ParallelConfig(**layout),
                                   optimizer_lr=1e-2)
@@ -68,7 +70,7 @@ def save_case(layout: dict, folder: str, data: np.ndarray) -> dict:
 
 def resume_case(layout: dict, folder: str, data: np.ndarray) -> dict:
     from composer.run import prepare
-    from composer.testing import adamw_steps
+    from tests.helpers import adamw_steps
 
     model, dims, opt, step = prepare(folder + "/run", ParallelConfig(**layout),
                                      optimizer_lr=1e-2)
@@ -115,7 +117,7 @@ def test_checkpoint_resumes_at_other_layouts(runs: dict, name: str) -> None:
 def test_equals_one_process_in_fp64(world: int, layout: dict) -> None:
     """Eval loss, every gradient (gathered) and three AdamW steps at lr 1e-2; with tp the
     experts are split over (dp_outer, ep, tp) (expert-tensor parallel inside)."""
-    from composer.testing import layout_case
+    from tests.helpers import layout_case
 
     args = (cfg_dict(), tokens(), True, 1e-2)
     ref = layout_case({}, *args)

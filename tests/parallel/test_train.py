@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from composer.parallel.launch import run_distributed
-from composer.testing import train_case
+from tests.helpers import train_case
+
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
 
 MODEL = {"pattern": "M*-E", "set": {
     "d_model": 32, "vocab_size": 61, "attention.n_heads": 4, "attention.n_kv_heads": 2,

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from composer.parallel.launch import run_distributed
-from composer.testing import train_case
-from tests.distributed.test_pipeline import _engine
+from tests.helpers import train_case
+from tests.parallel.test_pipeline import _engine
+
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
 
 MODEL = {"pattern": "M*-EG-", "set": {
     "d_model": 32, "vocab_size": 61, "tie_embeddings": True, "attention.n_heads": 4,

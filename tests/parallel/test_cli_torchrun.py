@@ -6,8 +6,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from composer.cli import main
+
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # what the torchrun script runs
 

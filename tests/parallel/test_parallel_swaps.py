@@ -8,7 +8,7 @@ import pytest
 from composer.config import ModelConfig
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import ParallelConfig
-from tests.distributed.test_mtp_parallel import mtp_cfg
+from tests.parallel.test_mtp_parallel import mtp_cfg
 
 FOREIGN_ATTRS = ("tp", "tp_rank", "rows", "ep", "_composer_local_views", "group", "grad_scale")
 
@@ -17,9 +17,9 @@ def swaps(layout: dict, cfg_dict: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
+    from composer.build.builder import build_model
     from composer.parallel.mesh import build_parallel_dims
     from composer.parallel.parallelize import parallelize
-    from composer.specs.builder import build_model
 
     cfg = ModelConfig.from_dict(cfg_dict)
     model = build_model(cfg, device="meta")

@@ -1,5 +1,7 @@
-"""Helpers for tests of models and converters (also useful to users checking their own
-conversions): random weights that expose a wrong mapping, and exact tensor comparisons."""
+"""The tests' shared helpers (not part of the installed package): random weights that expose a
+wrong mapping, exact tensor comparisons, the fp32 parity bound, and the small training loops that
+layout-parity tests compare. Spawned ranks import it by name (``tests.helpers``; the repository
+root is on ``sys.path`` through pytest's ``pythonpath``)."""
 
 from __future__ import annotations
 

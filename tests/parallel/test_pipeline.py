@@ -19,7 +19,7 @@ from composer.cli import main
 from composer.config import ModelConfig
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError
-from composer.testing import layout_case, read_all, train_case
+from tests.helpers import layout_case, read_all, train_case
 
 SIZES = {"d_model": 32, "vocab_size": 61, "attention.n_heads": 4, "attention.n_kv_heads": 2,
          "mamba.n_heads": 4, "mamba.d_head": 8, "mamba.n_groups": 2, "mamba.d_state": 8,
@@ -165,6 +165,7 @@ def layouts():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_one_process_fp64(layouts, name: str) -> None:
     ref = layout_case({}, _case_cfg(name), DATA, fp64=True)
@@ -188,6 +189,7 @@ def engine(tmp_path_factory):
     return tmp, run_distributed(engine_in_ranks, 2, str(tmp))
 
 
+@pytest.mark.slow
 def test_isolated_documents_and_bf16(engine) -> None:
     ref = train_case({**BASE, **isolated(str(engine[0]))}, fp64=True)
     got = engine[1][0]["isolated"]
@@ -198,6 +200,7 @@ def test_isolated_documents_and_bf16(engine) -> None:
     assert np.allclose(engine[1][0]["bf16"]["losses"], ref["losses"], rtol=2e-2, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ENGINE))
 def test_engine_equals_one_process(engine, name: str) -> None:
     extra = {k: v for k, v in ENGINE[name].items() if k not in ("pp", "pp_schedule")}
@@ -210,6 +213,7 @@ def test_engine_equals_one_process(engine, name: str) -> None:
         assert (got["params"][k] - p).abs().max() < 1e-10, k
 
 
+@pytest.mark.slow
 def test_each_rank_holds_its_stages(engine) -> None:
     cfg = ModelConfig.from_dict(cfg_dict(MODEL["pattern"], SIZES))
     counts = [st.n_params for st in split_stages(cfg, 2)]
@@ -218,6 +222,7 @@ def test_each_rank_holds_its_stages(engine) -> None:
                               .values())
 
 
+@pytest.mark.slow
 def test_checkpoints_reshard_between_pp_and_tp(engine, tmp_path) -> None:
     tmp = engine[0]
     tokens = tmp_path / "tokens.npy"
@@ -236,6 +241,7 @@ def test_checkpoints_reshard_between_pp_and_tp(engine, tmp_path) -> None:
     assert set(a) == set(b) and all((a[k] - b[k]).abs().max() < 1e-5 for k in a)
 
 
+@pytest.mark.slow
 def test_pp_by_dp_saves_and_resumes_exactly(tmp_path) -> None:
     got = run_distributed(resume_in_ranks, 4, str(tmp_path))[0]
     straight = got["straight"]

@@ -209,6 +209,7 @@ else:
 """
 
 
+@pytest.mark.slow
 def test_build_out_memory_is_a_block_not_the_model(tmp_path):
     argv = ["build", "--pattern", "(*-)x2", "--set", "d_model=1024", "--set",
             "vocab_size=32000", "--set", "attention.n_heads=8", "--set", "mlp.d_ff=4096",

@@ -21,9 +21,9 @@ from composer.config import ModelConfig
 from composer.parallel.context import check_cp, check_cp_length, local_index
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
-from composer.testing import layout_case, train_case
-from tests.distributed.test_mla_tp import mla_cfg
-from tests.distributed.test_pipeline import (
+from tests.helpers import layout_case, train_case
+from tests.parallel.test_mla_tp import mla_cfg
+from tests.parallel.test_pipeline import (
     BASE,
     MODEL,
     NO_AUX,
@@ -78,6 +78,7 @@ def layouts():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_one_process_fp64(layouts, name: str) -> None:
     ref = layout_case({}, _cfg(name), DATA[LAYOUTS[name][1]], fp64=True)
@@ -95,6 +96,7 @@ NO_AUX_MODEL = {**MODEL, "set": {**MODEL["set"], "moe.aux_loss_coeff": 0.0}}
 GDN_MODEL = {"pattern": "M*G-E", "set": {**MODEL["set"], **GDN}}
 
 
+@pytest.mark.slow
 def test_adaptive_engine_equals_one_process(engine) -> None:
     """--cp-adaptive on packed documents (rows of seq_len + 1: every token is an input, so the
     MoE loss counts the same tokens as one process)."""
@@ -139,6 +141,7 @@ def engine(tmp_path_factory):
                       for name, (layout, world) in ENGINE_LAYOUTS.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(ENGINE_LAYOUTS))
 @pytest.mark.parametrize("name", ["synthetic", "isolated", "mtp", "balance"])
 def test_engine_equals_one_process(engine, layout: str, name: str) -> None:
@@ -189,6 +192,7 @@ def isolated_in_ranks() -> dict:
             "cp2-dp2": docs_case({"cp": 2, "dp": 2}, None, DOCS32)}
 
 
+@pytest.mark.slow
 def test_isolated_documents_across_ranks_fp64() -> None:
     """Packed documents across the chunks (a 28-token one over all 4 of cp=2): the loss and
     gradients of one process, at cp=2 and with tp and dp (fp64, 1e-10; with pp: the engine
@@ -219,6 +223,7 @@ def adaptive():
     return out | run_distributed(adaptive_in_ranks, 4, [n for n in ADAPTIVE if n not in two])[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ADAPTIVE))
 def test_adaptive_equals_one_process_fp64(adaptive, name: str) -> None:
     """Short documents whole on one rank, long ones split (default threshold: a rank's share of
@@ -262,6 +267,7 @@ def _peak(cp: int) -> float:
     return run(cp, 8192, steps=1)["peak_MB"]
 
 
+@pytest.mark.slow
 def test_peak_memory_at_8k_halves() -> None:
     """Issue 15's goal: a 1 x 8192-token hybrid training step peaks at <= 0.65x per rank at
     cp=2 (bench/long_context.py, which measures it)."""
@@ -294,6 +300,7 @@ def test_layouts_cp_does_not_combine_with_yet() -> None:
         resolve_layout(ParallelConfig(cp=2, ep=2), 4)
 
 
+@pytest.mark.slow
 def test_adaptive_needs_documents() -> None:
     got = run_distributed(_refusal, 2, {**BASE, "cp": 2, "cp_adaptive": True})[0]
     assert "needs --document-isolation" in got
@@ -307,6 +314,7 @@ def _refusal(values: dict) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_bad_cp_layout_is_one_line_before_any_work(tmp_path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", "-m", "composer", "train", "nemotron-h-debug", "--tokens", "synthetic",

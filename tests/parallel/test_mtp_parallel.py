@@ -10,7 +10,7 @@ import torch
 from composer.config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig, MoEConfig
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
-from composer.testing import layout_case, rel_err
+from tests.helpers import layout_case, rel_err
 
 
 def mtp_cfg() -> ModelConfig:
@@ -34,6 +34,7 @@ def worst(got: dict, ref: dict) -> tuple[str, float]:
     return name, rel_err(got[name], ref[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 2, "sequence_parallel": False},
                                     {"dp": 2}], ids=["tp2-sp", "tp2", "dp2"])
 def test_mtp_equals_one_process(layout):
@@ -52,6 +53,7 @@ def test_mtp_equals_one_process(layout):
         assert err < 5e-5, name
 
 
+@pytest.mark.slow
 def test_mtp_tp2_exact_in_fp64():
     args = (mtp_cfg().to_dict(), tokens(), True, 1e-2)
     ref = case({}, *args)
@@ -78,6 +80,7 @@ def doc_case(layout: dict, cfg_dict: dict, data: np.ndarray, docs: np.ndarray) -
     return {"loss": out.loss.item(), "mtp": out.mtp_loss.item(), "grads": grads}
 
 
+@pytest.mark.slow
 def test_mtp_with_packed_documents_tp2_sp():
     # documents end inside each rank's half of the sequence: the keep mask is cut with it
     docs = np.repeat(np.array([[0] * 5 + [1] * 6 + [2] * 5]), 4, axis=0)
@@ -114,9 +117,10 @@ def load_case(layout: dict, folder: str) -> dict:
             for k, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_mtp_weights_load_slice_by_slice_under_tp2(tmp_path):
     import composer
-    from composer.testing import randomize
+    from tests.helpers import randomize
 
     model = composer.build_model(mtp_cfg(), seed=1)
     randomize(model, seed=2)

@@ -9,7 +9,9 @@ import torch
 from composer.config import ModelConfig
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import ParallelConfig
-from tests.distributed.test_parallel import tiny_cfg
+from tests.parallel.test_parallel import tiny_cfg
+
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
 
 
 def case(layout: dict, cfg_dict: dict) -> dict:

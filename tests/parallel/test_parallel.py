@@ -41,7 +41,7 @@ def case(layout: dict, cfg_dict: dict, data: np.ndarray, steps: int, fp64: bool 
     from composer.parallel.data import finish_grads
     from composer.parallel.mesh import build_parallel_dims
     from composer.run import build_sharded, evaluate
-    from composer.testing import adamw_steps as train
+    from tests.helpers import adamw_steps as train
 
     cfg = ModelConfig.from_dict(cfg_dict)
     dims = build_parallel_dims(ParallelConfig(**layout))
@@ -89,6 +89,7 @@ LAYOUTS_2 = [{"tp": 2}, {"ep": 2}, {"dp": 2}, {"dp": 2, "dp_mode": "replicate"},
              {"tp": 2, "sequence_parallel": False}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS_2, ids=lambda d: json.dumps(d))
 def test_two_processes(reference, layout):
     results = run_distributed(case, 2, layout, tiny_cfg().to_dict(), tokens(), 3)
@@ -96,6 +97,7 @@ def test_two_processes(reference, layout):
         check_same(got, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"tp": 2, "dp": 2}, {"tp": 2, "ep": 2}, {"ep": 2}],
                          ids=lambda d: json.dumps(d))
 def test_four_processes(reference, layout):
@@ -110,6 +112,7 @@ def mqa_cfg() -> ModelConfig:
     return cfg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, layout, cfg", [(2, {"tp": 2}, tiny_cfg()),
                                                 (2, {"tp": 2}, mqa_cfg()),
                                                 (4, {"tp": 2, "ep": 2}, tiny_cfg())],
@@ -125,7 +128,7 @@ def test_exact_in_fp64(world, layout, cfg):
 def save_then_eval(save_layout: dict, folder: str, data: np.ndarray) -> float:
     from composer.parallel.checkpoint import save_checkpoint
     from composer.run import prepare
-    from composer.testing import adamw_steps as train
+    from tests.helpers import adamw_steps as train
 
     model, dims, opt, _ = prepare(folder + "/portable", ParallelConfig(**save_layout),
                                   optimizer_lr=1e-2)
@@ -141,6 +144,7 @@ def eval_at(layout: dict, folder: str, data: np.ndarray) -> tuple[float, int]:
     return evaluate(model, dims, list(data))[0], step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save_at, load_at", [({"tp": 2}, [{}, {"dp": 2}]),
                                               ({"dp": 2}, [{"tp": 2}, {}])])
 def test_checkpoint_reshards(tmp_path, save_at, load_at):
@@ -177,6 +181,7 @@ def test_layout_errors():
         check_model(resolve_layout(ParallelConfig(ep=8), 8), tiny_cfg())
 
 
+@pytest.mark.slow
 def test_cli_refuses_bad_layouts(tmp_path):
     composer.save(composer.build_model(tiny_cfg()), tmp_path / "ck")
     np.save(tmp_path / "t.npy", tokens())

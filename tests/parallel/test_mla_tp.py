@@ -8,7 +8,7 @@ import pytest
 from composer.config import MLAConfig, MLPConfig, ModelConfig, MoEConfig, YarnScaling
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
-from composer.testing import layout_case, rel_err
+from tests.helpers import layout_case, rel_err
 
 
 def mla_cfg(q_lora_rank: int | None) -> ModelConfig:
@@ -36,6 +36,7 @@ def worst(got: dict, ref: dict) -> tuple[str, float]:
     return name, rel(got[name], ref[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q_lora_rank", [12, None], ids=["lora-q", "full-q"])
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 2, "sequence_parallel": False}],
                          ids=["tp2-sp", "tp2"])
@@ -53,6 +54,7 @@ def test_mla_tp2_equals_one_process(layout, q_lora_rank):
         assert err < 1e-5, name
 
 
+@pytest.mark.slow
 def test_mla_tp2_exact_in_fp64():
     args = (mla_cfg(12).to_dict(), tokens(), True, 1e-2)
     ref = case({}, *args)

@@ -7,7 +7,7 @@ import pytest
 from composer.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
-from composer.testing import layout_case, rel_err
+from tests.helpers import layout_case, rel_err
 
 
 def gdn_cfg(n_kv_heads: int = 2, conv_bias: bool = False) -> ModelConfig:
@@ -33,6 +33,7 @@ def worst(got: dict, ref: dict) -> tuple[str, float]:
     return name, rel(got[name], ref[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 2, "sequence_parallel": False}],
                          ids=["tp2-sp", "tp2"])
 def test_gdn_tp2_equals_one_process(layout):
@@ -51,6 +52,7 @@ def test_gdn_tp2_equals_one_process(layout):
         assert err < 1e-5, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_kv_heads", [2, 4], ids=["gqa", "mha"])
 def test_gdn_tp2_exact_in_fp64(n_kv_heads):
     args = (gdn_cfg(n_kv_heads, conv_bias=True).to_dict(), tokens(), True, 1e-2)

@@ -32,7 +32,7 @@ from composer.parallel.expert import apply_ep, expert_grad_scale
 from composer.parallel.launch import run_distributed
 from composer.parallel.mesh import ParallelConfig, build_parallel_dims
 
-# Spawned ranks unpickle the functions below by module name (tests.distributed.test_expert under
+# Spawned ranks unpickle the functions below by module name (tests.parallel.test_expert under
 # --import-mode=importlib); plain `pytest`, unlike `python -m pytest`, leaves the repository root
 # off the sys.path they inherit.
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -168,6 +168,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"ranks": results, "ep_dir": ep_dir}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [f"{n}/fp64" for n in CASES] + ["softmax_shared_swiglu/fp32"])
 def test_ep_matches_single_process(two_ranks: dict[str, Any], case: str) -> None:
     tol = 1e-5 if case.endswith("fp32") else 1e-12
@@ -176,6 +177,7 @@ def test_ep_matches_single_process(two_ranks: dict[str, Any], case: str) -> None
         assert set(errs) >= ALWAYS_CHECKED and max(errs.values()) < tol, (rank, errs)
 
 
+@pytest.mark.slow
 def test_routing_edge_cases_happened(two_ranks: dict[str, Any]) -> None:
     """Guards the cases above against data that happens to route evenly."""
     s0, s1 = (r["starved/fp64"] for r in two_ranks["ranks"])
@@ -185,6 +187,7 @@ def test_routing_edge_cases_happened(two_ranks: dict[str, Any]) -> None:
     assert o0["sent_to_rank"] == [2 * 7, 0] and min(o1["sent_to_rank"]) > 0
 
 
+@pytest.mark.slow
 def test_dcp_reshards_between_ep_sizes(two_ranks: dict[str, Any]) -> None:
     assert all(r["dcp_load"] for r in two_ranks["ranks"])  # ep=1 -> ep=2, exact
     moe = make_moe(CASES["sigmoid_bias_scaled_relu2"], torch.float64, seed=3)
@@ -237,6 +240,7 @@ def dp_average_case() -> dict[str, float]:
     return errs
 
 
+@pytest.mark.slow
 def test_dp_averaging_with_grad_scale() -> None:
     for rank, errs in enumerate(run_distributed(dp_average_case, 4, timeout=60)):
         assert {"ep4/y", "ep4/aux", "ep4/experts.up_proj", "experts.up_proj",

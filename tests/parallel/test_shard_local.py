@@ -13,7 +13,9 @@ import torch
 import composer
 from composer.cli import main
 from composer.parallel.launch import run_distributed
-from composer.testing import assert_same_tensors, rel_err
+from tests.helpers import assert_same_tensors, rel_err
+
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
 
 # together: M, *, - and E
 PRESETS = ("nemotron-h-debug", "nemotron-3-nano-debug")
@@ -74,7 +76,7 @@ def train_dp2(src: str, run: str, data: np.ndarray) -> None:
     from composer.parallel.checkpoint import save_checkpoint
     from composer.parallel.mesh import ParallelConfig
     from composer.run import prepare
-    from composer.testing import adamw_steps as train
+    from tests.helpers import adamw_steps as train
 
     model, dims, opt, _ = prepare(src, ParallelConfig(dp=2), optimizer_lr=1e-2)
     result = train(model, dims, opt, list(data), 2, batch_size=4, seed=1)

@@ -19,7 +19,7 @@ from composer.blocks.plan import ONES, ZEROS, Divisible, Normal, ParallelPlan, i
 from composer.build.registry import unregister
 from composer.config import ConfigError, ModelConfig
 from composer.parallel.launch import run_distributed
-from tests.distributed.test_parallel import case, check_same, tokens
+from tests.parallel.test_parallel import case, check_same, tokens
 
 
 @dataclass
@@ -169,6 +169,7 @@ def test_the_kind_is_known_everywhere(registered, capsys):
     register()
 
 
+@pytest.mark.slow
 def test_tp2_equals_one_process():
     register()
     try:

@@ -18,11 +18,13 @@ import torch
 
 from composer.config import ModelConfig
 from composer.parallel.launch import run_distributed
-from composer.testing import train_case
+from tests.helpers import train_case
 
 ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:  # spawned ranks unpickle this module's functions by name
     sys.path.insert(0, ROOT)
+
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
 
 MOE = {"n_experts": 4, "top_k": 2, "d_ff": 16, "score_func": "sigmoid",
        "score_correction_bias": True, "bias_update_rate": 0.01, "n_shared_experts": 1}
@@ -61,7 +63,7 @@ def bias_case(layout: dict, cfg: dict, data: np.ndarray, steps: int = 3) -> dict
     from composer.parallel.expert import finish_moe_step
     from composer.parallel.mesh import ParallelConfig, build_parallel_dims
     from composer.run import build_sharded
-    from composer.testing import adamw_steps
+    from tests.helpers import adamw_steps
 
     dims = build_parallel_dims(ParallelConfig(**layout))
     model = build_sharded(ModelConfig.from_dict(cfg), dims, seed=7, dtype=torch.float64)

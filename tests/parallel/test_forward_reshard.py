@@ -12,6 +12,8 @@ import torch
 
 from composer.parallel.launch import run_distributed
 
+pytestmark = pytest.mark.slow  # every test here spawns ranks or processes
+
 N_LAYERS = 32
 D_MODEL, D_FF = 256, 2048
 UNIT_MIB = 3 * D_MODEL * D_FF * 4 / 2**20
@@ -44,7 +46,7 @@ def forward_only() -> dict:
     from composer.config import ModelConfig
     from composer.parallel.mesh import ParallelConfig, build_parallel_dims
     from composer.run import build_sharded, evaluate
-    from tests.distributed.test_pipeline import cfg_dict
+    from tests.parallel.test_pipeline import cfg_dict
 
     cfg = ModelConfig.from_dict(cfg_dict("-" * N_LAYERS, {"d_model": D_MODEL, "vocab_size": 61,
                                                           "mlp.d_ff": D_FF}))
