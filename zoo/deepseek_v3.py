@@ -9,7 +9,7 @@ per token, RMSNorm eps 1e-6, YaRN RoPE with ``mscale = mscale_all_dim = 1``, unt
 The presets leave out DeepSeek-V3's MTP module (``model.layers.61.*``,
 ``num_nextn_predict_layers: 1``; transformers' ``DeepseekV3ForCausalLM`` does not build it):
 append ``/+E`` to the pattern to build it (:mod:`composer.blocks.mtp`); a converted checkpoint
-that holds it gets it (:mod:`composer.convert.deepseek`).
+that holds it gets it (:mod:`composer.convert.deepseek_v3`).
 """
 
 from __future__ import annotations

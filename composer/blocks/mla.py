@@ -15,7 +15,7 @@ YaRN (Peng et al. 2023) with ``mscale_all_dim``; YaRN also multiplies the cos/si
 attention factor, which scales the RoPE channels only. RoPE is the rotate-half layout of
 ``attention.py`` (channel ``i`` pairs with ``i + R/2``). DeepSeek's checkpoints store the RoPE rows
 of ``q_b_proj`` and ``kv_a_proj_with_mqa`` pair-interleaved (``rope_interleave``); the converter
-permutes them once on import (``tools/convert/deepseek.py``), so this block has one convention.
+permutes them once on import (``tools/convert/deepseek_v3.py``), so this block has one convention.
 
 The time mixing is one parameterless op, ``core`` (:class:`LatentAttention`), handed the latents
 before ``kv_b`` and a :class:`LatentExpand` of ``kv_b``: the training form (per-head k and v

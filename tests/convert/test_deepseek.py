@@ -209,7 +209,7 @@ def test_incomplete_mtp_layer_is_kept_aside_and_written_back(tmp_path, randomize
 
 
 def test_unsupported_fields_are_refused():
-    from composer.convert.deepseek import DeepseekV3Adapter
+    from composer.convert.deepseek_v3 import DeepseekV3Adapter
 
     adapter = DeepseekV3Adapter()
     with pytest.raises(ConfigError, match="rope_interleave=false"):
@@ -263,7 +263,7 @@ def test_deepseek_v32(check_family, randomize, tmp_path, mlp_layer_types):
 
 
 def test_deepseek_v32_refusals():
-    from composer.convert.deepseek import DeepseekV32Adapter
+    from composer.convert.deepseek_v3 import DeepseekV32Adapter
 
     adapter = DeepseekV32Adapter()
     with pytest.raises(ConfigError, match="needs q_lora_rank"):

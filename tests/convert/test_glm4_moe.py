@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from composer.config import ConfigError
 from composer.convert import from_hf, infer_adapter, to_hf
-from composer.convert.glm4_moe import Glm4MoeAdapter, MiniMaxM2Adapter
+from composer.convert.glm4_moe import Glm4MoeAdapter
+from composer.convert.minimax_m2 import MiniMaxM2Adapter
 from composer.zoo import get_preset
 from tests.helpers import FP32_PARITY, rel_err
 

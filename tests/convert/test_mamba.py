@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 import composer
 from composer.config import ConfigError
 from composer.convert import from_hf, infer_adapter, to_hf
-from composer.convert.mamba import Mamba2Adapter, NemotronHAdapter
+from composer.convert.mamba2 import Mamba2Adapter
+from composer.convert.nemotron_h import NemotronHAdapter
 from composer.zoo import get_preset
 from tests.helpers import FP32_PARITY, assert_same_tensors, read_all, rel_err
 

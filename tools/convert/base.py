@@ -16,7 +16,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from composer.config import AttentionConfig, ConfigError, MambaConfig, ModelConfig, RopeScaling
+from composer.config import (
+    AttentionConfig,
+    ConfigError,
+    MambaConfig,
+    ModelConfig,
+    RopeScaling,
+    d_head_of,
+)
 from composer.convert.plan import Link
 
 HF_ACT_TO_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
@@ -232,6 +239,32 @@ def attention_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
         out["rope_parameters"] = params
         out.pop("rope_theta", None)
         out.pop("rope_scaling", None)
+
+
+def rotary_fraction(h: dict[str, Any], default: float) -> float:
+    """transformers' precedence: ``rope_parameters``, then the top-level field, then the
+    default (MiniMax-M2's ``rotary_dim`` becomes the top-level ``partial_rotary_factor``)."""
+    params = rope_parameters(h)
+    if "partial_rotary_factor" in params:
+        return float(params["partial_rotary_factor"])
+    if h.get("partial_rotary_factor") is not None:
+        return float(h["partial_rotary_factor"])
+    if h.get("rotary_dim") is not None:
+        d_head = h.get("head_dim") or require(h, "hidden_size") // require(h, "num_attention_heads")
+        return h["rotary_dim"] / d_head
+    return default
+
+
+def rotary_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
+    """Write the rotary fraction into ``rope_parameters`` always, and keep the legacy top-level
+    fields (GLM's ``partial_rotary_factor``, MiniMax's ``rotary_dim``) consistent with it."""
+    a = cfg.attention
+    assert a is not None
+    out["rope_parameters"]["partial_rotary_factor"] = a.rotary_fraction
+    if "partial_rotary_factor" in out:
+        out["partial_rotary_factor"] = a.rotary_fraction
+    if "rotary_dim" in out:
+        out["rotary_dim"] = int(d_head_of(cfg) * a.rotary_fraction)
 
 
 def gated_activation(hf_act: str, field: str = "hidden_act") -> str:

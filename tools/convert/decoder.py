@@ -1,4 +1,6 @@
-"""Decoder-only transformers: Llama 3.x, Qwen3, Qwen3-MoE and Mixtral.
+"""The shared base of the Llama-shaped decoder families (Llama 3.x, Qwen3, Qwen3-MoE, Mixtral,
+MiniMax-M2, GLM-4.5): :class:`DecoderAdapter`, plus the expert links and MoE checks they share
+(DeepSeek-V3 and Qwen3-Next use :func:`expert_links` too).
 
 Each HF layer ``L`` is two of our layers: ``2L`` is attention (``*``, norm ``input_layernorm``)
 and ``2L + 1`` is the MLP or MoE (``-`` or ``E``, norm ``post_attention_layernorm``). Attention
@@ -50,7 +52,7 @@ def expert_links(ours: str, hf_moe: str, n_experts: int, d_ff: int, fused: bool,
 
 
 class DecoderAdapter(Adapter):
-    """Shared by the four families; subclasses set the differences."""
+    """Shared by the decoder families; subclasses set the differences."""
 
     qk_norm = False
     moe_key = "mlp"
@@ -131,109 +133,8 @@ class DecoderAdapter(Adapter):
         return links
 
 
-class LlamaAdapter(DecoderAdapter):
-    family = "llama"
-    symbols = "*-"
-    max_positions = 2048
-    architectures = ("LlamaForCausalLM",)
-    model_type = "llama"
 
-
-class Qwen3Adapter(DecoderAdapter):
-    family = "qwen3"
-    symbols = "*-"
-    max_positions = 32768
-    architectures = ("Qwen3ForCausalLM",)
-    model_type = "qwen3"
-    qk_norm = True
-
-    def config_to_hf(self, cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
-        if cfg.attention is None or not cfg.attention.qk_norm:
-            raise layer_pattern_error(self.family, cfg.pattern, "Qwen3 attention has qk-norm")
-        out = super().config_to_hf(cfg, base)
-        out.pop("mlp_bias", None)
-        return out
-
-
-class Qwen3MoeAdapter(Qwen3Adapter):
-    family = "qwen3-moe"
-    symbols = "*-E"
-    max_positions = 32768
-    architectures = ("Qwen3MoeForCausalLM",)
-    model_type = "qwen3_moe"
-
-    def is_sparse(self, hf: dict[str, Any], layer: int) -> bool:
-        step = hf.get("decoder_sparse_step", 1) or 1
-        return (layer not in (hf.get("mlp_only_layers") or [])
-                and require(hf, "num_experts", "num_local_experts") > 0
-                and (layer + 1) % step == 0)
-
-    def moe_from_hf(self, hf: dict[str, Any]) -> MoEConfig:
-        return MoEConfig(
-            n_experts=require(hf, "num_experts", "num_local_experts"),
-            top_k=require(hf, "num_experts_per_tok"),
-            d_ff=require(hf, "moe_intermediate_size"),
-            activation=gated_activation(hf.get("hidden_act", "silu")),
-            score_func="softmax", renormalize=bool(hf.get("norm_topk_prob", False)),
-            aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)))
-
-    def moe_to_hf(self, cfg: ModelConfig, sparse: list[bool], out: dict[str, Any]) -> None:
-        _check_softmax_moe(self.family, cfg)
-        moe = cfg.moe
-        dense = [i for i, s in enumerate(sparse) if not s]
-        out.update(num_experts=moe.n_experts, num_experts_per_tok=moe.top_k,
-                   moe_intermediate_size=moe.d_ff, norm_topk_prob=moe.renormalize,
-                   router_aux_loss_coef=moe.aux_loss_coeff, mlp_only_layers=dense,
-                   decoder_sparse_step=1, hidden_act=GATED_TO_HF_ACT[moe.activation])
-        out.pop("num_local_experts", None)
-        if cfg.mlp is None:
-            out.setdefault("intermediate_size", moe.d_ff)
-
-
-class MixtralAdapter(DecoderAdapter):
-    family = "mixtral"
-    symbols = "*E"
-    max_positions = 131072
-    architectures = ("MixtralForCausalLM",)
-    model_type = "mixtral"
-    moe_key = "block_sparse_moe"
-    expert_names = {"gate": "w1", "up": "w3", "down": "w2"}
-
-    def is_sparse(self, hf: dict[str, Any], layer: int) -> bool:
-        return True
-
-    def layer_kinds(self, cfg: ModelConfig) -> list[bool]:
-        kinds = super().layer_kinds(cfg)
-        if not all(kinds):
-            raise layer_pattern_error(self.family, cfg.pattern, "every Mixtral layer is '*E'")
-        return kinds
-
-    def moe_from_hf(self, hf: dict[str, Any]) -> MoEConfig:
-        return MoEConfig(
-            n_experts=require(hf, "num_local_experts"), top_k=require(hf, "num_experts_per_tok"),
-            d_ff=require(hf, "intermediate_size"),
-            activation=gated_activation(hf.get("hidden_act", "silu")),
-            score_func="softmax", renormalize=True,
-            aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)))
-
-    def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
-        if hf.get("sliding_window"):
-            raise ConfigError(f"config.json: sliding_window={hf['sliding_window']} is not "
-                              "supported yet (full causal attention only)")
-        return super().config_from_hf(hf)
-
-    def moe_to_hf(self, cfg: ModelConfig, sparse: list[bool], out: dict[str, Any]) -> None:
-        _check_softmax_moe(self.family, cfg)
-        if not cfg.moe.renormalize:
-            raise ConfigError("Mixtral renormalises its top-k weights (moe.renormalize=true)")
-        moe = cfg.moe
-        out.update(num_local_experts=moe.n_experts, num_experts_per_tok=moe.top_k,
-                   intermediate_size=moe.d_ff, router_aux_loss_coef=moe.aux_loss_coeff,
-                   hidden_act=GATED_TO_HF_ACT[moe.activation])
-        out.pop("mlp_bias", None)
-
-
-def _check_softmax_moe(family: str, cfg: ModelConfig) -> None:
+def check_softmax_moe(family: str, cfg: ModelConfig) -> None:
     moe = cfg.moe
     unsupported = []
     if moe.score_func != "softmax":

@@ -1,12 +1,16 @@
 """The adapters, in the order ``to-hf`` tries them when the family is not recorded."""
 
 from composer.convert.base import Adapter
-from composer.convert.decoder import LlamaAdapter, MixtralAdapter, Qwen3Adapter, Qwen3MoeAdapter
-from composer.convert.deepseek import DeepseekV3Adapter, DeepseekV32Adapter
-from composer.convert.glm4_moe import Glm4MoeAdapter, MiniMaxM2Adapter
+from composer.convert.deepseek_v3 import DeepseekV3Adapter, DeepseekV32Adapter
+from composer.convert.glm4_moe import Glm4MoeAdapter
 from composer.convert.granite import BambaAdapter, GraniteMoeHybridAdapter
-from composer.convert.mamba import Mamba2Adapter, NemotronHAdapter
+from composer.convert.llama import LlamaAdapter
+from composer.convert.mamba2 import Mamba2Adapter
+from composer.convert.minimax_m2 import MiniMaxM2Adapter
+from composer.convert.mixtral import MixtralAdapter
+from composer.convert.nemotron_h import NemotronHAdapter
 from composer.convert.olmo_hybrid import OlmoHybridAdapter
+from composer.convert.qwen3 import Qwen3Adapter, Qwen3MoeAdapter
 from composer.convert.qwen3_next import Qwen3_5Adapter, Qwen3_5MoeAdapter, Qwen3NextAdapter
 
 ADAPTERS: list[Adapter] = [

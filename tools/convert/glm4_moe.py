@@ -1,6 +1,6 @@
-"""GLM-4.5 / GLM-4.5-Air (``Glm4MoeForCausalLM``) and MiniMax-M2 (``MiniMaxM2ForCausalLM``).
+"""GLM-4.5 / GLM-4.5-Air (``Glm4MoeForCausalLM``).
 
-Both are Llama-shaped decoders (each HF layer ``L`` is our ``2L`` attention and ``2L + 1`` MLP or
+A Llama-shaped decoder (each HF layer ``L`` is our ``2L`` attention and ``2L + 1`` MLP or
 MoE, see :mod:`composer.convert.decoder`) with partial rotate-half RoPE and a sigmoid router whose
 ``e_score_correction_bias`` is our ``router.score_bias``.
 
@@ -17,13 +17,6 @@ Multi-token prediction: GLM-4.5 checkpoints hold ``num_nextn_predict_layers`` ex
 layers at ``model.layers.{num_hidden_layers + i}`` (``eh_proj``, ``enorm``, ``hnorm``,
 ``shared_head``, ...). transformers never loads them and no block of ours reads them yet: they
 are kept aside byte for byte (``hf/aside/``) and written back on export.
-
-MiniMax-M2 (``modeling_minimax_m2``): no biases, qk-norm over the whole q / k projection
-(``attention.qk_norm_scope: all``), RoPE on ``rotary_dim`` channels (``partial_rotary_factor``
-in transformers 5), every layer MoE with ``intermediate_size``-wide experts, always renormalised,
-no scaling, no groups, no shared experts. On disk (Mixtral's layout):
-``block_sparse_moe.{gate.weight, e_score_correction_bias, experts.{e}.{w1,w3,w2}.weight}``;
-fused in memory under ``mlp.``.
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from composer.config import AttentionConfig, ConfigError, ModelConfig, MoEConfig, d_head_of
+from composer.config import AttentionConfig, ConfigError, ModelConfig, MoEConfig
 from composer.convert.base import (
     GATED_TO_HF_ACT,
     attention_to_hf,
@@ -41,9 +34,10 @@ from composer.convert.base import (
     is_mtp_tensor,
     layer_pattern_error,
     require,
-    rope_parameters,
+    rotary_fraction,
+    rotary_to_hf,
 )
-from composer.convert.decoder import DecoderAdapter, MixtralAdapter, expert_links
+from composer.convert.decoder import DecoderAdapter, expert_links
 from composer.convert.plan import Link
 
 # Defaults of transformers 5.24's Glm4MoeConfig: a field missing from config.json means these.
@@ -55,37 +49,6 @@ GLM4_MOE_DEFAULTS: dict[str, Any] = dict(
     norm_topk_prob=True, use_qk_norm=False, num_nextn_predict_layers=1)
 GLM4_MOE_ROTARY = 0.5
 """Glm4MoeConfig's ``partial_rotary_factor`` when config.json gives none."""
-MINIMAX_M2_DEFAULTS: dict[str, Any] = dict(
-    intermediate_size=1536, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
-    hidden_act="silu", initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    num_experts_per_tok=8, num_local_experts=256, router_aux_loss_coef=0.001,
-    router_jitter_noise=0.0, rope_theta=5e6)
-
-
-def _rotary_fraction(h: dict[str, Any], default: float) -> float:
-    """transformers' precedence: ``rope_parameters``, then the top-level field, then the
-    default (MiniMax-M2's ``rotary_dim`` becomes the top-level ``partial_rotary_factor``)."""
-    params = rope_parameters(h)
-    if "partial_rotary_factor" in params:
-        return float(params["partial_rotary_factor"])
-    if h.get("partial_rotary_factor") is not None:
-        return float(h["partial_rotary_factor"])
-    if h.get("rotary_dim") is not None:
-        d_head = h.get("head_dim") or require(h, "hidden_size") // require(h, "num_attention_heads")
-        return h["rotary_dim"] / d_head
-    return default
-
-
-def _rotary_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
-    """Write the rotary fraction into ``rope_parameters`` always, and keep the legacy top-level
-    fields (GLM's ``partial_rotary_factor``, MiniMax's ``rotary_dim``) consistent with it."""
-    a = cfg.attention
-    assert a is not None
-    out["rope_parameters"]["partial_rotary_factor"] = a.rotary_fraction
-    if "partial_rotary_factor" in out:
-        out["partial_rotary_factor"] = a.rotary_fraction
-    if "rotary_dim" in out:
-        out["rotary_dim"] = int(d_head_of(cfg) * a.rotary_fraction)
 
 
 def _attention_links(ours: str, hf: str, a: AttentionConfig) -> list[Link]:
@@ -103,9 +66,6 @@ def _check_groups(family: str, n_experts: int, n_groups: int) -> None:
     if n_experts // n_groups < 2:
         raise ConfigError(f"transformers' {family} router scores each expert group by its top 2; "
                           f"{n_experts} experts in {n_groups} groups leave fewer than 2 per group")
-
-
-# ---------------------------------------------------------------- GLM-4.5
 
 
 class Glm4MoeAdapter(DecoderAdapter):
@@ -140,7 +100,7 @@ class Glm4MoeAdapter(DecoderAdapter):
         cfg = super().config_from_hf(h)
         cfg.attention = dataclasses.replace(
             cfg.attention, qk_norm=bool(h["use_qk_norm"]), out_bias=False,
-            rotary_fraction=_rotary_fraction(h, GLM4_MOE_ROTARY))
+            rotary_fraction=rotary_fraction(h, GLM4_MOE_ROTARY))
         return cfg
 
     def layer_kinds(self, cfg: ModelConfig) -> list[bool]:
@@ -168,7 +128,7 @@ class Glm4MoeAdapter(DecoderAdapter):
         # attention_to_hf writes one attention_bias for q/k/v/o; GLM's covers q/k/v only.
         attention_to_hf(dataclasses.replace(
             cfg, attention=dataclasses.replace(a, out_bias=a.qkv_bias)), out)
-        _rotary_to_hf(cfg, out)
+        rotary_to_hf(cfg, out)
         acts = set()
         if not all(sparse):
             if cfg.mlp.bias:
@@ -233,80 +193,4 @@ class Glm4MoeAdapter(DecoderAdapter):
                                       fused_experts, self.expert_names)
             else:
                 links += gated_mlp_links(f"{m}.mixer", f"{hf}.mlp", False)
-        return links
-
-
-# ---------------------------------------------------------------- MiniMax-M2
-
-
-class MiniMaxM2Adapter(MixtralAdapter):
-    family = "minimax-m2"
-    symbols = "*E"
-    max_positions = 196608
-    architectures = ("MiniMaxM2ForCausalLM",)
-    model_type = "minimax_m2"
-
-    def moe_from_hf(self, hf: dict[str, Any]) -> MoEConfig:
-        if hf["router_jitter_noise"]:
-            raise ConfigError(f"config.json: router_jitter_noise={hf['router_jitter_noise']} is "
-                              "not supported (training-time input jitter)")
-        return MoEConfig(
-            n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
-            d_ff=hf["intermediate_size"], activation=gated_activation(hf["hidden_act"]),
-            score_func="sigmoid", renormalize=True, score_correction_bias=True,
-            aux_loss_coeff=float(hf["router_aux_loss_coef"]))
-
-    def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
-        h = {**MINIMAX_M2_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
-        cfg = DecoderAdapter.config_from_hf(self, h)
-        # transformers' MiniMaxM2Attention has no biases and always whole-width qk-norms.
-        cfg.attention = dataclasses.replace(
-            cfg.attention, qk_norm=True, qk_norm_scope="all", qkv_bias=False, out_bias=False,
-            rotary_fraction=_rotary_fraction(h, 1.0))
-        return cfg
-
-    def config_to_hf(self, cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
-        if cfg.parsed.mtp:
-            raise layer_pattern_error(self.family, cfg.pattern,
-                                      "multi-token-prediction parts are not supported yet")
-        a = cfg.attention
-        if a is None:
-            raise layer_pattern_error(self.family, cfg.pattern, "every layer must be '*-' or '*E'")
-        if not a.qk_norm or a.qk_norm_scope != "all" or a.qkv_bias or a.out_bias:
-            raise ConfigError("MiniMax-M2 attention has no biases and a qk-norm over the whole "
-                              "projection; set attention.qk_norm=true, qk_norm_scope='all', "
-                              "qkv_bias=false, out_bias=false")
-        base = {**base, "rotary_dim": base.get("rotary_dim", 0)}  # always written
-        out = super().config_to_hf(cfg, base)
-        _rotary_to_hf(cfg, out)
-        out.pop("attention_bias", None)  # not a MiniMaxM2Config field
-        return out
-
-    def moe_to_hf(self, cfg: ModelConfig, sparse: list[bool], out: dict[str, Any]) -> None:
-        moe = cfg.moe
-        problems = [what for what, ok in (
-            ("score_func=sigmoid", moe.score_func == "sigmoid"),
-            ("score_correction_bias=true", moe.score_correction_bias),
-            ("renormalize=true", moe.renormalize), ("n_shared_experts=0", not moe.n_shared_experts),
-            ("routed_scaling_factor=1.0", moe.routed_scaling_factor == 1.0),
-            ("n_expert_groups=1", moe.n_expert_groups == 1),
-            ("a gated activation", moe.activation in GATED_TO_HF_ACT)) if not ok]
-        if problems:
-            raise ConfigError(f"a MiniMax-M2 MoE layer is a renormalised sigmoid router with "
-                              f"score-correction bias and no shared experts; needs moe."
-                              f"{', moe.'.join(problems)}")
-        out.update(num_local_experts=moe.n_experts, num_experts_per_tok=moe.top_k,
-                   intermediate_size=moe.d_ff, router_aux_loss_coef=moe.aux_loss_coeff,
-                   hidden_act=GATED_TO_HF_ACT[moe.activation])
-        out.pop("mlp_bias", None)
-
-    def aside(self, name: str, hf: dict[str, Any]) -> bool:
-        return is_mtp_tensor(name, require(hf, "num_hidden_layers"))
-
-    def links(self, cfg: ModelConfig, fused_experts: bool) -> list[Link]:
-        links = super().links(cfg, fused_experts)
-        moe_key = "mlp" if fused_experts else self.moe_key
-        for i in range(len(self.layer_kinds(cfg))):
-            links.append(Link(f"layers.{2 * i + 1}.mixer.router.score_bias",
-                              f"model.layers.{i}.{moe_key}.e_score_correction_bias"))
         return links

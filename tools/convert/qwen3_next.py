@@ -56,10 +56,11 @@ from composer.convert.base import (
     layer_pattern_error,
     require,
     rope_parameters,
+    rotary_fraction,
+    rotary_to_hf,
     swapped_halves_links,
 )
 from composer.convert.decoder import expert_links
-from composer.convert.glm4_moe import _rotary_fraction, _rotary_to_hf
 from composer.convert.plan import Link
 
 QWEN3_NEXT_DEFAULTS: dict[str, Any] = dict(
@@ -152,7 +153,7 @@ class Qwen3NextAdapter(Adapter):
             sparse.append(mtp_ffn == "E")
         attention = dataclasses.replace(
             attention_from_hf(h, qk_norm=True), output_gate=True,
-            rotary_fraction=_rotary_fraction(h, ROTARY_DEFAULT))
+            rotary_fraction=rotary_fraction(h, ROTARY_DEFAULT))
         gdn = GDNConfig(
             n_heads=h["linear_num_value_heads"], n_kv_heads=h["linear_num_key_heads"],
             d_head_k=h["linear_key_head_dim"], d_head_v=h["linear_value_head_dim"],
@@ -228,7 +229,7 @@ class Qwen3NextAdapter(Adapter):
         if cfg.attention is not None:
             attention_to_hf(cfg, out)
             out["rope_parameters"].update(extra_rope)
-            _rotary_to_hf(cfg, out)
+            rotary_to_hf(cfg, out)
         if cfg.gdn is not None:
             g = cfg.gdn
             out.update(linear_num_value_heads=g.n_heads,

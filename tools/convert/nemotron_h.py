@@ -1,4 +1,5 @@
-"""Mamba-2 (``Mamba2ForCausalLM``) and Nemotron-H (``NemotronHForCausalLM``).
+"""Nemotron-H (``NemotronHForCausalLM``): Mamba-2 / attention / MLP / MoE hybrids, one layer
+kind per HF layer.
 
 One HF layer is one of our layers (one pattern symbol): pre-norm ``backbone.L.norm`` then
 ``backbone.L.mixer.*``, whose names are ours except for the MoE router (``gate`` <-> ``router``,
@@ -31,7 +32,6 @@ from typing import Any
 
 from composer.config import (
     ConfigError,
-    MambaConfig,
     MLPConfig,
     ModelConfig,
     MoEConfig,
@@ -48,6 +48,7 @@ from composer.convert.base import (
     mamba_links,
     require,
 )
+from composer.convert.mamba_common import check_plain, mamba_common_to_hf, mamba_from_hf
 from composer.convert.plan import Link
 
 HF_TO_ACT = {"relu2": "relu2", "relu": "relu", "silu": "silu", "swish": "silu", "gelu": "gelu",
@@ -55,12 +56,7 @@ HF_TO_ACT = {"relu2": "relu2", "relu": "relu", "silu": "silu", "swish": "silu", 
 ACT_TO_HF = {"relu2": "relu2", "relu": "relu", "silu": "silu", "gelu": "gelu",
              "gelu_tanh": "gelu_pytorch_tanh"}
 
-# Defaults of the transformers 5.24 config classes: a field missing from config.json means these.
-MAMBA2_DEFAULTS: dict[str, Any] = dict(
-    num_heads=128, head_dim=64, state_size=128, layer_norm_epsilon=1e-5, expand=2, conv_kernel=4,
-    n_groups=8, use_bias=False, use_conv_bias=True, hidden_act="silu", initializer_range=0.1,
-    time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4,
-    time_step_limit=(0.0, math.inf), chunk_size=256, tie_word_embeddings=False)
+# Defaults of transformers 5.24's NemotronHConfig: a field missing from config.json means these.
 NEMOTRON_H_DEFAULTS: dict[str, Any] = dict(
     tie_word_embeddings=False, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
     attention_bias=False, intermediate_size=21504, mlp_hidden_act="relu2", mlp_bias=False,
@@ -82,9 +78,6 @@ TYPE_TO_SYMBOL = {"linear_attention": "M", "mamba": "M", "full_attention": "*", 
 SYMBOL_TO_TYPE = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
-# ---------------------------------------------------------------- shared helpers
-
-
 def _activation(hf_act: str, field: str) -> str:
     if hf_act not in HF_TO_ACT:
         raise ConfigError(f"config.json: {field}={hf_act!r} is not supported (supported: "
@@ -97,103 +90,6 @@ def _hf_activation(act: str, family: str) -> str:
         raise ConfigError(f"{family} MLPs are not gated; activation {act!r} cannot be written "
                           f"(supported: {', '.join(ACT_TO_HF)})")
     return ACT_TO_HF[act]
-
-
-def _mamba_from_hf(h: dict[str, Any], n_heads: int, d_head: int, d_state: int,
-                   dt_limit: tuple[float, float], act_field: str) -> MambaConfig:
-    # transformers uses one activation name for the convolution; ours is always SiLU.
-    if h[act_field] not in ("silu", "swish"):
-        raise ConfigError(f"config.json: {act_field}={h[act_field]!r} is not supported (the "
-                          "Mamba-2 convolution activation is silu)")
-    return MambaConfig(
-        n_heads=n_heads, d_head=d_head, n_groups=h["n_groups"], d_state=d_state,
-        d_conv=h["conv_kernel"], chunk_size=h["chunk_size"], conv_bias=bool(h["use_conv_bias"]),
-        proj_bias=bool(h["use_bias"]), dt_min=float(h["time_step_min"]),
-        dt_max=float(h["time_step_max"]), dt_init_floor=float(h["time_step_floor"]),
-        dt_limit=dt_limit)
-
-
-def _mamba_common_to_hf(cfg: ModelConfig, family: str, out: dict[str, Any]) -> MambaConfig:
-    m = cfg.mamba
-    assert m is not None
-    if m.norm_group_size is not None:
-        raise ConfigError(f"{family} normalises the gated RMSNorm per group of d_inner / n_groups; "
-                          f"mamba.norm_group_size must be null, not {m.norm_group_size}")
-    out.update(n_groups=m.n_groups, conv_kernel=m.d_conv, chunk_size=m.chunk_size,
-               use_conv_bias=m.conv_bias, use_bias=m.proj_bias, time_step_min=m.dt_min,
-               time_step_max=m.dt_max, time_step_floor=m.dt_init_floor)
-    return m
-
-
-def _check_plain(cfg: ModelConfig, family: str) -> None:
-    scaled = [f"{name}={getattr(cfg, name)}" for name in
-              ("embedding_multiplier", "residual_multiplier", "logits_scaling")
-              if getattr(cfg, name) != 1.0]
-    if scaled:
-        raise ConfigError(f"{family} has no multipliers; cannot write {', '.join(scaled)}")
-
-
-# ---------------------------------------------------------------- Mamba2
-
-
-class Mamba2Adapter(Adapter):
-    family = "mamba2"
-    symbols = "M"
-    max_positions = None
-    architectures = ("Mamba2ForCausalLM",)
-    model_type = "mamba2"
-
-    def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
-        h = {**MAMBA2_DEFAULTS, **hf}
-        d_model, n_layers = require(hf, "hidden_size"), require(hf, "num_hidden_layers")
-        n_heads, d_head = h["num_heads"], h["head_dim"]
-        if h["expand"] * d_model != n_heads * d_head:
-            raise ConfigError(f"config.json: expand * hidden_size ({h['expand']} * {d_model}) "
-                              f"must equal num_heads * head_dim ({n_heads} * {d_head}); "
-                              "transformers sizes the Mamba2 mixer from both")
-        lo, hi = h["time_step_limit"] or MAMBA2_DEFAULTS["time_step_limit"]
-        mamba = _mamba_from_hf(h, n_heads, d_head, h["state_size"], (float(lo), float(hi)),
-                               "hidden_act")
-        return ModelConfig(
-            pattern="M" * n_layers, d_model=d_model, vocab_size=require(hf, "vocab_size"),
-            tie_embeddings=bool(h["tie_word_embeddings"]),
-            norm_eps=float(h["layer_norm_epsilon"]), init_std=float(h["initializer_range"]),
-            attention=None, mamba=mamba, mlp=None, moe=None)
-
-    def config_to_hf(self, cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
-        pattern = cfg.parsed
-        if pattern.mtp or set(pattern.layers) != {"M"}:
-            raise layer_pattern_error(self.family, cfg.pattern, "every Mamba2 layer is 'M'")
-        _check_plain(cfg, self.family)
-        out = common_to_hf(cfg, base, self.architectures[0], self.model_type)
-        m = _mamba_common_to_hf(cfg, self.family, out)
-        d_inner = d_inner_of(m)
-        if d_inner % cfg.d_model:
-            raise ConfigError(f"Mamba2 sizes its mixer as expand * hidden_size with an integer "
-                              f"expand; n_heads * d_head ({d_inner}) is not a multiple of "
-                              f"d_model ({cfg.d_model})")
-        out.update(num_hidden_layers=pattern.n_layers, num_heads=m.n_heads, head_dim=m.d_head,
-                   state_size=m.d_state, expand=d_inner // cfg.d_model,
-                   time_step_limit=list(m.dt_limit), layer_norm_epsilon=cfg.norm_eps,
-                   hidden_act="silu")
-        return out
-
-    def normalize(self, name: str) -> str:
-        # mamba_ssm checkpoints say ``embedding``; Mamba2Model's load hook renames it too.
-        return name.replace("backbone.embedding.", "backbone.embeddings.")
-
-    def links(self, cfg: ModelConfig, fused_experts: bool) -> list[Link]:
-        links = [Link("embed.weight", "backbone.embeddings.weight"),
-                 Link("final_norm.weight", "backbone.norm_f.weight")]
-        if not cfg.tie_embeddings:
-            links.append(Link("lm_head.weight", "lm_head.weight"))
-        for i in range(cfg.parsed.n_layers):
-            links.append(Link(f"layers.{i}.norm.weight", f"backbone.layers.{i}.norm.weight"))
-            links += mamba_links(f"layers.{i}.mixer", f"backbone.layers.{i}.mixer", cfg.mamba)
-        return links
-
-
-# ---------------------------------------------------------------- Nemotron-H
 
 
 def nemotron_h_pattern(hf: dict[str, Any]) -> str:
@@ -251,7 +147,7 @@ class NemotronHAdapter(Adapter):
             attention = attention_from_hf(h, position="none")
         mamba = None
         if "M" in pattern:
-            mamba = _mamba_from_hf(h, h["mamba_num_heads"], h["mamba_head_dim"],
+            mamba = mamba_from_hf(h, h["mamba_num_heads"], h["mamba_head_dim"],
                                    h["ssm_state_size"], (float(h["time_step_min"]), math.inf),
                                    "mamba_hidden_act")
         mlp = moe = None
@@ -295,7 +191,7 @@ class NemotronHAdapter(Adapter):
         if cfg.tie_embeddings:
             raise ConfigError("transformers' NemotronHForCausalLM never ties lm_head to the "
                               "embeddings; tie_embeddings must be false")
-        _check_plain(cfg, self.family)
+        check_plain(cfg, self.family)
         symbols = pattern.layers
         unknown = sorted(set(symbols) - set(SYMBOL_TO_TYPE))
         if unknown:
@@ -332,7 +228,7 @@ class NemotronHAdapter(Adapter):
         attention_to_hf(cfg, out)
 
     def _mamba_to_hf(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
-        m = _mamba_common_to_hf(cfg, self.family, out)
+        m = mamba_common_to_hf(cfg, self.family, out)
         if tuple(m.dt_limit) != (m.dt_min, math.inf):
             raise ConfigError(f"transformers' NemotronH clamps dt to (time_step_min, inf) and "
                               f"ignores time_step_limit; mamba.dt_limit must be [dt_min, inf] = "
