@@ -29,9 +29,8 @@ fp8      the same recipe with ``--precision fp8`` for 6 steps -> fp8/; "skipped:
          torchao does not import or the GPU is older than compute capability 8.9
 kernels  the time (``ms``: one forward + backward, fp32 and bf16) of composer.kernels and of the
          torch path: the SSD scan (mamba_ssm), causal conv + SiLU (causal_conv1d), SDPA per
-         backend (flash, cuDNN, efficient, math, and the hook's choice), TE linear (bf16 and
-         FP8, when TE imports), and whole blocks (Mamba-2 mixer, attention, at the trained
-         model's widths) with the kernels off and on. A row fails only when its path raises.
+         backend (flash, cuDNN, efficient, math, and the hook's choice), and whole blocks
+         (Mamba-2 mixer, attention, at the trained model's widths) with the kernels off and on. A row fails only when its path raises.
          Rows are appended to kernels.jsonl after each check, then kernels.json holds them all.
 moe      forward + backward time per token of the routed experts' loop, padded bmm and
          grouped_mm for 8, 64 and 128 experts (``bench/moe.py``; 16384 tokens, d_model 2048,
@@ -583,31 +582,6 @@ def check_sdpa(dev: str, s: dict, dtypes: list) -> list[dict]:
     return rows
 
 
-def check_te(dev: str, s: dict) -> list[dict]:
-    import torch.nn as nn
-
-    if not (dev == "cuda" and probe.available("transformer_engine")):
-        why = probe.why_unavailable("transformer_engine") or "CPU tensor"
-        return [row("TE linear", torch.bfloat16, "transformer_engine", None, f"n/a: {why}")]
-    te = probe.module("transformer_engine")
-    linear = nn.Linear(2048, 8192, bias=False, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(8192, 2048, device=dev).bfloat16()
-    rows = paths("TE linear 2048->8192", torch.bfloat16, [x],
-                 lambda x: F.linear(x, linear.weight), lambda x: kernels.te_linear(x, linear),
-                 "transformer_engine", None)
-    autocast = getattr(te, "fp8_autocast", None) or getattr(te, "autocast", None)
-    try:
-        def fp8(x):
-            with autocast(enabled=True):
-                return kernels.te_linear(x, linear)
-        rows.append(row("TE linear 2048->8192", "fp8", "transformer_engine",
-                        fwd_bwd(fp8, [x], torch.bfloat16)))
-    except Exception as e:
-        rows.append(row("TE linear 2048->8192", "fp8", "transformer_engine", None,
-                        f"error: {e!s:.80}"))
-    return rows
-
-
 def set_kernels(disable: str | None) -> None:
     if disable is None:
         os.environ.pop(probe.ENV_DISABLE, None)
@@ -679,7 +653,6 @@ def phase_kernels(out: Path, dry: bool) -> int:
     checks = [("SSD scan", lambda: check_scan(dev, s, dtypes)),
               ("causal conv + SiLU", lambda: check_conv(dev, s, dtypes)),
               ("SDPA causal GQA", lambda: check_sdpa(dev, s, dtypes)),
-              ("TE linear", lambda: check_te(dev, s)),
               ("blocks", lambda: check_blocks(dev, dry, dtypes))]
     jsonl = out / "kernels.jsonl"
     jsonl.write_text("")

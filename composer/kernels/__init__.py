@@ -7,7 +7,6 @@
 | ``conv_silu`` (Mamba-2 conv)  | ``causal_conv1d_fn`` (causal_conv1d)        | the conv module   |
 | ``sdpa_context`` (attention)  | SDPA flash / cuDNN / efficient (torch)      | SDPA's own choice |
 | ``doc_sdpa`` (packed docs)    | a varlen flash kernel: hook, not wired yet  | SDPA + bool mask  |
-| ``te_linear`` (nn.Linear)     | ``te.pytorch.Linear`` (transformer_engine)  | ``F.linear``      |
 | ``gated_delta_rule`` (GDN)    | ``chunk_gated_delta_rule`` (fla)            | ``kernels.gdn``   |
 
 Rules: nothing optional is imported when ``composer`` is; a CPU tensor always takes the torch path
@@ -35,7 +34,6 @@ from composer.kernels.probe import (
 )
 from composer.kernels.scan import mamba_scan, select_scan, ssd_scan_kernel, ssd_scan_torch
 from composer.kernels.sdpa import doc_sdpa, sdpa_backends, sdpa_context
-from composer.kernels.te import te_linear, te_linear_available
 
 __all__ = [
     "ENV_DISABLE",
@@ -54,7 +52,5 @@ __all__ = [
     "select_scan",
     "ssd_scan_kernel",
     "ssd_scan_torch",
-    "te_linear",
-    "te_linear_available",
     "why_unavailable",
 ]

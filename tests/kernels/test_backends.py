@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.attention import SDPBackend
 
 import composer.kernels as kernels
@@ -114,31 +113,12 @@ def fake_causal_conv1d_fn(calls: list):
     return causal_conv1d_fn
 
 
-class FakeTELinear(nn.Module):
-    """``te.pytorch.Linear``'s constructor and parameter names."""
-
-    instances = 0
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 params_dtype: torch.dtype | None = None, device: str = "cuda") -> None:
-        super().__init__()
-        FakeTELinear.instances += 1
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype,
-                                               device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype, device=device)) \
-            if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 @pytest.fixture
 def fakes(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
     calls: dict[str, list] = {"scan": [], "conv": []}
     _install(monkeypatch, "mamba_ssm.ops.triton.ssd_combined",
              mamba_chunk_scan_combined=fake_mamba_chunk_scan_combined(calls["scan"]))
     _install(monkeypatch, "causal_conv1d", causal_conv1d_fn=fake_causal_conv1d_fn(calls["conv"]))
-    _install(monkeypatch, "transformer_engine.pytorch", Linear=FakeTELinear)
     return calls
 
 
@@ -202,7 +182,6 @@ def test_cpu_tensors_take_the_torch_path_and_probe_nothing(fakes: dict) -> None:
     assert kernels.select_scan(x) is kernels.ssd_scan_torch
     assert kernels.select_conv(torch.zeros(1, 4, 8), 4) is kernels.conv1d_silu_torch
     assert kernels.sdpa_backends(x) is None
-    assert not kernels.te_linear_available(x)
     args, kw = _scan_inputs()
     kernels.mamba_scan(*args, **kw)
     assert fakes["scan"] == [] and probe._available == {}, "a CPU call must not even probe"
@@ -214,7 +193,6 @@ def test_absent_packages_are_unavailable(monkeypatch: pytest.MonkeyPatch, gpu: N
     x = torch.zeros(1, 4, 2, 3)
     assert kernels.select_scan(x) is kernels.ssd_scan_torch
     assert kernels.select_conv(torch.zeros(1, 4, 8), 4) is kernels.conv1d_silu_torch
-    assert not kernels.te_linear_available(x)
     assert kernels.why_unavailable("mamba_ssm").startswith("ModuleNotFoundError")
     assert kernels.sdpa_backends(x)[0] == SDPBackend.FLASH_ATTENTION  # torch's own, no import
 
@@ -229,11 +207,7 @@ def test_import_raising_runtime_error_is_unavailable(
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in ("transformer_engine", "transformer_engine.pytorch"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    linear = nn.Linear(4, 3)
-    x = torch.randn(2, 4)
-    assert not kernels.te_linear_available(x, linear)
     assert kernels.why_unavailable("transformer_engine") == "RuntimeError: no CUDA device found"
-    torch.testing.assert_close(kernels.te_linear(x, linear), linear(x), atol=0, rtol=0)
 
 
 @pytest.mark.slow
@@ -321,22 +295,6 @@ def test_conv_width_outside_kernel_range_takes_torch(fakes: dict, gpu: None) -> 
         is kernels.conv1d_silu_torch
 
 
-def test_te_shell_runs_on_our_parameters(fakes: dict, gpu: None) -> None:
-    linear = nn.Linear(8, 6)
-    keys = list(linear.state_dict())
-    x = torch.randn(3, 8)
-    before = FakeTELinear.instances
-    y = kernels.te_linear(x, linear)
-    torch.testing.assert_close(y, F.linear(x, linear.weight, linear.bias), atol=0, rtol=0)
-    y.sum().backward()
-    assert linear.weight.grad is not None and linear.bias.grad is not None
-    assert list(linear.state_dict()) == keys and len(list(linear.parameters())) == 2
-    kernels.te_linear(x, linear)
-    assert FakeTELinear.instances == before + 1, "the shell is built once per linear"
-    linear.weight = nn.Parameter(torch.zeros(6, 8))  # e.g. load_state_dict(assign=True)
-    torch.testing.assert_close(kernels.te_linear(x, linear), linear.bias.expand(3, 6))
-
-
 # ---------------------------------------------------------------- the switch and attention
 
 
@@ -351,7 +309,6 @@ def test_disable_switch(fakes: dict, gpu: None, monkeypatch: pytest.MonkeyPatch)
     kernels.reset()
     assert kernels.select_scan(x) is kernels.ssd_scan_torch
     assert kernels.select_conv(torch.zeros(1, 4, 8), 4) is kernels.conv1d_silu_torch
-    assert not kernels.te_linear_available(x)
     assert kernels.sdpa_backends(x) == (SDPBackend.MATH,)
     monkeypatch.setenv(probe.ENV_DISABLE, "mamba")
     kernels.reset()
