@@ -30,7 +30,8 @@ fp8      the same recipe with ``--precision fp8`` for 6 steps -> fp8/; "skipped:
 kernels  the time (``ms``: one forward + backward, fp32 and bf16) of composer.kernels and of the
          torch path: the SSD scan (mamba_ssm), causal conv + SiLU (causal_conv1d), SDPA per
          backend (flash, cuDNN, efficient, math, and the hook's choice), and whole blocks
-         (Mamba-2 mixer, attention, at the trained model's widths) with the kernels off and on. A row fails only when its path raises.
+         (Mamba-2 mixer, attention, at the trained model's widths) with the kernels off and on.
+         A row fails only when its path raises.
          Rows are appended to kernels.jsonl after each check, then kernels.json holds them all.
 moe      forward + backward time per token of the routed experts' loop, padded bmm and
          grouped_mm for 8, 64 and 128 experts (``bench/moe.py``; 16384 tokens, d_model 2048,
