@@ -188,6 +188,7 @@ def test_builds_validates_and_counts(registered, capsys):
     assert '"Q": 1' in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_trains_two_steps(registered, tmp_path):
     from tests.helpers import train_case
 
@@ -226,6 +227,7 @@ def case_with_kind(*args):
         unregister("Q")
 
 
+@pytest.mark.slow
 def test_tp2_and_cp2_equal_one_process(registered):
     data = np.random.default_rng(0).integers(0, 61, (8, 16))
     reference = case({}, cfg_dict(), data, 2, True)
