@@ -242,7 +242,7 @@ class Pipeline:
              ) -> tuple[torch.Tensor, dict, Any]:
         """The first stage's input and every stage's keyword arguments for the rows: the ids
         and (unshifted) labels, or under context parallelism this rank's cut of them."""
-        cp = getattr(self.model, "cp", None)
+        cp = self.dims.cp_context
         if cp is None:
             kwargs = {"labels": ids_BT}  # the last stage masks document boundaries
             if doc_ids_BT is not None:
@@ -326,7 +326,7 @@ class Pipeline:
         aux_terms = [a for v in self.views for a in v.aux_log[-k:] + v.mtp_aux_log[-k:]]
         zero = torch.zeros((), dtype=torch.float64, device=device)
         ce = torch.stack(ce_terms).sum() if ce_terms else zero
-        cp = getattr(self.model, "cp", None)
+        cp = self.dims.cp_context
         if cp is not None and self.has_last:  # the rows' sum, as without pipelining
             dist.all_reduce(ce, group=cp.group)
         aux = torch.stack(aux_terms).sum() / self.n_micro if aux_terms else zero
