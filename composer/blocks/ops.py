@@ -13,6 +13,7 @@ Shape legend: B batch, T time, X conv channels, K conv taps.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +53,7 @@ class CausalConv(TimeMixingOp):
         return conv_continue(x_BTX, conv, step.state.conv_BXW, update=True)
 
 
-class LinearRecurrence(TimeMixingOp):
+class LinearRecurrence(TimeMixingOp, abc.ABC):
     """A recurrence linear in its state: over any span of tokens the state ``S`` goes
 
         S_end = carry(M, S_start) + S_local
@@ -82,22 +83,26 @@ class LinearRecurrence(TimeMixingOp):
 
     context = "state_passing"
 
+    @abc.abstractmethod
     def forward(self, *tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 initial_state: torch.Tensor | None = None, step: Step | None = None,
                 **consts: Any) -> torch.Tensor:
-        raise NotImplementedError
+        """The outputs ``[B, T, ...]`` (class docstring)."""
 
+    @abc.abstractmethod
     def end_state(self, *tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                   **consts: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """``(S_local, M)`` of the span (class docstring)."""
 
     @staticmethod
+    @abc.abstractmethod
     def carry(M: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """What a start state ``S`` becomes at the span's end (class docstring)."""
 
+    @abc.abstractmethod
     def mask_steps(self, tokens: Sequence[torch.Tensor],
                    keep_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
+        """The tokens with the positions where ``keep`` is False made identity steps."""
 
 
 def keep_mask(keep_BT: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
