@@ -78,13 +78,15 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
-                    timeout: float = 300.0) -> list[Any]:
+                    timeout: float = 300.0, fresh: bool = False) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the results in rank order. The
     free port can be taken by another process before rank 0 listens on it: then it retries
-    with another port (twice at most)."""
+    with another port (twice at most). ``fresh``: spawn new interpreters instead of forking
+    from the fork server, for ranks that measure their own memory (a fork's first writes to
+    the pages it shares with the server are copies, which its resident size counts)."""
     for attempt in range(3):
         try:
-            return _run_once(fn, world_size, args, timeout)
+            return _run_once(fn, world_size, args, timeout, fresh)
         except RuntimeError as exc:
             if "address already in use" not in str(exc) or attempt == 2:
                 raise
@@ -107,8 +109,10 @@ with, the ranks are spawned instead (bench/long_context.py sets glibc's ``MALLOC
 _server_env: dict[str, str] | None = None
 
 
-def _context() -> Any:
+def _context(fresh: bool = False) -> Any:
     global _server_env
+    if fresh:
+        return mp.get_context("spawn")
     now = {k: v for k, v in os.environ.items() if k.startswith(AT_START)}
     if _server_env is None:  # the fork server starts with this call's first process
         _server_env = now
@@ -120,8 +124,8 @@ def _context() -> Any:
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple,
-              timeout: float) -> list[Any]:
-    ctx = _context()
+              timeout: float, fresh: bool = False) -> list[Any]:
+    ctx = _context(fresh)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue,

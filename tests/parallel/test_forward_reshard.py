@@ -78,7 +78,7 @@ def forward_only() -> dict:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_distributed(forward_only, 2)
+    return run_distributed(forward_only, 2, fresh=True)  # it measures its own peak RSS
 
 
 def test_each_layer_reshards_after_its_forward(ranks: list[dict]) -> None:

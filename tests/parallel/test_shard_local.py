@@ -139,7 +139,7 @@ def test_each_rank_allocates_only_its_shards(layout):
     idle = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)
     idle_bytes = int(idle.stdout)
-    results = run_distributed(build_and_measure, 2, layout)
+    results = run_distributed(build_and_measure, 2, layout, fresh=True)  # measures its RSS
     for rank in results:
         assert rank["local"] < 0.55 * n_params
         peak = rank["peak_bytes"]
