@@ -42,6 +42,9 @@ class Recipe:
     """A preset name, a checkpoint folder, or ``{preset|pattern: ..., set: {...}}`` (the
     command's SOURCE)."""
     description: str = setting("", cli=False)
+    objective: Literal["pretrain", "sft"] = setting(
+        "pretrain", "pretrain (default: every token predicted) or sft (the masked tokens of "
+        "chat data from `composer data prepare --format chat`)")
     tokens: str | None = setting(
         None, "a .npy array of token ids (1-D or 2-D), or `synthetic` (built in)")
     data: Any = setting(
@@ -52,6 +55,19 @@ class Recipe:
     """Default: all train; the built-in corpus: ``98,2,0``."""
     document_isolation: bool = setting(
         False, "tokens attend to, and states carry over, their own document only")
+    truncate: Literal["right", "left", "error"] = setting(
+        "right", "sft: a conversation longer than --seq-len loses its end (right, default), its "
+        "start (left), or stops the run (error)")
+    lora_rank: int = setting(0, "LoRA adapters of this rank on the projections (0: none, "
+                             "the whole model trains)")
+    lora_alpha: float | None = setting(None, "LoRA scale numerator: y = Wx + (alpha/r) BAx "
+                                       "(default: the rank, a scale of 1)")
+    lora_dropout: float = setting(0.0, "dropout on the LoRA branch's input (default 0)")
+    lora_targets: list[str] = setting(
+        factory=lambda: ["all"], help="projections to adapt: names (q_proj, in_proj, ...), `all` "
+        "(default: every projection but routed experts) or `experts`", nargs="+")
+    adapter: str | None = setting(
+        None, "a PEFT LoRA adapter folder to load onto the model (and train further)")
     eval_every: int = setting(0, "evaluate on the validation split every N steps (val_loss)")
     eval_iters: int = setting(10, "global batches per evaluation (default 10)")
     seq_len: int | None = setting(
