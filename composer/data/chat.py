@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from composer.data.indexed import DataError
-from composer.data.tokenizer import ByteTokenizer, HFTokenizer
+from composer.data.tokenizer import ByteTokenizer, HFTokenizer, _compile, _one_line
 
 ROLES = ("system", "user", "assistant", "tool")
 MASK_MODES = ("assistant", "last-turn", "completion", "none")
@@ -156,6 +156,12 @@ class ChatEncoder:
         self.tok, self.mode, self.kwargs = tok, mode, kwargs
         self.template = tok.chat_template() if template is None else template
         self.generation = has_generation_tags(self.template)
+        try:
+            _compile(self.template)
+        except DataError:
+            raise
+        except Exception as e:
+            raise DataError(f"the chat template does not compile ({_one_line(e)})") from None
 
     def render(self, messages: list[dict[str, Any]],
                add_generation_prompt: bool = False) -> tuple[str, list[Span]]:
