@@ -31,15 +31,17 @@ character span overlaps a supervised character span of the rendering:
   ``R[len(P):]`` is the turn; the generation prompt (the role header) is never in it. Of the
   new text, supervised is from the message's content to the end of its end-of-turn token:
   whitespace after the last non-space character (ChatML's ``"\\n"`` after ``<|im_end|>``) is
-  not supervised: the next turn's template writes it, the model stops at the end-of-turn.
-  What the template writes before the content, found as the common prefix of the new text
-  and that of the same turn with empty content (Qwen3's ``<think>\\n\\n</think>\\n\\n`` in
-  a turn without reasoning), is not supervised either, when the content appears verbatim
-  after it; when the template rewrote the content (Qwen3 moving ``<think>...</think>`` out
-  of it), the whole new text is. So the supervised tokens decode to each assistant content
-  plus its end-of-turn token. A turn the template renders differently once later messages
-  follow (Qwen3 drops the empty reasoning block of earlier turns) is matched without what
-  it wrote before the content; if even that differs, the row is an error.
+  not, since generation stops at the end-of-turn token and never produces it. What the
+  template writes before the content is not supervised either (Qwen3's
+  ``<think>\\n\\n</think>\\n\\n`` in a turn without reasoning): it is found by rendering
+  the same turn with empty content and no reasoning fields, and cut only when the new text
+  starts with exactly that and the content follows verbatim. Otherwise (a turn with
+  reasoning, which Qwen3 renders as ``<think>\\n...\\n</think>\\n\\n`` before the answer)
+  the whole new text is supervised, reasoning included. So the supervised tokens decode to
+  each assistant content plus its end-of-turn token. A turn the template renders differently
+  once later messages follow (Qwen3 drops the empty reasoning block of earlier turns) is
+  matched without what it wrote before the content; if even that differs (Qwen3 drops an
+  earlier turn's reasoning), the row is an error.
 
 Mask modes (``--mask``):
 
@@ -134,14 +136,6 @@ def parse_row(record: Any) -> tuple[list[dict[str, Any]], int | None]:
     return [_message(m, n) for n, m in enumerate(raw, 1)], start
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class ChatEncoder:
     """Rows to (token ids, 0/1 mask) with ``tok`` and ``template`` (the tokenizer's own when
     None) under mask ``mode``; ``kwargs`` reach the template."""
@@ -216,21 +210,25 @@ class ChatEncoder:
                        "{% generation %} markers (--chat-template)")
 
     def _lead(self, messages: list[dict[str, Any]], i: int, prompt: str, new: str) -> int:
-        """How much of the new text the template writes before the content: the common prefix
-        with the turn rendered with empty content, cut at the content; 0 when the content is
-        not there verbatim (the template rewrote it)."""
+        """How much of the new text the template writes before the content: what it writes
+        before an empty content (reasoning fields left out), when the new text starts with
+        exactly that and the content follows verbatim; else 0 (the template rewrote the
+        content, or wrote something of the message's own before it: supervised whole)."""
         content = messages[i].get("content")
-        where = new.find(content.strip()) if isinstance(content, str) and content.strip() \
-            else -1
+        stripped = content.strip() if isinstance(content, str) else ""
+        where = new.find(stripped) if stripped else -1
         if where <= 0:
             return 0
+        tail = new[where + len(stripped):]
+        bare = {k: v for k, v in messages[i].items() if k not in REASONING_FIELDS}
         try:
-            empty = self.render([*messages[:i], {**messages[i], "content": ""}])[0]
-        except RowError:  # a template that refuses empty content writes nothing before it
+            empty = self.render([*messages[:i], {**bare, "content": ""}])[0]
+        except RowError:  # a template that refuses empty content: nothing to compare with
             return 0
-        if not empty.startswith(prompt):
+        if not empty.startswith(prompt) or not empty.endswith(tail):
             return 0
-        return min(_common_prefix(new, empty[len(prompt):]), where)
+        lead = empty[len(prompt):len(empty) - len(tail)]
+        return len(lead) if len(lead) <= where and new.startswith(lead) else 0
 
     def encode(self, messages: list[dict[str, Any]],
                start: int | None = None) -> tuple[np.ndarray, np.ndarray]:
