@@ -237,7 +237,11 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
     if args.row is not None:
         print(json.dumps(row(args.prefix, args.row)))
         return 0
-    info = inspect_chat(args.prefix) if is_masked(args.prefix) else inspect(args.prefix)
+    if is_masked(args.prefix):
+        info = inspect_chat(args.prefix)
+    else:  # the counts under the names a chat dataset reports them by, too
+        info = inspect(args.prefix)
+        info = {"documents": info["n_documents"], "tokens": info["n_tokens"], **info}
     if args.json:
         print(json.dumps(info))
     else:

@@ -317,8 +317,7 @@ def prepare(inputs: list[str], out_prefix: str, tokenizer: str, json_key: str = 
 def inspect(prefix: str) -> dict[str, Any]:
     """Counts, dtype, tokenizer and size of the indexed dataset at ``prefix``."""
     ds = IndexedDataset(prefix)
-    return {"documents": ds.n_documents, "tokens": ds.n_tokens,
-            "n_documents": ds.n_documents, "n_sequences": ds.n_sequences,
+    return {"n_documents": ds.n_documents, "n_sequences": ds.n_sequences,
             "n_tokens": ds.n_tokens, "dtype": ds.dtype.name,
             "tokenizer": describe_tokenizer(f"{prefix}.tokenizer"),
             "bin_bytes": os.path.getsize(f"{prefix}.bin")}
