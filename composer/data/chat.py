@@ -39,9 +39,10 @@ character span overlaps a supervised character span of the rendering:
   reasoning, which Qwen3 renders as ``<think>\\n...\\n</think>\\n\\n`` before the answer)
   the whole new text is supervised, reasoning included. So the supervised tokens decode to
   each assistant content plus its end-of-turn token. A turn the template renders differently
-  once later messages follow (Qwen3 drops the empty reasoning block of earlier turns) is
-  matched without what it wrote before the content; if even that differs (Qwen3 drops an
-  earlier turn's reasoning), the row is an error.
+  once later messages follow (Qwen3 drops the reasoning block, empty or not, of the turns
+  before the last user message) is matched by the longest end of its text that the full
+  rendering has there: its answer (or tool calls) and end-of-turn token are supervised;
+  when no end of it matches, the row is an error.
 
 Mask modes (``--mask``):
 
@@ -203,8 +204,9 @@ class ChatEncoder:
         after = full[len(prompt):]
         if after.startswith(new[:body_end]):
             return len(prompt) + lead, len(prompt) + body_end
-        if lead and after.startswith(new[lead:body_end]):  # written only in the last turn
-            return len(prompt), len(prompt) + body_end - lead
+        cut = _rendered_end(new[:body_end], after)
+        if cut is not None:  # what only a last turn carries is left out here
+            return len(prompt), len(prompt) + body_end - cut
         raise RowError(f"message {i + 1}: the chat template renders this assistant turn "
                        "differently once later messages follow; give one with "
                        "{% generation %} markers (--chat-template)")
@@ -248,6 +250,20 @@ class ChatEncoder:
             raise RowError("no supervised token" + ("" if turns else
                                                    " (no assistant message to supervise)"))
         return np.asarray(ids, dtype=np.int64), mask
+
+
+def _rendered_end(turn: str, after: str) -> int | None:
+    """The least ``k`` such that ``after`` starts with ``turn[k:]``, a part with more than
+    whitespace: how much of a turn's last-turn text the template leaves out of it once later
+    messages follow (Qwen3: the reasoning block); None when no such part."""
+    if not after:
+        return None
+    k = turn.find(after[0])
+    while k != -1:
+        if turn[k:].strip() and after.startswith(turn[k:]):
+            return k
+        k = turn.find(after[0], k + 1)
+    return None
 
 
 def token_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[Span]) -> np.ndarray:

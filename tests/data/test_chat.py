@@ -146,6 +146,32 @@ def test_qwen3_rules(tokenizers_dir):
                                                "<|im_end|>"]
 
 
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "add", "arguments": {"a": 2, "b": 2}}}]},
+    {"role": "tool", "content": "4"},
+    {"role": "assistant", "content": "Two plus two is four.", "reasoning_content": "Say it."},
+    {"role": "user", "content": "And you?"},
+    {"role": "assistant", "content": "I am fine, thank you."}]
+
+
+@pytest.mark.parametrize("kind, calls", [
+    ("llama3.1", '{"name": "add", "parameters": {"a": 2, "b": 2}}<|eot_id|>'),
+    ("qwen3", '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call>'
+              '<|im_end|>')])
+def test_tool_calls_and_earlier_reasoning(tokenizers_dir, kind, calls):
+    """A tool call turn is supervised whole; the reasoning Qwen3 leaves out of turns before
+    the last user message is not in the tokens, so their answers are what is supervised."""
+    folder, eot = tokenizers_dir / kind, KINDS[kind][3]
+    tok = HFTokenizer(folder)
+    ids, mask = ChatEncoder(tok).encode(*parse_row({"messages": TOOL_CONVERSATION}))
+    expected = reference(folder).apply_chat_template(TOOL_CONVERSATION, tokenize=True,
+                                                     return_dict=True)["input_ids"]
+    assert ids.tolist() == list(expected)
+    assert supervised_runs(tok, ids, mask) == [calls, *(a + eot for a in ANSWERS)]
+
+
 def test_prompt_completion_rows(tokenizers_dir):
     tok = HFTokenizer(tokenizers_dir / "chatml")
     messages, start = parse_row({"prompt": "What is two plus two?",

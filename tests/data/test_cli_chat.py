@@ -156,3 +156,20 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path, capsys, chatml):
                        "--out", out / "p", "--skip-bad-rows")
     assert code == 2 and "all 2 rows were bad" in err
     assert not out.exists() or not list(out.iterdir())
+
+
+def test_parquet_rows(tmp_path, capsys, chatml):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "What is two plus two?", "completion": "Two plus two is four."}] * 2
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    prefix = tmp_path / "pq"
+    code, out, err = run(capsys, "prepare", tmp_path / "rows.parquet", "--format", "chat",
+                         "--tokenizer", chatml, "--out", prefix, "--mask", "completion",
+                         "--json")
+    assert code == 0, err
+    ids, mask = ChatEncoder(HFTokenizer(chatml), mode="completion").encode(*parse_row(rows[0]))
+    assert json.loads(out)["supervised_tokens"] == 2 * int(mask.sum())
+    assert json.loads(run(capsys, "inspect", prefix, "--row", 1, "--json")[1]) == {
+        "token_ids": ids.tolist(), "loss_mask": mask.tolist()}
