@@ -3,7 +3,9 @@
 Data needs ``encode`` (no special tokens), ``decode``, the vocabulary size (it picks the token
 dtype) and the end-of-document id. Generation also needs ``encode_prompt`` (the tokenizer's
 post-processor applied, e.g. Llama-3's BOS, as ``transformers`` encodes a prompt) and
-``apply_chat_template`` (the ``chat_template`` rendered as ``transformers`` renders it).
+``apply_chat_template`` (the ``chat_template`` rendered as ``transformers`` renders it); chat
+data (:mod:`composer.data.chat`) ``render_chat`` (the same rendering, with the spans of its
+``{% generation %}`` blocks) and ``encode_offsets`` (tokens with their character spans).
 ``tokenizers`` is optional and imported on first use, so the byte tokenizer, and reading
 datasets, work without it; ``jinja2`` likewise, for chat templates only.
 

@@ -129,6 +129,10 @@ def test_generation_markers_give_transformers_assistant_mask(tokenizers_dir, kin
     _, last = ChatEncoder(HFTokenizer(folder), mode="last-turn").encode(CONVERSATION)
     first_end = int(np.flatnonzero(np.diff(np.asarray(out["assistant_masks"])) == -1)[0]) + 1
     assert not last[:first_end].any() and last[first_end:].tolist() == mask[first_end:].tolist()
+    # a prompt/completion row: the completion's spans only
+    messages, start = parse_row({"prompt": CONVERSATION[:4], "completion": CONVERSATION[4:]})
+    _, completion = ChatEncoder(HFTokenizer(folder), mode="completion").encode(messages, start)
+    assert completion.tolist() == last.tolist()
 
 
 def test_qwen3_rules(tokenizers_dir):
