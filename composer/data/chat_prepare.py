@@ -240,6 +240,16 @@ def _template(path: str | None) -> str | None:
         raise DataError(f"--chat-template {path}: cannot read ({type(e).__name__})") from None
 
 
+def _meta(settings: Settings, counts: dict[str, int], documents: int) -> dict[str, Any]:
+    """What ``PREFIX.chat.json`` records: how the data was made, and its counts."""
+    return {"format": "chat", "mask": settings.mode, "documents": documents,
+            "tokens": counts["tokens"], "supervised_tokens": counts["supervised"],
+            "rows": counts["rows"], "skipped_rows": counts["skipped_rows"],
+            "truncated": counts["truncated"], "seq_len": settings.seq_len,
+            "truncate": settings.truncate if settings.seq_len is not None else None,
+            "chat_template": "override" if settings.template is not None else "tokenizer"}
+
+
 def prepare_chat(inputs: list[str], out_prefix: str, tokenizer: str,
                  chat_template: str | None = None, mask: str = "assistant",
                  skip_bad_rows: bool = False, workers: int = 1, seq_len: int | None = None,
@@ -279,13 +289,7 @@ def prepare_chat(inputs: list[str], out_prefix: str, tokenizer: str,
             if writer.n_documents == 0:
                 raise DataError(f"no conversations: all {counts['rows']:,} rows were bad "
                                 "(nothing written)")
-            meta = {"format": "chat", "mask": mask, "documents": writer.n_documents,
-                    "tokens": counts["tokens"], "supervised_tokens": counts["supervised"],
-                    "rows": counts["rows"], "skipped_rows": counts["skipped_rows"],
-                    "truncated": counts["truncated"], "seq_len": seq_len,
-                    "truncate": truncate_side if seq_len is not None else None,
-                    "tokenizer": tok.name,
-                    "chat_template": "override" if template is not None else "tokenizer",
+            meta = {**_meta(settings, counts, writer.n_documents), "tokenizer": tok.name,
                     "inputs": [str(p) for p in inputs]}
             writer.finalize(meta)
         published = True
