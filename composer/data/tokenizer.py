@@ -3,7 +3,9 @@
 Data needs ``encode`` (no special tokens), ``decode``, the vocabulary size (it picks the token
 dtype) and the end-of-document id. Generation also needs ``encode_prompt`` (the tokenizer's
 post-processor applied, e.g. Llama-3's BOS, as ``transformers`` encodes a prompt) and
-``apply_chat_template`` (the ``chat_template`` rendered as ``transformers`` renders it).
+``apply_chat_template`` (the ``chat_template`` rendered as ``transformers`` renders it); chat
+data (:mod:`composer.data.chat`) ``render_chat`` (the same rendering, with the spans of its
+``{% generation %}`` blocks) and ``encode_offsets`` (tokens with their character spans).
 ``tokenizers`` is optional and imported on first use, so the byte tokenizer, and reading
 datasets, work without it; ``jinja2`` likewise, for chat templates only.
 
@@ -14,6 +16,8 @@ training run and its export carry them in ``tokenizer/`` (:data:`TOKENIZER_DIR`)
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
 import os
 import shutil
@@ -171,6 +175,48 @@ class HFTokenizer:
                             "chat_template.jinja nor a chat_template in tokenizer_config.json)")
         return template
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """:meth:`encode` with each token's character span in ``text`` (``tokenizers``'
+        ``Encoding.offsets``, what ``transformers`` maps a chat's generation spans with)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, [tuple(o) for o in encoding.offsets]
+
+    def _special_tokens(self) -> dict[str, str]:
+        config, tokens = self._config(), {}
+        for key in SPECIAL_TOKEN_NAMES:
+            value = config.get(key)
+            if isinstance(value, dict):  # an AddedToken saved as a dict
+                value = value.get("content")
+            if isinstance(value, str):
+                tokens[key] = value
+        return tokens
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+                    template: str | None = None,
+                    **kwargs: Any) -> tuple[str, list[tuple[int, int]]]:
+        """The chat template (or ``template``) rendered over ``messages``, and the character
+        spans its ``{% generation %}`` blocks rendered, as ``transformers``'
+        ``apply_chat_template(..., return_assistant_tokens_mask=True)`` tracks them (empty
+        for a template without the tag). ``kwargs`` reach the template (``enable_thinking``)."""
+        source = self.chat_template() if template is None else template
+        variables = {**self._special_tokens(), **kwargs}
+        blocks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        token = _TRACKER.set((blocks, spans))
+        try:
+            for block in _compile(source).generate(messages=messages,
+                                           add_generation_prompt=add_generation_prompt,
+                                           **variables):
+                blocks.append(block)
+        except DataError:
+            raise
+        except Exception as e:  # a template's raise_exception, or a broken template
+            raise DataError(f"tokenizer {self.name}: the chat template failed "
+                            f"({_one_line(e)})") from None
+        finally:
+            _TRACKER.reset(token)
+        return "".join(blocks), spans
+
     def apply_chat_template(self, messages: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> str:
         """The chat template rendered over ``messages`` as ``transformers``'
@@ -178,26 +224,23 @@ class HFTokenizer:
         environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``,
         ``strftime_now``, and the special tokens by name. Encode the result with
         :meth:`encode` (the template already holds the special tokens)."""
-        config = self._config()
-        tokens = {}
-        for key in SPECIAL_TOKEN_NAMES:
-            value = config.get(key)
-            if isinstance(value, dict):  # an AddedToken saved as a dict
-                value = value.get("content")
-            if isinstance(value, str):
-                tokens[key] = value
-        template = _jinja_environment().from_string(self.chat_template())
-        try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **tokens)
-        except Exception as e:  # a template's raise_exception, or a broken template
-            raise DataError(f"tokenizer {self.name}: the chat template failed "
-                            f"({_one_line(e)})") from None
+        return self.render_chat(messages, add_generation_prompt)[0]
+
+
+_TRACKER: Any = contextvars.ContextVar("generation_spans", default=None)
+"""While :meth:`HFTokenizer.render_chat` renders: the blocks rendered so far and the spans of
+the ``{% generation %}`` blocks (a ContextVar, as in ``transformers``, so threads don't mix)."""
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> Any:
+    """A template compiled once: incremental masks render a conversation many times."""
+    return _jinja_environment().from_string(template)
 
 
 def _jinja_environment() -> Any:
     """The sandbox ``transformers`` renders chat templates in (``chat_template_utils``), with
-    the ``{% generation %}`` tag rendering its body unchanged."""
+    the ``{% generation %}`` tag rendering its body unchanged (and recording its span)."""
     try:
         import jinja2
         from jinja2.ext import Extension
@@ -215,7 +258,15 @@ def _jinja_environment() -> Any:
             return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
 
         def _body(self, caller: Any) -> str:
-            return caller()
+            # where the body starts is what was rendered before it: the blocks generate()
+            # yielded so far (the mechanism, and so the spans, of transformers' tracker)
+            rendered = caller()
+            tracking = _TRACKER.get()
+            if tracking is not None:
+                blocks, spans = tracking
+                start = len("".join(blocks))
+                spans.append((start, start + len(rendered)))
+            return rendered
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)

@@ -1,0 +1,339 @@
+"""Chat files to a masked dataset (``composer data prepare --format chat``), and reading one
+back (``composer data inspect`` of a chat dataset, ``--row I``).
+
+Inputs are ``.jsonl`` / ``.jsonl.gz`` (one row per line, :mod:`composer.data.chat` says which
+rows) and ``.parquet`` (one row per table row, its columns the row's keys; needs pyarrow). The
+output is :mod:`composer.data.masked`'s format: ``PREFIX.bin/.idx`` (tokens),
+``PREFIX.mask.bin/.idx`` (the mask), ``PREFIX.tokenizer/`` (with ``chat_template.jinja`` when
+``--chat-template`` overrode the tokenizer's) and ``PREFIX.chat.json`` (what made it and the
+counts).
+
+Rendering and tokenising run in a pool of ``workers`` spawned processes, fed in windows of
+chunks and drained in input order as :mod:`composer.data.prepare` does, so any number of
+workers writes the same bytes. A bad row (invalid JSON, a missing or unknown role, a message
+without content, a template that fails, no supervised token, too long under
+``truncate="error"``) is a one-line :class:`DataError` naming ``file:line``, and nothing is
+written; with ``skip_bad_rows`` it is counted and left out. ``seq_len`` cuts (``right``:
+the first tokens, ``left``: the last) or refuses (``error``) a longer conversation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from composer.data.chat import (
+    MASK_MODES,
+    TRUNCATE_SIDES,
+    ChatEncoder,
+    RowError,
+    parse_row,
+    truncate,
+)
+from composer.data.indexed import DataError, IndexedDataset, optimal_dtype
+from composer.data.masked import MASK_SUFFIX, META_SUFFIX, MaskedDataset, MaskedWriter, is_masked
+from composer.data.prepare import CHUNKSIZE, _check_inputs, _jsonl_items, _remove
+from composer.data.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    describe_tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+)
+
+Item = tuple[str, Any]  # (file:line, the raw JSON line as bytes, or a parquet row's dict)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every worker needs to encode rows the same way."""
+
+    tokenizer: str
+    template: str | None
+    mode: str
+    seq_len: int | None
+    truncate: str
+
+
+@dataclass
+class Chunk:
+    """A chunk's kept rows back to back (tokens in the output dtype, mask uint8), their
+    lengths, the bad rows as (file:line, reason) and how many rows were truncated."""
+
+    tokens: np.ndarray
+    masks: np.ndarray
+    lengths: np.ndarray
+    bad: list[tuple[str, str]]
+    truncated: int
+
+
+class _Encoder:
+    """A chunk of rows to a :class:`Chunk`; runs in the workers (or here, for one worker)."""
+
+    def __init__(self, settings: Settings, dtype: str, tok: HFTokenizer | None = None) -> None:
+        self.settings, self.dtype = settings, np.dtype(dtype)
+        tok = load_tokenizer(settings.tokenizer) if tok is None else tok
+        self.chat = ChatEncoder(tok, settings.template, settings.mode)
+
+    def row(self, payload: Any) -> tuple[np.ndarray, np.ndarray, bool]:
+        if isinstance(payload, bytes):
+            try:
+                payload = json.loads(payload)
+            except ValueError as e:
+                raise RowError(f"invalid JSON ({e})") from None
+        ids, mask = self.chat.encode(*parse_row(payload))
+        s, cut = self.settings, False
+        if s.seq_len is not None and len(ids) > s.seq_len:
+            ids, mask = truncate(ids, mask, s.seq_len, s.truncate)
+            cut = True
+            if not mask.any():
+                raise RowError(f"no supervised token in the {s.seq_len} tokens --truncate "
+                               f"{s.truncate} keeps")
+        return ids, mask, cut
+
+    def __call__(self, chunk: list[Item]) -> Chunk:
+        ids_list, masks, bad, truncated = [], [], [], 0
+        for where, payload in chunk:
+            try:
+                ids, mask, cut = self.row(payload)
+            except RowError as e:
+                bad.append((where, str(e)))
+                continue
+            ids_list.append(ids)
+            masks.append(mask)
+            truncated += cut
+        lengths = np.array([len(x) for x in ids_list], dtype=np.int64)
+        return Chunk(_cat(ids_list, self.dtype), _cat(masks, np.dtype(np.uint8)), lengths, bad,
+                     truncated)
+
+
+def _cat(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+
+
+_WORKER: _Encoder | BaseException | None = None
+
+
+def _init_worker(settings: Settings, dtype: str) -> None:
+    global _WORKER  # an initializer that raises breaks the pool anonymously: raise it later
+    try:
+        _WORKER = _Encoder(settings, dtype)
+    except BaseException as e:
+        _WORKER = e
+
+
+def _encode_in_worker(chunk: list[Item]) -> Chunk:
+    if not isinstance(_WORKER, _Encoder):
+        raise _WORKER if _WORKER is not None else RuntimeError("worker not initialised")
+    return _WORKER(chunk)
+
+
+@contextlib.contextmanager
+def _pool(settings: Settings, dtype: str, workers: int) -> Iterator[ProcessPoolExecutor | None]:
+    if workers == 1:
+        yield None
+        return
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker, initargs=(settings, dtype))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _chunks(items: Iterator[Item], encoder: _Encoder, pool: ProcessPoolExecutor | None,
+            workers: int) -> Iterator[Chunk]:
+    chunks = iter(lambda: list(islice(items, CHUNKSIZE)), [])
+    if pool is None:
+        yield from map(encoder, chunks)
+        return
+    pending: deque[Iterable[Chunk]] = deque()
+    while window := list(islice(chunks, 4 * workers)):
+        pending.append(pool.map(_encode_in_worker, window))
+        if len(pending) > 1:
+            yield from pending.popleft()
+    while pending:
+        yield from pending.popleft()
+
+
+def _parquet_rows(path: str) -> Iterator[Item]:
+    import pyarrow.parquet as pq
+
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches():
+        for record in batch.to_pylist():
+            row += 1
+            yield f"{path}:row {row}", record
+    if row == 0:
+        raise DataError(f"input {path}: no rows")
+
+
+def _items(sources: list[tuple[str, str]]) -> Iterator[Item]:
+    for path, kind in sources:
+        if kind in (".jsonl", ".jsonl.gz"):
+            yield from _jsonl_items(path, gz=kind == ".jsonl.gz")
+        elif kind == ".parquet":
+            yield from _parquet_rows(path)
+        else:
+            raise DataError(f"input {path}: --format chat reads .jsonl, .jsonl.gz and .parquet "
+                            f"rows, not {kind}")
+
+
+def _write(writer: MaskedWriter, chunks: Iterator[Chunk], skip_bad_rows: bool,
+           progress: Callable[[int], Any] | None) -> dict[str, int]:
+    counts = {"rows": 0, "skipped_rows": 0, "truncated": 0, "tokens": 0, "supervised": 0}
+    for chunk in chunks:
+        if chunk.bad and not skip_bad_rows:
+            where, why = chunk.bad[0]
+            raise DataError(f"{where}: {why} (--skip-bad-rows skips such rows; nothing "
+                            "written)")
+        ends = np.cumsum(chunk.lengths)
+        for lo, hi in zip((ends - chunk.lengths).tolist(), ends.tolist(), strict=True):
+            writer.add_document(chunk.tokens[lo:hi], chunk.masks[lo:hi])
+        n = len(chunk.lengths) + len(chunk.bad)
+        counts["rows"] += n
+        counts["skipped_rows"] += len(chunk.bad)
+        counts["truncated"] += chunk.truncated
+        counts["tokens"] += len(chunk.tokens)
+        counts["supervised"] += int(chunk.masks.sum(dtype=np.int64))
+        if progress is not None:
+            progress(n)
+    return counts
+
+
+def _outputs(prefix: str) -> list[Path]:
+    return [Path(f"{prefix}{ext}") for ext in (".bin", ".idx", f"{MASK_SUFFIX}.bin",
+                                               f"{MASK_SUFFIX}.idx", META_SUFFIX, ".tokenizer")]
+
+
+def _check_options(mask: str, truncate_side: str, seq_len: int | None, workers: int) -> None:
+    if mask not in MASK_MODES:
+        raise DataError(f"--mask {mask}: expected one of {', '.join(MASK_MODES)}")
+    if truncate_side not in TRUNCATE_SIDES:
+        raise DataError(f"--truncate {truncate_side}: expected one of "
+                        f"{', '.join(TRUNCATE_SIDES)}")
+    if seq_len is not None and seq_len < 1:
+        raise DataError(f"--seq-len must be >= 1, got {seq_len}")
+    if workers < 1:
+        raise DataError(f"workers must be >= 1, got {workers}")
+
+
+def _template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"--chat-template {path}: cannot read ({type(e).__name__})") from None
+
+
+def _meta(settings: Settings, counts: dict[str, int], documents: int) -> dict[str, Any]:
+    """What ``PREFIX.chat.json`` records: how the data was made, and its counts."""
+    return {"format": "chat", "mask": settings.mode, "documents": documents,
+            "tokens": counts["tokens"], "supervised_tokens": counts["supervised"],
+            "rows": counts["rows"], "skipped_rows": counts["skipped_rows"],
+            "truncated": counts["truncated"], "seq_len": settings.seq_len,
+            "truncate": settings.truncate if settings.seq_len is not None else None,
+            "chat_template": "override" if settings.template is not None else "tokenizer"}
+
+
+def prepare_chat(inputs: list[str], out_prefix: str, tokenizer: str,
+                 chat_template: str | None = None, mask: str = "assistant",
+                 skip_bad_rows: bool = False, workers: int = 1, seq_len: int | None = None,
+                 truncate_side: str = "right", progress: Callable[[int], Any] | None = None,
+                 force: bool = False) -> dict[str, Any]:
+    """Render, tokenise and mask the chat rows of ``inputs`` into ``out_prefix`` (see the
+    module docstring); ``progress`` is called with the rows done since its last call.
+    Returns the counts."""
+    start = time.perf_counter()
+    _check_options(mask, truncate_side, seq_len, workers)
+    sources = _check_inputs(inputs)
+    existing = [p for p in _outputs(out_prefix) if p.exists()]
+    if existing and not force:
+        raise DataError(f"{existing[0]} already exists (--force replaces it)")
+    template = _template(chat_template)
+    tok = load_tokenizer(tokenizer)
+    if isinstance(tok, ByteTokenizer):
+        raise DataError("--format chat needs a tokenizer with a chat template; the byte "
+                        "tokenizer has none")
+    settings = Settings(str(tok.folder), template, mask, seq_len, truncate_side)
+    dtype = np.dtype(optimal_dtype(tok.vocab_size)).name
+    encoder = _Encoder(settings, dtype, tok)  # a template that does not compile fails here
+    folder = Path(os.path.abspath(out_prefix)).parent
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp_tok, published = None, False
+    try:
+        tmp_tok = tempfile.mkdtemp(dir=folder, prefix=f".{Path(out_prefix).name}.tokenizer.",
+                                   suffix=".tmp")
+        save_tokenizer(tok, tmp_tok)
+        if template is not None:  # the dataset records what rendered it
+            Path(tmp_tok, "chat_template.jinja").write_text(template, encoding="utf-8")
+        with MaskedWriter(out_prefix, dtype) as writer, \
+                _pool(settings, dtype, workers) as pool:
+            counts = _write(writer, _chunks(_items(sources), encoder, pool, workers),
+                            skip_bad_rows, progress)
+            if writer.n_documents == 0:
+                raise DataError(f"no conversations: all {counts['rows']:,} rows were bad "
+                                "(nothing written)")
+            meta = {**_meta(settings, counts, writer.n_documents), "tokenizer": tok.name,
+                    "inputs": [str(p) for p in inputs]}
+            writer.finalize(meta)
+        published = True
+        _remove(f"{out_prefix}.tokenizer")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_tok, 0o777 & ~umask)
+        os.replace(tmp_tok, f"{out_prefix}.tokenizer")
+    except BaseException:
+        _remove(*([tmp_tok] if tmp_tok else []),
+                *(_outputs(out_prefix)[:5] if published else []))
+        if created and not any(folder.iterdir()):
+            folder.rmdir()
+        raise
+    seconds = time.perf_counter() - start
+    return {**meta, "n_documents": meta["documents"], "n_tokens": meta["tokens"],
+            "dtype": dtype, "seconds": seconds, "tokens_per_s": meta["tokens"] / seconds}
+
+
+def inspect_chat(prefix: str) -> dict[str, Any]:
+    """A chat dataset's counts (``documents``, ``tokens``, ``supervised_tokens``) and what
+    made it (``PREFIX.chat.json``)."""
+    ds = MaskedDataset(prefix)
+    tokens = ds.tokens
+    return {"format": "chat", "documents": ds.n_documents, "tokens": tokens.n_tokens,
+            "supervised_tokens": ds.supervised_tokens(), "n_documents": ds.n_documents,
+            "n_sequences": tokens.n_sequences, "n_tokens": tokens.n_tokens,
+            "dtype": tokens.dtype.name, "tokenizer": describe_tokenizer(f"{prefix}.tokenizer"),
+            "bin_bytes": os.path.getsize(f"{prefix}.bin"),
+            **{k: ds.meta[k] for k in ("mask", "skipped_rows", "truncated", "seq_len",
+                                       "truncate", "chat_template") if k in ds.meta}}
+
+
+def row(prefix: str, i: int) -> dict[str, list[int]]:
+    """Conversation ``i`` (input order, bad rows left out) as token ids and loss mask; for a
+    dataset without a mask (text), every token is a target: an all-ones mask."""
+    ds: MaskedDataset | IndexedDataset = (MaskedDataset if is_masked(prefix)
+                                          else IndexedDataset)(prefix)
+    n = ds.n_documents
+    if not 0 <= i < n:
+        raise DataError(f"--row {i}: the dataset has {n:,} documents (0 to {n - 1:,})")
+    if isinstance(ds, MaskedDataset):
+        ids, mask = ds.document(i)
+    else:
+        ids = ds.document(i)
+        mask = np.ones(len(ids), dtype=np.uint8)
+    return {"token_ids": [int(x) for x in ids], "loss_mask": [int(x) for x in mask]}
