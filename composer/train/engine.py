@@ -32,6 +32,7 @@ from composer.portable import CONFIG_FILE
 from composer.train.data import SYNTHETIC, Batches, Rows, synthetic_rows
 from composer.train.loop import Run, Summary, seed_everything, train_loop
 from composer.train.metrics import MetricsLog
+from composer.train.objectives import get_objective
 from composer.train.optim import build_optimizers
 from composer.train.recipe import (
     RECIPE_FILE,
@@ -127,6 +128,11 @@ def _model_config(recipe: Recipe) -> tuple[ModelConfig, Any]:
 
     name, pattern, overrides = model_source(recipe.model)
     overrides = overrides + list(recipe.set or [])
+    if name is not None and pattern is None and is_hf_folder(Path(name)):
+        if overrides:
+            raise ConfigError(f"{name}: `set` overrides apply to presets and patterns, not to "
+                              "a checkpoint's fixed shapes")
+        return open_portable(converted_hf(Path(name)))
     if pattern is not None:
         cfg = ModelConfig(pattern=pattern)
     elif name in presets():
@@ -140,6 +146,37 @@ def _model_config(recipe: Recipe) -> tuple[ModelConfig, Any]:
         raise ConfigError(f"{name}: not a checkpoint folder or a preset name")
     apply_overrides(cfg, overrides)
     return cfg.validate(), None
+
+
+def is_hf_folder(folder: Path) -> bool:
+    """A Hugging Face folder (``config.json`` with ``architectures``), not one of ours."""
+    from composer.cli.generate import _hf_architectures
+
+    return folder.is_dir() and not (folder / CONFIG_FILE).is_file() and \
+        not is_training_checkpoint(folder) and bool(_hf_architectures(folder))
+
+
+_CONVERTED: dict[Path, Path] = {}
+
+
+def converted_hf(folder: Path) -> Path:
+    """``folder`` converted (``composer.convert.from_hf``) into a temporary portable checkpoint,
+    once per process, removed at exit: the run trains from it and saves its own checkpoints, so
+    nothing of the conversion needs to outlive the process (each rank converts its own copy:
+    no rank waits on another's files)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from composer.convert import from_hf
+
+    key = folder.resolve()
+    if key not in _CONVERTED:
+        tmp = Path(tempfile.mkdtemp(prefix="composer-train-hf-"))
+        atexit.register(shutil.rmtree, tmp, True)
+        from_hf(folder, tmp / "checkpoint")
+        _CONVERTED[key] = tmp / "checkpoint"
+    return _CONVERTED[key]
 
 
 def _check(recipe: Recipe, dp: int) -> int:
@@ -261,6 +298,12 @@ def save_data_tokenizer(recipe: Recipe) -> None:
     from composer.data.tokenizer import TOKENIZER_DIR, load_tokenizer, save_tokenizer
 
     folder = data_tokenizer(recipe)
+    if folder is None:  # a Hugging Face SOURCE brings its own (fine-tuning: the same vocabulary)
+        name = model_source(recipe.model)[0] if recipe.model else None
+        if name is not None and is_hf_folder(Path(name)) and (
+                (Path(name) / "tokenizer.json").is_file() or
+                (Path(name) / "tokenizer_config.json").is_file()):
+            folder = Path(name)
     if folder is not None:
         save_tokenizer(load_tokenizer(str(folder)), Path(recipe.save) / TOKENIZER_DIR)
 
@@ -285,12 +328,14 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     from composer.build.builder import build_model, model_stats
     from composer.run import build_sharded
 
+    objective = get_objective(recipe.objective)
+    recipe = objective.adjust(recipe)  # sft: document isolation
     if resume is not None:
         remove_incomplete(resume)
         cfg, tensors = ModelConfig.load(resume / CONFIG_FILE), None
     else:
         cfg, tensors = _model_config(recipe)
-    batches, valid, seq_len = open_data(recipe, cfg)
+    batches, valid, seq_len = objective.open_data(recipe, cfg)
     _check_cp(recipe, cfg, seq_len)  # before the mesh: a refusal leaves no peer waiting
     try:
         dims = build_parallel_dims(recipe.parallel, recipe.device)
@@ -299,6 +344,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
             raise
         raise LayoutError(f"{exc} (the layout of a resumed run comes from its saved recipe; "
                           "give --tp/--ep/--dp to change it)") from None
+    objective.check(recipe, cfg, dims)
     precision = _precision(recipe, dims.device)
     dims.precision = "bf16" if precision in ("bf16", "fp8") else "fp32"
     micro = _check(recipe, dims.dp)
@@ -328,7 +374,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
               schedule=Schedule(recipe.lr, recipe.lr / 10 if recipe.min_lr is None
                                 else recipe.min_lr, recipe.steps, recipe.warmup_steps,
                                 recipe.schedule, recipe.decay_steps),
-              micro_batch=micro, seq_len=seq_len, precision=precision,
+              micro_batch=micro, seq_len=seq_len, precision=precision, objective=objective,
               flops_per_token=model_stats(build_model(cfg, device="meta"),
                                           seq_len=seq_len).flops_per_token)
     if resume is not None:

@@ -41,6 +41,7 @@ from composer.parallel.mesh import ParallelDims
 from composer.parallel.pipeline import embed_on_last
 from composer.train.data import Batches, Micro
 from composer.train.metrics import MetricsLog, max_memory_bytes, peak_flops
+from composer.train.objectives import Pretrain, n_targets
 from composer.train.optim import Optimizers
 from composer.train.recipe import Recipe
 from composer.train.schedule import Schedule
@@ -113,6 +114,8 @@ class Run:
     valid: Batches | None = None
     """Validation batches (``--eval-every``)."""
     start_consumed: int = 0  # `consumed` at the start: a step was taken once they differ
+    objective: Pretrain = field(default_factory=Pretrain)
+    """What the labels are and what the loss counts (:mod:`composer.train.objectives`)."""
 
 
 def _autocast(run: Run):
@@ -121,34 +124,30 @@ def _autocast(run: Run):
     return nullcontext()
 
 
-def n_targets(micro: Micro, isolated: bool) -> int:
-    """Predicted tokens of a micro-batch: ``T - 1`` per row, less the document boundaries
-    (nothing is predicted across one) under document isolation."""
-    m, t = micro.ids.shape
-    if not isolated or micro.doc_ids is None:
-        return m * (t - 1)
-    return int((micro.doc_ids[:, 1:] == micro.doc_ids[:, :-1]).sum())
-
-
-def _tensors(run: Run, micro: list[Micro]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The micro-batches' ids (stacked) and, under document isolation, their doc ids, on the
+def _tensors(run: Run, micro: list[Micro]
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The micro-batches' ids (stacked), under document isolation their doc ids, and their own
+    labels when they have some (masked samples; None: the ids are the labels), on the
     device."""
     device = run.dims.device
     ids = torch.from_numpy(np.concatenate([mb.ids for mb in micro])).long()
     ids = ids.to(device, non_blocking=True)
     run.batch_device = ids.device
-    docs = None
+    docs = labels = None
     if run.recipe.document_isolation and micro[0].doc_ids is not None:
         docs = torch.from_numpy(np.concatenate([mb.doc_ids for mb in micro]))
         docs = docs.to(device, non_blocking=True)
-    return ids, docs
+    if micro[0].labels is not None:
+        labels = torch.from_numpy(np.concatenate([mb.labels for mb in micro])).long()
+        labels = labels.to(device, non_blocking=True)
+    return ids, docs, labels
 
 
 def _forward(run: Run, micro: Micro):
-    ids, docs = _tensors(run, [micro])
+    ids, docs, labels = _tensors(run, [micro])
     kwargs = {} if docs is None else {"doc_ids": docs}
     with _autocast(run):
-        return run.model(ids, ids, **kwargs)
+        return run.model(ids, ids if labels is None else labels, **kwargs)
 
 
 def _dp_total(run: Run, n_local: int) -> torch.Tensor:
@@ -166,16 +165,16 @@ def accumulate(run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
     isolated = run.recipe.document_isolation
     micro = run.batches.local(run.consumed, dims.dp, dims.dp_rank(), run.micro_batch)
     counts = [n_targets(mb, isolated) for mb in micro]
-    if isolated:  # the global count differs from batch to batch: one small all-reduce
+    if isolated or micro[0].labels is not None:  # a count that varies: one small all-reduce
         n_global = _dp_total(run, sum(counts))
     else:
         n_global = float(run.recipe.global_batch_size * (run.seq_len - 1))
     pipeline = getattr(run.model, "pipeline", None)
     if pipeline is not None:  # the schedule runs the micro-batches (composer.parallel.pipeline)
-        ids, docs = _tensors(run, micro)
+        ids, docs, labels = _tensors(run, micro)
         with _autocast(run):
             ce_sum, aux, mtp = pipeline.train_step(ids, docs,
-                                                   dims.grad_replicas / float(n_global))
+                                                   dims.grad_replicas / float(n_global), labels)
         return ce_sum, aux, mtp, sum(counts)
     ce_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
     aux_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
@@ -199,9 +198,9 @@ def _eval_ce(run: Run, micro: Micro) -> torch.Tensor:
     if pipeline is None:
         out = _forward(run, micro)
         return (out.loss - out.aux_loss - out.mtp_loss).double()
-    ids, docs = _tensors(run, [micro])
+    ids, docs, labels = _tensors(run, [micro])
     with _autocast(run):
-        return pipeline.loss(ids, docs)[0]
+        return pipeline.loss(ids, docs, labels)[0]
 
 
 @torch.no_grad()
@@ -252,9 +251,9 @@ def save(run: Run, step: int) -> None:
 
 
 def _reduce_stats(run: Run, ce_sum: torch.Tensor, aux: torch.Tensor, mtp: torch.Tensor, n: int,
-                  stop: bool) -> tuple[float, float, float, bool]:
-    """One all-reduce: the global mean loss, the mean aux and MTP losses, and whether any rank
-    stops."""
+                  stop: bool) -> tuple[float, float, float, bool, int]:
+    """One all-reduce: the global mean loss, the mean aux and MTP losses, whether any rank
+    stops, and the global batch's predicted tokens."""
     dims = run.dims
     # n: every tp, pp and cp rank counts the same tokens (a cp rank's loss is its rows' mean,
     # composer.parallel.context); the loss comes from the last stage only
@@ -266,7 +265,7 @@ def _reduce_stats(run: Run, ce_sum: torch.Tensor, aux: torch.Tensor, mtp: torch.
     if dist.is_initialized():
         dist.all_reduce(stats)
     loss, aux_mean, mtp_mean, stops, tokens = stats.tolist()
-    return loss / max(tokens, 1.0), aux_mean, mtp_mean, stops > 0
+    return loss / max(tokens, 1.0), aux_mean, mtp_mean, stops > 0, round(tokens)
 
 
 @dataclass
@@ -280,6 +279,8 @@ class StepStats:
     mtp_loss: float = 0.0
     """The weighted multi-token-prediction term (``(w / D) * sum_k ce_k``), mean over
     micro-batches and data-parallel ranks; ``loss`` is the main cross-entropy alone."""
+    targets: int = 0
+    """The global batch's predicted tokens (the loss's denominator)."""
 
     @property
     def finite(self) -> bool:
@@ -299,8 +300,9 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
         pipeline.sync_tied()
         tied = ("embed.weight",) if embed_on_last(run.model) else ()
     norm_t = grad_norm(run.model, run.dims.device, run.dims.pp, tied)
-    loss, aux_mean, mtp_mean, stop = _reduce_stats(run, ce_sum, aux, mtp, n, stop_requested)
-    stats = StepStats(lr, loss, aux_mean, float(norm_t), stop, mtp_mean)
+    loss, aux_mean, mtp_mean, stop, targets = _reduce_stats(run, ce_sum, aux, mtp, n,
+                                                            stop_requested)
+    stats = StepStats(lr, loss, aux_mean, float(norm_t), stop, mtp_mean, targets)
     if stats.finite:
         if r.grad_clip > 0:
             clip_grads(run.model, norm_t, r.grad_clip)
@@ -310,7 +312,10 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
     finish_moe_step(run.model, run.dims, stepped=stats.finite)  # aux-loss-free balancing
     run.optimizers.zero_grad()
     run.consumed += r.global_batch_size
-    run.tokens += r.global_batch_size * (run.seq_len - 1)  # predicted tokens, as the loss's
+    if run.objective.counts_targets:  # the supervised targets (sft)
+        run.tokens += targets
+    else:
+        run.tokens += r.global_batch_size * (run.seq_len - 1)  # predicted tokens, as the loss's
     return stats
 
 
@@ -328,6 +333,7 @@ def _row(run: Run, step: int, s: StepStats, tokens_per_s: float,
         row["aux_loss"] = s.aux_loss
     if s.mtp_loss:
         row["mtp_loss"] = s.mtp_loss
+    row.update(run.objective.row_metrics(s.targets))
     return row
 
 
