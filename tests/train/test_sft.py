@@ -1,0 +1,154 @@
+"""The SFT objective in one process: packed conversations compute what each computes alone
+(logits fp32 1e-5, the masked loss as the token-weighted mean of the unpacked ones) for
+``M*-E``, ``G*`` and ``+E``; the gradient of one step is the same for micro-batch 8 and 2 x
+accumulation 4; ``composer train --objective sft`` end to end; its refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from composer.build.builder import build_model
+from composer.config import ConfigError, ModelConfig, apply_overrides
+from composer.data.masked import MaskedDataset
+from composer.data.sft import SFTSamples
+from tests.data.test_sft_samples import write_masked
+from tests.helpers import randomize
+
+MOE = ["moe.n_experts=4", "moe.top_k=2", "moe.d_ff=32", "moe.aux_loss_coeff=0.0"]
+PATTERNS = {
+    "M*-E": ["d_model=32", "attention.n_heads=4", "attention.n_kv_heads=2", "mamba.n_heads=4",
+             "mamba.d_head=8", "mamba.n_groups=2", "mamba.d_state=8", "mamba.chunk_size=8",
+             "mlp.d_ff=64", *MOE],
+    "G*": ["d_model=32", "attention.n_heads=4", "attention.n_kv_heads=2"],
+    "+E": ["d_model=32", *MOE],
+}
+MODEL = {"pattern": "M*-E", "set": dict(s.split("=") for s in PATTERNS["M*-E"])}
+LENGTHS = [5, 23, 9, 14, 1, 30, 7, 12, 16, 3, 11, 19, 8, 26, 2, 6, 13, 17, 4, 10, 21, 15, 9, 7]
+
+
+def tiny(pattern: str) -> ModelConfig:
+    cfg = ModelConfig(pattern=pattern)
+    apply_overrides(cfg, ["vocab_size=61", *PATTERNS[pattern]])
+    return cfg.validate()
+
+
+def masked_data(tmp_path: Path, lengths: list[int] = LENGTHS) -> str:
+    return str(write_masked(tmp_path / "chat", lengths, vocab=61, seed=1))
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_packed_equals_each_conversation_alone(tmp_path: Path, pattern: str) -> None:
+    torch.manual_seed(0)
+    model = build_model(tiny(pattern), seed=0)
+    randomize(model, seed=1)
+    model.eval()
+    ds = MaskedDataset(masked_data(tmp_path))
+    samples = SFTSamples(ds, 32, seed=0)
+    rows = [samples.row(r) for r in range(samples.n_rows)]
+    ids = torch.from_numpy(np.stack([r[0] for r in rows]))
+    docs = torch.from_numpy(np.stack([r[1] for r in rows]))
+    mask = torch.from_numpy(np.stack([r[2] for r in rows]))
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        out = model(ids, labels, doc_ids=docs, return_logits=True)
+        total, count = 0.0, 0
+        for r in range(samples.n_rows):
+            members = samples.row_docs[samples.row_start[r]:samples.row_start[r + 1]]
+            pos = 0
+            for d in members.tolist():
+                doc_ids, doc_mask = (torch.from_numpy(x.astype(np.int64))[None]
+                                     for x in ds.document(d))
+                n = doc_ids.shape[1]
+                alone = model(doc_ids)
+                torch.testing.assert_close(out.logits[r:r + 1, pos:pos + n], alone, atol=1e-5,
+                                           rtol=1e-5)
+                targets = int(doc_mask[0, 1:].sum())
+                if targets:
+                    loss = model(doc_ids, doc_ids.masked_fill(doc_mask == 0, -100)).loss
+                    total, count = total + float(loss) * targets, count + targets
+                pos += n
+    assert count == int(((labels[:, 1:] != -100) & (docs[:, 1:] == docs[:, :-1])).sum())
+    assert float(out.loss) == pytest.approx(total / count, rel=1e-5)
+
+
+def sft_values(data: str, **kw) -> dict:
+    return {"model": MODEL, "objective": "sft", "data": [data], "seq_len": 32, "steps": 2,
+            "global_batch_size": 8, "lr": 1e-3, "device": "cpu", "precision": "fp32", **kw}
+
+
+def step_grads(values: dict) -> dict[str, torch.Tensor]:
+    """The gradient of the run's first step (every rank calls it; whole tensors)."""
+    from composer.parallel.data import finish_grads
+    from composer.train.engine import resolve, setup
+    from composer.train.loop import accumulate
+
+    recipe, resume = resolve(None, None, values)
+    run, _ = setup(recipe, resume, quiet=True)
+    try:
+        accumulate(run)
+        finish_grads(run.model, run.dims)
+    finally:
+        run.log.close()
+
+    def whole(g: torch.Tensor) -> torch.Tensor:
+        return (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+
+    return {k: whole(p.grad) for k, p in run.model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(a: dict, b: dict, tol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        err = (a[k].double() - b[k].double()).abs().max()
+        scale = b[k].double().abs().max().clamp(min=1e-12)
+        assert float(err / scale) <= tol, (k, float(err), float(scale))
+
+
+@pytest.mark.slow
+def test_micro_batch_does_not_change_the_gradient(tmp_path: Path) -> None:
+    data = masked_data(tmp_path, LENGTHS * 3)
+    ref = step_grads(sft_values(data, micro_batch_size=8))
+    got = step_grads(sft_values(data, micro_batch_size=2))
+    assert_grads_close(got, ref)
+
+
+@pytest.mark.slow
+def test_sft_end_to_end(tmp_path: Path, capsys) -> None:
+    from composer.cli import main
+
+    data = masked_data(tmp_path, LENGTHS * 2 + [40, 45])
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(json.dumps({"model": MODEL}))
+    code = main(["train", "--config", str(cfg), "--objective", "sft", "--data", data,
+                 "--seq-len", "32", "--steps", "3", "--global-batch-size", "4", "--lr", "3e-3",
+                 "--device", "cpu", "--precision", "fp32", "--split", "80,20,0",
+                 "--eval-every", "3", "--save", str(tmp_path / "run")])
+    assert code in (0, None)
+    err = capsys.readouterr().err
+    assert "2 conversation(s) longer than --seq-len 32 truncated (--truncate right)" in err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["supervised_tokens"] > 0 and np.isfinite(r["loss"]) for r in rows)
+    assert rows[-1]["tokens"] == sum(r["supervised_tokens"] for r in rows)
+    assert np.isfinite(rows[-1]["val_loss"])
+
+
+def test_sft_refuses_data_without_a_mask(tmp_path: Path) -> None:
+    from composer.train.engine import resolve, setup
+
+    recipe, resume = resolve(None, None, {**sft_values(""), "tokens": "synthetic",
+                                          "data": None})
+    with pytest.raises(ConfigError, match="--objective sft needs --data PREFIX"):
+        setup(recipe, resume, quiet=True)
+    from composer.data.indexed import IndexedWriter
+
+    with IndexedWriter(tmp_path / "plain", np.uint16) as w:
+        w.add_document(np.arange(40))
+    recipe, resume = resolve(None, None, sft_values(str(tmp_path / "plain")))
+    with pytest.raises(ConfigError, match="has no loss mask"):
+        setup(recipe, resume, quiet=True)
