@@ -189,15 +189,13 @@ class StageView(nn.Module):
             return x
         weight = model.output_weight()
         h = model.final_norm(x)
-        if targets is None:
-            targets = model.targets_for(labels, doc_ids)
-            ce, _ = model.readout(h, weight, None, targets_BT=targets)
-            n = (targets != IGNORE_INDEX).sum()
-        else:  # context parallel: this rank's cut of the rows (none real: a stand-in, n = 0)
-            from composer.parallel.context import safe_targets
+        from composer.parallel.context import safe_targets
 
-            ce, _ = model.readout(h, weight, None, targets_BT=safe_targets(targets))
-            n = (targets != IGNORE_INDEX).sum()
+        if targets is None:  # a micro-batch without a target (masked labels): a stand-in, n = 0
+            targets = model.targets_for(labels, doc_ids)
+        # context parallel: this rank's cut of the rows (none real: a stand-in, n = 0)
+        ce, _ = model.readout(h, weight, None, targets_BT=safe_targets(targets))
+        n = (targets != IGNORE_INDEX).sum()
         ce = torch.where(n > 0, ce, torch.zeros_like(ce))  # no target: a NaN mean
         self.ce_log.append(ce.detach().double() * n)
         loss = ce * (n.to(ce.dtype) * self.loss_scale)

@@ -41,7 +41,7 @@ from composer.parallel.mesh import ParallelDims
 from composer.parallel.pipeline import embed_on_last
 from composer.train.data import Batches, Micro
 from composer.train.metrics import MetricsLog, max_memory_bytes, peak_flops
-from composer.train.objectives import Pretrain, n_targets
+from composer.train.objectives import Pretrain, n_targets, stand_in_labels
 from composer.train.optim import Optimizers
 from composer.train.recipe import Recipe
 from composer.train.schedule import Schedule
@@ -180,12 +180,18 @@ def accumulate(run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
     aux_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
     mtp_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
     for mb, n in zip(micro, counts, strict=True):
-        out = _forward(run, mb)
+        stand_in = None if n or mb.labels is None else stand_in_labels(mb, isolated)
+        out = _forward(run, mb if stand_in is None else stand_in)
         # loss = ce + aux + mtp: the main cross-entropy is weighted by its tokens, the
         # per-micro-batch means (load balancing, multi-token prediction) averaged
         extra = out.aux_loss + out.mtp_loss
-        ce = out.loss - extra if n else out.aux_loss * 0.0  # no target: NaN mean
-        (ce * (n * dims.dp / n_global) + extra / len(micro)).backward()
+        if stand_in is not None:  # no supervised target: a finite mean, weighted 0
+            ce = (out.loss - extra) * 0.0
+        else:
+            ce = out.loss - extra if n else out.aux_loss * 0.0  # no target: NaN mean
+        term = ce * (n * dims.dp / n_global) + extra / len(micro)
+        if term.requires_grad:  # a dense model's micro-batch without a target has no graph
+            term.backward()
         ce_sum += ce.detach().double() * n
         aux_sum += out.aux_loss.detach().double()
         mtp_sum += out.mtp_loss.detach().double()

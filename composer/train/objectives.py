@@ -147,6 +147,19 @@ def open_sft_data(recipe: Recipe, cfg: ModelConfig) -> tuple[Batches, Batches | 
     return train, valid, recipe.seq_len
 
 
-def labels_array(micro: Micro) -> np.ndarray:
-    """The micro-batch's unshifted labels (the ids when it has none of its own)."""
-    return micro.ids if micro.labels is None else micro.labels
+def stand_in_labels(micro: Micro, isolated: bool) -> Micro | None:
+    """``micro`` with one real label where it has no valid target at all (a batch of
+    conversations whose supervised turns were truncated away): the loop weights its loss by the
+    true count, 0, so the stand-in never counts, but the mean is finite (a mean over no token
+    is 0 / 0, and so is its gradient) and the backward reaches every module as on the other
+    ranks. None when no position can take one (every token its own document)."""
+    ok = np.ones(micro.ids[:, 1:].shape, dtype=bool)
+    if isolated and micro.doc_ids is not None:
+        ok = micro.doc_ids[:, 1:] == micro.doc_ids[:, :-1]
+    where = np.argwhere(ok)
+    if not len(where):
+        return None
+    b, t = (int(x) for x in where[0])
+    labels = micro.labels.copy()
+    labels[b, t + 1] = micro.ids[b, t + 1]
+    return dataclasses.replace(micro, labels=labels)

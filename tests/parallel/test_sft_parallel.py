@@ -16,7 +16,7 @@ from tests.train.test_sft import LENGTHS, assert_grads_close, masked_data, sft_v
 
 pytestmark = pytest.mark.slow  # every test here spawns ranks
 
-LAYOUTS = {"pp2": {"pp": 2, "micro_batch_size": 2}, "cp2": {"cp": 2}, "tp2": {"tp": 2}}
+LAYOUTS = {"pp2": {"pp": 2, "micro_batch_size": 1}, "cp2": {"cp": 2}, "tp2": {"tp": 2}}
 
 
 def _summary(out: dict) -> dict:
@@ -35,7 +35,7 @@ def in_ranks(data: str) -> dict:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> tuple[str, dict]:
     tmp = tmp_path_factory.mktemp("sft")
-    data = masked_data(Path(tmp), LENGTHS * 3)
+    data = masked_data(Path(tmp), LENGTHS * 3, unsupervised=4)
     return data, run_distributed(in_ranks, 2, data)[0]
 
 

@@ -37,8 +37,25 @@ def tiny(pattern: str) -> ModelConfig:
     return cfg.validate()
 
 
-def masked_data(tmp_path: Path, lengths: list[int] = LENGTHS) -> str:
-    return str(write_masked(tmp_path / "chat", lengths, vocab=61, seed=1))
+def masked_data(tmp_path: Path, lengths: list[int] = LENGTHS, unsupervised: int = 0) -> str:
+    """A masked dataset of ``lengths``, then ``unsupervised`` conversations of 32 tokens with
+    no supervised token (each a whole row of 32: a micro-batch of one has no target)."""
+    prefix = tmp_path / "chat"
+    write_masked(prefix, lengths, vocab=61, seed=1)
+    if unsupervised:
+        from composer.data.masked import MaskedWriter
+
+        ds = MaskedDataset(prefix)
+        docs = [ds.document(d) for d in range(ds.n_documents)]
+        rng = np.random.default_rng(2)
+        (tmp_path / "all").mkdir()
+        with MaskedWriter(tmp_path / "all" / "chat", np.uint16) as w:
+            for ids, mask in docs:
+                w.add_document(ids, mask)
+            for _ in range(unsupervised):
+                w.add_document(rng.integers(1, 61, 32), np.zeros(32, np.uint8))
+        return str(tmp_path / "all" / "chat")
+    return str(prefix)
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
@@ -114,6 +131,26 @@ def test_micro_batch_does_not_change_the_gradient(tmp_path: Path) -> None:
     data = masked_data(tmp_path, LENGTHS * 3)
     ref = step_grads(sft_values(data, micro_batch_size=8))
     got = step_grads(sft_values(data, micro_batch_size=2))
+    assert_grads_close(got, ref)
+
+
+DENSE = {"pattern": "G*", "set": dict(s.split("=") for s in PATTERNS["G*"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [MODEL, DENSE], ids=["moe", "dense"])
+def test_a_micro_batch_without_targets_adds_nothing(tmp_path: Path, model: dict) -> None:
+    from composer.train.engine import resolve, setup
+
+    data = masked_data(tmp_path, LENGTHS, unsupervised=6)
+    recipe, _ = resolve(None, None, sft_values(data, micro_batch_size=1, model=model))
+    run, _ = setup(recipe, None, quiet=True)
+    run.log.close()
+    micro = run.batches.local(0, 1, 0, 1)
+    assert any((mb.labels[:, 1:] == -100).all() for mb in micro)  # the case is exercised
+    ref = step_grads(sft_values(data, micro_batch_size=8, model=model))
+    got = step_grads(sft_values(data, micro_batch_size=1, model=model))
+    assert all(torch.isfinite(g).all() for g in got.values())
     assert_grads_close(got, ref)
 
 
