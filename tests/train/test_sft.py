@@ -189,3 +189,40 @@ def test_sft_refuses_data_without_a_mask(tmp_path: Path) -> None:
     recipe, resume = resolve(None, None, sft_values(str(tmp_path / "plain")))
     with pytest.raises(ConfigError, match="has no loss mask"):
         setup(recipe, resume, quiet=True)
+
+
+@pytest.mark.slow
+def test_sft_from_a_hugging_face_folder(tmp_path: Path) -> None:
+    """SOURCE a Hugging Face folder: converted, trained from (the initial weights are the
+    conversion's), and its tokenizer kept in SAVE/tokenizer (the data carries none)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    import composer
+    from composer.convert import from_hf
+    from composer.train.engine import resolve, setup
+    from composer.train.loop import train_loop
+
+    hf = tmp_path / "hf"
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    model.save_pretrained(hf)
+    vocab = {f"t{i}": i for i in range(97)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(hf / "tokenizer.json"))
+    data = masked_data(tmp_path)
+    values = {k: v for k, v in sft_values(data, steps=1, save=str(tmp_path / "run")).items()
+              if k != "model"}
+    recipe, resume = resolve(str(hf), None, values)
+    run, last = setup(recipe, resume, quiet=True)
+    from_hf(hf, tmp_path / "ours")
+    ref = composer.load(tmp_path / "ours").state_dict()
+    for k, v in run.model.state_dict().items():
+        assert torch.equal(v, ref[k].to(v.dtype)), k
+    try:
+        summary = train_loop(run, last, quiet=True)
+    finally:
+        run.log.close()
+    assert np.isfinite(summary.loss)
+    assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
