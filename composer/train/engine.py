@@ -149,11 +149,18 @@ def _model_config(recipe: Recipe) -> tuple[ModelConfig, Any]:
 
 
 def is_hf_folder(folder: Path) -> bool:
-    """A Hugging Face folder (``config.json`` with ``architectures``), not one of ours."""
-    from composer.cli.generate import _hf_architectures
+    """A Hugging Face folder (``config.json`` with ``architectures``), not one of ours (as
+    ``composer generate`` recognises one: :func:`composer.cli.generate.source_kind`)."""
+    import json
 
-    return folder.is_dir() and not (folder / CONFIG_FILE).is_file() and \
-        not is_training_checkpoint(folder) and bool(_hf_architectures(folder))
+    if not folder.is_dir() or (folder / CONFIG_FILE).is_file() or is_training_checkpoint(folder):
+        return False
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("architectures"), list) and \
+        bool(config["architectures"])
 
 
 _CONVERTED: dict[Path, Path] = {}
