@@ -43,6 +43,7 @@ from composer.train.recipe import (
     recipe_path,
 )
 from composer.train.schedule import Schedule
+from composer.train.source import converted_hf, is_hf_folder
 from composer.train.state import CreatedPaths, Saver, read_train_state, restore_rng
 
 DEFAULT_SYNTHETIC_SEQ_LEN = 128
@@ -146,44 +147,6 @@ def _model_config(recipe: Recipe) -> tuple[ModelConfig, Any]:
         raise ConfigError(f"{name}: not a checkpoint folder or a preset name")
     apply_overrides(cfg, overrides)
     return cfg.validate(), None
-
-
-def is_hf_folder(folder: Path) -> bool:
-    """A Hugging Face folder (``config.json`` with ``architectures``), not one of ours (as
-    ``composer generate`` recognises one: :func:`composer.cli.generate.source_kind`)."""
-    import json
-
-    if not folder.is_dir() or (folder / CONFIG_FILE).is_file() or is_training_checkpoint(folder):
-        return False
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and isinstance(config.get("architectures"), list) and \
-        bool(config["architectures"])
-
-
-_CONVERTED: dict[Path, Path] = {}
-
-
-def converted_hf(folder: Path) -> Path:
-    """``folder`` converted (``composer.convert.from_hf``) into a temporary portable checkpoint,
-    once per process, removed at exit: the run trains from it and saves its own checkpoints, so
-    nothing of the conversion needs to outlive the process (each rank converts its own copy:
-    no rank waits on another's files)."""
-    import atexit
-    import shutil
-    import tempfile
-
-    from composer.convert import from_hf
-
-    key = folder.resolve()
-    if key not in _CONVERTED:
-        tmp = Path(tempfile.mkdtemp(prefix="composer-train-hf-"))
-        atexit.register(shutil.rmtree, tmp, True)
-        from_hf(folder, tmp / "checkpoint")
-        _CONVERTED[key] = tmp / "checkpoint"
-    return _CONVERTED[key]
 
 
 def _check(recipe: Recipe, dp: int) -> int:

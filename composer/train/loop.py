@@ -114,6 +114,10 @@ class Run:
     valid: Batches | None = None
     """Validation batches (``--eval-every``)."""
     start_consumed: int = 0  # `consumed` at the start: a step was taken once they differ
+    rows_tokens: int = 0
+    """Predicted positions of the rows trained on in this invocation (``T - 1`` per row): what
+    ``tokens_per_s`` and ``mfu`` measure, the same as ``tokens`` for pretraining (sft counts its
+    supervised targets in ``tokens``)."""
     objective: Pretrain = field(default_factory=Pretrain)
     """What the labels are and what the loss counts (:mod:`composer.train.objectives`)."""
 
@@ -318,10 +322,9 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
     finish_moe_step(run.model, run.dims, stepped=stats.finite)  # aux-loss-free balancing
     run.optimizers.zero_grad()
     run.consumed += r.global_batch_size
-    if run.objective.counts_targets:  # the supervised targets (sft)
-        run.tokens += targets
-    else:
-        run.tokens += r.global_batch_size * (run.seq_len - 1)  # predicted tokens, as the loss's
+    rows_tokens = r.global_batch_size * (run.seq_len - 1)  # predicted tokens, as the loss's
+    run.rows_tokens += rows_tokens
+    run.tokens += targets if run.objective.counts_targets else rows_tokens  # sft: supervised
     return stats
 
 
@@ -351,7 +354,7 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
     peak = peak_flops(run.dims.device, run.precision, r.peak_tflops)
     consecutive = 0
     start = t_log = time.perf_counter()
-    tokens_at_log = run.tokens
+    tokens_at_log = run.rows_tokens
     try:
         for step in range(run.start_step + 1, last_step + 1):
             if r.timeout_s:  # the watchdog: every thread's stack, then exit 1
@@ -364,11 +367,12 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
                               (step % r.eval_every == 0 or step == last_step))
             if step % r.log_every == 0 or step == last_step or not s.finite or evaluating:
                 now = time.perf_counter()
-                row = _row(run, step, s, (run.tokens - tokens_at_log) / max(now - t_log, 1e-9),
+                row = _row(run, step, s,
+                           (run.rows_tokens - tokens_at_log) / max(now - t_log, 1e-9),
                            peak)
                 if evaluating:
                     row["val_loss"] = validate(run)
-                t_log, tokens_at_log = time.perf_counter(), run.tokens
+                t_log, tokens_at_log = time.perf_counter(), run.rows_tokens
                 summary.rows.append(row)
                 run.log.log(row)
             run.log.advance()

@@ -226,3 +226,23 @@ def test_sft_from_a_hugging_face_folder(tmp_path: Path) -> None:
         run.log.close()
     assert np.isfinite(summary.loss)
     assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_a_blend_of_masked_datasets_gives_masked_labels(tmp_path: Path) -> None:
+    from composer.train.objectives import open_sft_data, stand_in_labels
+    from composer.train.recipe import Recipe
+
+    a = write_masked(tmp_path / "a", LENGTHS, vocab=61, seed=1)
+    b = write_masked(tmp_path / "b", LENGTHS[::-1], vocab=61, seed=2)
+    recipe = Recipe(objective="sft", data=["0.5", str(a), "0.5", str(b)], seq_len=32,
+                    global_batch_size=4, split="80,20,0")
+    train, valid, seq_len = open_sft_data(recipe, tiny("M*-E"))
+    assert seq_len == 32 and valid is not None
+    for mb in train.local(0, 1, 0, 2) + valid.local(0, 1, 0, 4):
+        assert mb.ids.shape == mb.labels.shape == mb.doc_ids.shape
+        supervised = mb.labels != -100
+        assert (mb.labels[supervised] == mb.ids[supervised]).all() and supervised.any()
+    mb = train.local(0, 1, 0, 1)[0]
+    mb.labels[:] = -100
+    stand_in = stand_in_labels(mb, True)
+    assert (stand_in.labels != -100).sum() == 1
