@@ -8,6 +8,11 @@ the schedule reshaped accordingly); a model named as well (SOURCE, ``--config``'
 left behind are removed first. A run that fails before its first step removes what it created
 in ``--save`` and ``--log-dir`` (never what was there before). ``--exit-at-step K`` stops after
 step ``K`` with a checkpoint, leaving the schedule for ``--steps`` untouched.
+
+SOURCE may also be a Hugging Face folder: converted into a temporary portable checkpoint (each
+rank its own, removed at exit: :mod:`composer.train.source`) and trained from; its tokenizer is
+kept in ``SAVE/tokenizer`` when the data has none. ``--objective`` picks what the loop optimises
+(:mod:`composer.train.objectives`: ``pretrain``, the default, or ``sft``).
 """
 
 from __future__ import annotations
@@ -144,7 +149,8 @@ def _model_config(recipe: Recipe) -> tuple[ModelConfig, Any]:
                               "a checkpoint's fixed shapes")
         return open_portable(Path(name))
     else:
-        raise ConfigError(f"{name}: not a checkpoint folder or a preset name")
+        raise ConfigError(f"{name}: not a checkpoint folder, a Hugging Face folder or a preset "
+                          "name")
     apply_overrides(cfg, overrides)
     return cfg.validate(), None
 

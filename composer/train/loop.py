@@ -2,7 +2,9 @@
 
 One optimizer step ``s`` consumes one global batch of ``G`` sequences: data-parallel rank ``r``
 runs its ``G / dp`` rows as micro-batches of ``m``. Each micro-batch's backward is of
-``ce_i * n_i * dp / N + aux_i / k`` (``n_i`` its predicted tokens, ``N`` the global batch's,
+``ce_i * n_i * dp / N + aux_i / k`` (``n_i`` its predicted tokens: those with a valid label,
+under sft the supervised ones, :func:`composer.train.objectives.n_targets`; ``N`` the global
+batch's,
 ``k = G / (m dp)`` micro-batches): data parallel averages gradients over ``dp``, so the step's
 gradient is that of the mean cross-entropy over every predicted token of the global batch, the
 same for any ``(m, dp)``. MoE load-balancing losses are computed per micro-batch (their
