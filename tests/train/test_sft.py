@@ -246,3 +246,17 @@ def test_a_blend_of_masked_datasets_gives_masked_labels(tmp_path: Path) -> None:
     mb.labels[:] = -100
     stand_in = stand_in_labels(mb, True)
     assert (stand_in.labels != -100).sum() == 1
+
+
+@pytest.mark.slow
+def test_sft_resume_is_exact(tmp_path: Path) -> None:
+    from tests.helpers import train_case
+
+    data = masked_data(tmp_path, LENGTHS * 2)
+    straight = train_case(sft_values(data, steps=4, save=str(tmp_path / "a")))
+    train_case(sft_values(data, steps=4, exit_at_step=2, save=str(tmp_path / "b")))
+    rest = train_case({}, source=str(tmp_path / "b"))
+    assert rest["losses"] == straight["losses"][2:]
+    assert rest["rows"][-1]["tokens"] == straight["rows"][-1]["tokens"]
+    for k, p in straight["params"].items():
+        assert torch.equal(rest["params"][k], p), k
