@@ -312,6 +312,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     else:
         cfg, tensors = _model_config(recipe)
     batches, valid, seq_len = objective.open_data(recipe, cfg)
+    objective.check(recipe, cfg)
     _check_cp(recipe, cfg, seq_len)  # before the mesh: a refusal leaves no peer waiting
     try:
         dims = build_parallel_dims(recipe.parallel, recipe.device)
@@ -320,7 +321,6 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
             raise
         raise LayoutError(f"{exc} (the layout of a resumed run comes from its saved recipe; "
                           "give --tp/--ep/--dp to change it)") from None
-    objective.check(recipe, cfg, dims)
     precision = _precision(recipe, dims.device)
     dims.precision = "bf16" if precision in ("bf16", "fp8") else "fp32"
     micro = _check(recipe, dims.dp)

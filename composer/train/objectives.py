@@ -15,16 +15,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from composer.config import ConfigError, ModelConfig
 from composer.train.data import IGNORE_INDEX, Batches, Micro
 from composer.train.recipe import Recipe
-
-if TYPE_CHECKING:
-    from composer.parallel.mesh import ParallelDims
 
 
 def n_targets(micro: Micro, isolated: bool) -> int:
@@ -49,8 +46,8 @@ class Pretrain:
     def adjust(self, recipe: Recipe) -> Recipe:
         return recipe
 
-    def check(self, recipe: Recipe, cfg: ModelConfig, dims: ParallelDims) -> None:
-        pass
+    def check(self, recipe: Recipe, cfg: ModelConfig) -> None:
+        """Refuse what the objective cannot run (before the mesh: no peer left waiting)."""
 
     def open_data(self, recipe: Recipe, cfg: ModelConfig) -> tuple[Batches, Batches | None, int]:
         from composer.train.engine import open_data
@@ -71,8 +68,9 @@ class SFT(Pretrain):
         # packed conversations must never see each other: isolation is the objective's
         return dataclasses.replace(recipe, document_isolation=True)
 
-    def check(self, recipe: Recipe, cfg: ModelConfig, dims: ParallelDims) -> None:
-        if "/" in str(cfg.pattern) and (dims.pp > 1 or dims.cp > 1):
+    def check(self, recipe: Recipe, cfg: ModelConfig) -> None:
+        layout = recipe.parallel
+        if "/" in str(cfg.pattern) and (layout.pp > 1 or layout.cp > 1):
             raise ConfigError("--objective sft with multi-token prediction under --pp or --cp is "
                               "not built yet (its depths read the ids as labels)")
 

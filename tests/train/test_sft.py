@@ -260,3 +260,14 @@ def test_sft_resume_is_exact(tmp_path: Path) -> None:
     assert rest["rows"][-1]["tokens"] == straight["rows"][-1]["tokens"]
     for k, p in straight["params"].items():
         assert torch.equal(rest["params"][k], p), k
+
+
+def test_sft_refuses_mtp_under_pp_or_cp(tmp_path: Path) -> None:
+    from composer.train.engine import resolve, setup
+
+    data = masked_data(tmp_path)
+    for layout in ({"cp": 2}, {"pp": 2}):
+        recipe, resume = resolve(None, None, sft_values(
+            data, model={**MODEL, "pattern": "M*-E/*E"}, **layout))
+        with pytest.raises(ConfigError, match="multi-token prediction under --pp or --cp"):
+            setup(recipe, resume, quiet=True)
