@@ -189,15 +189,13 @@ class StageView(nn.Module):
             return x
         weight = model.output_weight()
         h = model.final_norm(x)
-        if targets is None:
-            targets = model.targets_for(labels, doc_ids)
-            ce, _ = model.readout(h, weight, None, targets_BT=targets)
-            n = (targets != IGNORE_INDEX).sum()
-        else:  # context parallel: this rank's cut of the rows (none real: a stand-in, n = 0)
-            from composer.parallel.context import safe_targets
+        from composer.parallel.context import safe_targets
 
-            ce, _ = model.readout(h, weight, None, targets_BT=safe_targets(targets))
-            n = (targets != IGNORE_INDEX).sum()
+        if targets is None:  # a micro-batch without a target (masked labels): a stand-in, n = 0
+            targets = model.targets_for(labels, doc_ids)
+        # context parallel: this rank's cut of the rows (none real: a stand-in, n = 0)
+        ce, _ = model.readout(h, weight, None, targets_BT=safe_targets(targets))
+        n = (targets != IGNORE_INDEX).sum()
         ce = torch.where(n > 0, ce, torch.zeros_like(ce))  # no target: a NaN mean
         self.ce_log.append(ce.detach().double() * n)
         loss = ce * (n.to(ce.dtype) * self.loss_scale)
@@ -238,19 +236,21 @@ class Pipeline:
             view.tp = self.dims.tp_context
             view.cp = self.dims.cp_context
 
-    def _cut(self, ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None
-             ) -> tuple[torch.Tensor, dict, Any]:
+    def _cut(self, ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None,
+             labels_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict, Any]:
         """The first stage's input and every stage's keyword arguments for the rows: the ids
-        and (unshifted) labels, or under context parallelism this rank's cut of them."""
+        and (unshifted) labels (the ids when none are given), or under context parallelism this
+        rank's cut of them."""
         cp = self.dims.cp_context
+        labels_BT = ids_BT if labels_BT is None else labels_BT
         if cp is None:
-            kwargs = {"labels": ids_BT}  # the last stage masks document boundaries
+            kwargs = {"labels": labels_BT}  # the last stage masks document boundaries
             if doc_ids_BT is not None:
                 kwargs["doc_ids"] = doc_ids_BT
             return ids_BT, kwargs, None
         from composer.parallel.context import cut_rows
 
-        rows = cut_rows(cp, ids_BT, ids_BT, doc_ids_BT, self.model.config)
+        rows = cut_rows(cp, ids_BT, labels_BT, doc_ids_BT, self.model.config)
         kwargs = {"targets": rows.targets, "cp_pos": rows.pos.contiguous()}
         if getattr(self.model, "mtp", None) is not None:
             kwargs["cp_ids"] = rows.rows_ids
@@ -295,11 +295,13 @@ class Pipeline:
         return cls(stages[0], self.n_micro, **kw)
 
     def train_step(self, ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, labels_BT: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of this rank's rows (``n_micro`` micro-batches of them) through
-        the pipeline; returns the summed token cross-entropy (on the last stage; 0 elsewhere)
-        and the mean aux loss of this rank's stages. ``scale`` is ``dp x cp / N`` (the ranks data
-        parallelism averages over, by the rows' predicted tokens)."""
+        the pipeline (``labels_BT``: their own labels, else the ids); returns the summed token
+        cross-entropy (on the last stage; 0 elsewhere) and the mean aux loss of this rank's
+        stages. ``scale`` is ``dp x cp / N`` (the ranks data parallelism averages over, by the
+        rows' predicted tokens)."""
         if self._schedule is None or self._shape != tuple(ids_BT.shape):
             # the stages learn the shapes they exchange on their first step: a new batch shape
             # needs a new schedule
@@ -313,7 +315,7 @@ class Pipeline:
             view.ce_log.clear()
             view.mtp_log.clear()
             view.mtp_aux_log.clear()
-        x_BT, kwargs, _ = self._cut(ids_BT, doc_ids_BT)  # doc_ids reach every stage
+        x_BT, kwargs, _ = self._cut(ids_BT, doc_ids_BT, labels_BT)  # doc_ids reach every stage
         args = (x_BT,) if self.has_first else ()
         target = x_BT if self.has_last else None  # unused (the last stage computes the loss)
         self._schedule.step(*args, target=target, return_outputs=False, **kwargs)
@@ -350,15 +352,15 @@ class Pipeline:
     # ------------------------------------------------------------ forward only
 
     @torch.no_grad()
-    def loss(self, ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None = None,
+             labels_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean cross-entropy (and the aux loss sum) of the whole batch, stage after stage,
         on every pipeline rank."""
         group = self.dims.pp_mesh.get_group()
         pp = self.dims.pp
         self._attach_tp()
         x = None
-        first_in, kwargs, rows = self._cut(ids_BT, doc_ids_BT)
+        first_in, kwargs, rows = self._cut(ids_BT, doc_ids_BT, labels_BT)
         out = torch.zeros(2, dtype=torch.float64, device=self.dims.device)
         for s in range(self.n_stages):
             if s % pp != self.dims.pp_rank():
@@ -376,7 +378,9 @@ class Pipeline:
                 send_tensor(x, dist.get_global_rank(group, (s + 1) % pp), group)
         if self.has_last:
             if rows is None:
-                labels = ids_BT if doc_ids_BT is None else mask_doc_boundaries(ids_BT, doc_ids_BT)
+                labels = ids_BT if labels_BT is None else labels_BT
+                if doc_ids_BT is not None:
+                    labels = mask_doc_boundaries(labels, doc_ids_BT)
                 n = (shift_labels(labels) != IGNORE_INDEX).sum()
             else:  # this rank's tokens' sum, over the cp group: the rows'
                 n = rows.n_rows

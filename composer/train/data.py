@@ -20,6 +20,8 @@ import numpy as np
 
 from composer.config import ConfigError
 
+IGNORE_INDEX = -100  # composer.blocks.loss.IGNORE_INDEX (numpy only here)
+
 SYNTHETIC = "synthetic"
 SYNTHETIC_ROWS = 4096
 
@@ -39,6 +41,9 @@ class Micro:
     """``(m, T)`` token ids."""
     doc_ids: np.ndarray | None = None
     """``(m, T)`` document of each token within its row (samples of an indexed dataset)."""
+    labels: np.ndarray | None = None
+    """``(m, T)`` unshifted labels: the ids where the loss mask is 1, ``-100`` elsewhere (masked
+    samples, the SFT objective); None: the ids themselves are the labels."""
 
 
 class Rows:
@@ -57,7 +62,8 @@ class Rows:
 
 class Batches:
     """Global batches of ``global_batch`` samples of ``samples`` (anything indexable by the
-    global sample number and returning ``(tokens, doc_ids or None)``)."""
+    global sample number and returning ``(tokens, doc_ids or None)``, or ``(tokens, doc_ids,
+    mask)`` for masked samples: :class:`composer.data.sft.SFTSamples`)."""
 
     def __init__(self, samples, global_batch: int, vocab_size: int | None = None,
                  name: str = "") -> None:
@@ -73,9 +79,13 @@ class Batches:
             rows = [self.samples[first + lo + i] for i in range(micro)]
             ids = np.stack([r[0] for r in rows])
             docs = None if rows[0][1] is None else np.stack([r[1] for r in rows])
+            labels = None
+            if len(rows[0]) > 2:  # a loss mask: labels are the supervised ids, -100 elsewhere
+                mask = np.stack([r[2] for r in rows])
+                labels = np.where(mask != 0, ids, IGNORE_INDEX)
             if self.vocab_size is not None and ids.size and int(ids.max()) >= self.vocab_size:
                 raise ConfigError(f"{self.name}: token id {int(ids.max())} (sample "
                                   f"{first + lo}..) is beyond the model's vocabulary "
                                   f"({self.vocab_size})")
-            out.append(Micro(ids, docs))
+            out.append(Micro(ids, docs, labels))
         return out

@@ -8,6 +8,11 @@ the schedule reshaped accordingly); a model named as well (SOURCE, ``--config``'
 left behind are removed first. A run that fails before its first step removes what it created
 in ``--save`` and ``--log-dir`` (never what was there before). ``--exit-at-step K`` stops after
 step ``K`` with a checkpoint, leaving the schedule for ``--steps`` untouched.
+
+SOURCE may also be a Hugging Face folder: converted into a temporary portable checkpoint (each
+rank its own, removed at exit: :mod:`composer.train.source`) and trained from; its tokenizer is
+kept in ``SAVE/tokenizer`` when the data has none. ``--objective`` picks what the loop optimises
+(:mod:`composer.train.objectives`: ``pretrain``, the default, or ``sft``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from composer.portable import CONFIG_FILE
 from composer.train.data import SYNTHETIC, Batches, Rows, synthetic_rows
 from composer.train.loop import Run, Summary, seed_everything, train_loop
 from composer.train.metrics import MetricsLog
+from composer.train.objectives import get_objective
 from composer.train.optim import build_optimizers
 from composer.train.recipe import (
     RECIPE_FILE,
@@ -42,6 +48,7 @@ from composer.train.recipe import (
     recipe_path,
 )
 from composer.train.schedule import Schedule
+from composer.train.source import converted_hf, is_hf_folder
 from composer.train.state import CreatedPaths, Saver, read_train_state, restore_rng
 
 DEFAULT_SYNTHETIC_SEQ_LEN = 128
@@ -127,6 +134,11 @@ def _model_config(recipe: Recipe) -> tuple[ModelConfig, Any]:
 
     name, pattern, overrides = model_source(recipe.model)
     overrides = overrides + list(recipe.set or [])
+    if name is not None and pattern is None and is_hf_folder(Path(name)):
+        if overrides:
+            raise ConfigError(f"{name}: `set` overrides apply to presets and patterns, not to "
+                              "a checkpoint's fixed shapes")
+        return open_portable(converted_hf(Path(name)))
     if pattern is not None:
         cfg = ModelConfig(pattern=pattern)
     elif name in presets():
@@ -137,7 +149,8 @@ def _model_config(recipe: Recipe) -> tuple[ModelConfig, Any]:
                               "a checkpoint's fixed shapes")
         return open_portable(Path(name))
     else:
-        raise ConfigError(f"{name}: not a checkpoint folder or a preset name")
+        raise ConfigError(f"{name}: not a checkpoint folder, a Hugging Face folder or a preset "
+                          "name")
     apply_overrides(cfg, overrides)
     return cfg.validate(), None
 
@@ -261,6 +274,12 @@ def save_data_tokenizer(recipe: Recipe) -> None:
     from composer.data.tokenizer import TOKENIZER_DIR, load_tokenizer, save_tokenizer
 
     folder = data_tokenizer(recipe)
+    if folder is None:  # a Hugging Face SOURCE brings its own (fine-tuning: the same vocabulary)
+        name = model_source(recipe.model)[0] if recipe.model else None
+        if name is not None and is_hf_folder(Path(name)) and (
+                (Path(name) / "tokenizer.json").is_file() or
+                (Path(name) / "tokenizer_config.json").is_file()):
+            folder = Path(name)
     if folder is not None:
         save_tokenizer(load_tokenizer(str(folder)), Path(recipe.save) / TOKENIZER_DIR)
 
@@ -285,12 +304,15 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     from composer.build.builder import build_model, model_stats
     from composer.run import build_sharded
 
+    objective = get_objective(recipe.objective)
+    recipe = objective.adjust(recipe)  # sft: document isolation
     if resume is not None:
         remove_incomplete(resume)
         cfg, tensors = ModelConfig.load(resume / CONFIG_FILE), None
     else:
         cfg, tensors = _model_config(recipe)
-    batches, valid, seq_len = open_data(recipe, cfg)
+    batches, valid, seq_len = objective.open_data(recipe, cfg)
+    objective.check(recipe, cfg)
     _check_cp(recipe, cfg, seq_len)  # before the mesh: a refusal leaves no peer waiting
     try:
         dims = build_parallel_dims(recipe.parallel, recipe.device)
@@ -328,7 +350,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
               schedule=Schedule(recipe.lr, recipe.lr / 10 if recipe.min_lr is None
                                 else recipe.min_lr, recipe.steps, recipe.warmup_steps,
                                 recipe.schedule, recipe.decay_steps),
-              micro_batch=micro, seq_len=seq_len, precision=precision,
+              micro_batch=micro, seq_len=seq_len, precision=precision, objective=objective,
               flops_per_token=model_stats(build_model(cfg, device="meta"),
                                           seq_len=seq_len).flops_per_token)
     if resume is not None:

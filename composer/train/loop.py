@@ -2,7 +2,9 @@
 
 One optimizer step ``s`` consumes one global batch of ``G`` sequences: data-parallel rank ``r``
 runs its ``G / dp`` rows as micro-batches of ``m``. Each micro-batch's backward is of
-``ce_i * n_i * dp / N + aux_i / k`` (``n_i`` its predicted tokens, ``N`` the global batch's,
+``ce_i * n_i * dp / N + aux_i / k`` (``n_i`` its predicted tokens: those with a valid label,
+under sft the supervised ones, :func:`composer.train.objectives.n_targets`; ``N`` the global
+batch's,
 ``k = G / (m dp)`` micro-batches): data parallel averages gradients over ``dp``, so the step's
 gradient is that of the mean cross-entropy over every predicted token of the global batch, the
 same for any ``(m, dp)``. MoE load-balancing losses are computed per micro-batch (their
@@ -41,6 +43,7 @@ from composer.parallel.mesh import ParallelDims
 from composer.parallel.pipeline import embed_on_last
 from composer.train.data import Batches, Micro
 from composer.train.metrics import MetricsLog, max_memory_bytes, peak_flops
+from composer.train.objectives import Pretrain, n_targets, stand_in_labels
 from composer.train.optim import Optimizers
 from composer.train.recipe import Recipe
 from composer.train.schedule import Schedule
@@ -113,6 +116,12 @@ class Run:
     valid: Batches | None = None
     """Validation batches (``--eval-every``)."""
     start_consumed: int = 0  # `consumed` at the start: a step was taken once they differ
+    rows_tokens: int = 0
+    """Predicted positions of the rows trained on in this invocation (``T - 1`` per row): what
+    ``tokens_per_s`` and ``mfu`` measure, the same as ``tokens`` for pretraining (sft counts its
+    supervised targets in ``tokens``)."""
+    objective: Pretrain = field(default_factory=Pretrain)
+    """What the labels are and what the loss counts (:mod:`composer.train.objectives`)."""
 
 
 def _autocast(run: Run):
@@ -121,34 +130,30 @@ def _autocast(run: Run):
     return nullcontext()
 
 
-def n_targets(micro: Micro, isolated: bool) -> int:
-    """Predicted tokens of a micro-batch: ``T - 1`` per row, less the document boundaries
-    (nothing is predicted across one) under document isolation."""
-    m, t = micro.ids.shape
-    if not isolated or micro.doc_ids is None:
-        return m * (t - 1)
-    return int((micro.doc_ids[:, 1:] == micro.doc_ids[:, :-1]).sum())
-
-
-def _tensors(run: Run, micro: list[Micro]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The micro-batches' ids (stacked) and, under document isolation, their doc ids, on the
+def _tensors(run: Run, micro: list[Micro]
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The micro-batches' ids (stacked), under document isolation their doc ids, and their own
+    labels when they have some (masked samples; None: the ids are the labels), on the
     device."""
     device = run.dims.device
     ids = torch.from_numpy(np.concatenate([mb.ids for mb in micro])).long()
     ids = ids.to(device, non_blocking=True)
     run.batch_device = ids.device
-    docs = None
+    docs = labels = None
     if run.recipe.document_isolation and micro[0].doc_ids is not None:
         docs = torch.from_numpy(np.concatenate([mb.doc_ids for mb in micro]))
         docs = docs.to(device, non_blocking=True)
-    return ids, docs
+    if micro[0].labels is not None:
+        labels = torch.from_numpy(np.concatenate([mb.labels for mb in micro])).long()
+        labels = labels.to(device, non_blocking=True)
+    return ids, docs, labels
 
 
 def _forward(run: Run, micro: Micro):
-    ids, docs = _tensors(run, [micro])
+    ids, docs, labels = _tensors(run, [micro])
     kwargs = {} if docs is None else {"doc_ids": docs}
     with _autocast(run):
-        return run.model(ids, ids, **kwargs)
+        return run.model(ids, ids if labels is None else labels, **kwargs)
 
 
 def _dp_total(run: Run, n_local: int) -> torch.Tensor:
@@ -166,27 +171,33 @@ def accumulate(run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
     isolated = run.recipe.document_isolation
     micro = run.batches.local(run.consumed, dims.dp, dims.dp_rank(), run.micro_batch)
     counts = [n_targets(mb, isolated) for mb in micro]
-    if isolated:  # the global count differs from batch to batch: one small all-reduce
+    if isolated or micro[0].labels is not None:  # a count that varies: one small all-reduce
         n_global = _dp_total(run, sum(counts))
     else:
         n_global = float(run.recipe.global_batch_size * (run.seq_len - 1))
     pipeline = getattr(run.model, "pipeline", None)
     if pipeline is not None:  # the schedule runs the micro-batches (composer.parallel.pipeline)
-        ids, docs = _tensors(run, micro)
+        ids, docs, labels = _tensors(run, micro)
         with _autocast(run):
             ce_sum, aux, mtp = pipeline.train_step(ids, docs,
-                                                   dims.grad_replicas / float(n_global))
+                                                   dims.grad_replicas / float(n_global), labels)
         return ce_sum, aux, mtp, sum(counts)
     ce_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
     aux_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
     mtp_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
     for mb, n in zip(micro, counts, strict=True):
-        out = _forward(run, mb)
+        stand_in = None if n or mb.labels is None else stand_in_labels(mb, isolated)
+        out = _forward(run, mb if stand_in is None else stand_in)
         # loss = ce + aux + mtp: the main cross-entropy is weighted by its tokens, the
         # per-micro-batch means (load balancing, multi-token prediction) averaged
         extra = out.aux_loss + out.mtp_loss
-        ce = out.loss - extra if n else out.aux_loss * 0.0  # no target: NaN mean
-        (ce * (n * dims.dp / n_global) + extra / len(micro)).backward()
+        if stand_in is not None:  # no supervised target: a finite mean, weighted 0
+            ce = (out.loss - extra) * 0.0
+        else:
+            ce = out.loss - extra if n else out.aux_loss * 0.0  # no target: NaN mean
+        term = ce * (n * dims.dp / n_global) + extra / len(micro)
+        if term.requires_grad:  # a dense model's micro-batch without a target has no graph
+            term.backward()
         ce_sum += ce.detach().double() * n
         aux_sum += out.aux_loss.detach().double()
         mtp_sum += out.mtp_loss.detach().double()
@@ -199,9 +210,9 @@ def _eval_ce(run: Run, micro: Micro) -> torch.Tensor:
     if pipeline is None:
         out = _forward(run, micro)
         return (out.loss - out.aux_loss - out.mtp_loss).double()
-    ids, docs = _tensors(run, [micro])
+    ids, docs, labels = _tensors(run, [micro])
     with _autocast(run):
-        return pipeline.loss(ids, docs)[0]
+        return pipeline.loss(ids, docs, labels)[0]
 
 
 @torch.no_grad()
@@ -252,9 +263,9 @@ def save(run: Run, step: int) -> None:
 
 
 def _reduce_stats(run: Run, ce_sum: torch.Tensor, aux: torch.Tensor, mtp: torch.Tensor, n: int,
-                  stop: bool) -> tuple[float, float, float, bool]:
-    """One all-reduce: the global mean loss, the mean aux and MTP losses, and whether any rank
-    stops."""
+                  stop: bool) -> tuple[float, float, float, bool, int]:
+    """One all-reduce: the global mean loss, the mean aux and MTP losses, whether any rank
+    stops, and the global batch's predicted tokens."""
     dims = run.dims
     # n: every tp, pp and cp rank counts the same tokens (a cp rank's loss is its rows' mean,
     # composer.parallel.context); the loss comes from the last stage only
@@ -266,7 +277,7 @@ def _reduce_stats(run: Run, ce_sum: torch.Tensor, aux: torch.Tensor, mtp: torch.
     if dist.is_initialized():
         dist.all_reduce(stats)
     loss, aux_mean, mtp_mean, stops, tokens = stats.tolist()
-    return loss / max(tokens, 1.0), aux_mean, mtp_mean, stops > 0
+    return loss / max(tokens, 1.0), aux_mean, mtp_mean, stops > 0, round(tokens)
 
 
 @dataclass
@@ -280,6 +291,8 @@ class StepStats:
     mtp_loss: float = 0.0
     """The weighted multi-token-prediction term (``(w / D) * sum_k ce_k``), mean over
     micro-batches and data-parallel ranks; ``loss`` is the main cross-entropy alone."""
+    targets: int = 0
+    """The global batch's predicted tokens (the loss's denominator)."""
 
     @property
     def finite(self) -> bool:
@@ -299,8 +312,9 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
         pipeline.sync_tied()
         tied = ("embed.weight",) if embed_on_last(run.model) else ()
     norm_t = grad_norm(run.model, run.dims.device, run.dims.pp, tied)
-    loss, aux_mean, mtp_mean, stop = _reduce_stats(run, ce_sum, aux, mtp, n, stop_requested)
-    stats = StepStats(lr, loss, aux_mean, float(norm_t), stop, mtp_mean)
+    loss, aux_mean, mtp_mean, stop, targets = _reduce_stats(run, ce_sum, aux, mtp, n,
+                                                            stop_requested)
+    stats = StepStats(lr, loss, aux_mean, float(norm_t), stop, mtp_mean, targets)
     if stats.finite:
         if r.grad_clip > 0:
             clip_grads(run.model, norm_t, r.grad_clip)
@@ -310,7 +324,9 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
     finish_moe_step(run.model, run.dims, stepped=stats.finite)  # aux-loss-free balancing
     run.optimizers.zero_grad()
     run.consumed += r.global_batch_size
-    run.tokens += r.global_batch_size * (run.seq_len - 1)  # predicted tokens, as the loss's
+    rows_tokens = r.global_batch_size * (run.seq_len - 1)  # predicted tokens, as the loss's
+    run.rows_tokens += rows_tokens
+    run.tokens += targets if run.objective.counts_targets else rows_tokens  # sft: supervised
     return stats
 
 
@@ -328,6 +344,7 @@ def _row(run: Run, step: int, s: StepStats, tokens_per_s: float,
         row["aux_loss"] = s.aux_loss
     if s.mtp_loss:
         row["mtp_loss"] = s.mtp_loss
+    row.update(run.objective.row_metrics(s.targets))
     return row
 
 
@@ -339,7 +356,7 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
     peak = peak_flops(run.dims.device, run.precision, r.peak_tflops)
     consecutive = 0
     start = t_log = time.perf_counter()
-    tokens_at_log = run.tokens
+    tokens_at_log = run.rows_tokens
     try:
         for step in range(run.start_step + 1, last_step + 1):
             if r.timeout_s:  # the watchdog: every thread's stack, then exit 1
@@ -352,11 +369,12 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
                               (step % r.eval_every == 0 or step == last_step))
             if step % r.log_every == 0 or step == last_step or not s.finite or evaluating:
                 now = time.perf_counter()
-                row = _row(run, step, s, (run.tokens - tokens_at_log) / max(now - t_log, 1e-9),
+                row = _row(run, step, s,
+                           (run.rows_tokens - tokens_at_log) / max(now - t_log, 1e-9),
                            peak)
                 if evaluating:
                     row["val_loss"] = validate(run)
-                t_log, tokens_at_log = time.perf_counter(), run.tokens
+                t_log, tokens_at_log = time.perf_counter(), run.rows_tokens
                 summary.rows.append(row)
                 run.log.log(row)
             run.log.advance()
