@@ -29,6 +29,7 @@ from composer.build.builder import (
 )
 from composer.build.init import check_source, init_weights, load_weights
 from composer.config import ConfigError, ModelConfig
+from composer.lora import LoRAConfig, is_adapter
 from composer.parallel.checkpoint import is_training_checkpoint, load_checkpoint
 from composer.parallel.data import reshard
 from composer.parallel.mesh import ParallelConfig, ParallelDims, build_parallel_dims
@@ -107,12 +108,15 @@ def prepare(source: str, pc: ParallelConfig, seed: int = 0,
 
 def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,
                   tensors: TensorSource | None = None, dtype: torch.dtype | None = None,
-                  transform: Callable[[HybridModel], None] | None = None) -> HybridModel:
+                  transform: Callable[[HybridModel], None] | None = None,
+                  lora: LoRAConfig | None = None) -> HybridModel:
     """Build on meta, parallelise there, allocate this rank's shards on its device and fill them:
     from a portable checkpoint's ``tensors``, from ``seed``, or not at all (``seed=None``: a
     training checkpoint loads next). Tensors take ``dtype`` (fp32 masters for training; kept
     names stay at least fp32) or, without it, the checkpoint's dtypes (fp32 for a seed).
-    ``transform`` changes the model on meta before it is parallelised (float8 linears)."""
+    ``transform`` changes the model on meta before it is parallelised (float8 linears).
+    ``lora``: LoRA adapters on the projections, the base frozen (:mod:`composer.lora`); a
+    portable checkpoint holds the base only, the adapters are initialised from ``seed``."""
     check_buildable(cfg)
     check_model(dims, cfg)
     pipeline = None
@@ -132,10 +136,13 @@ def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,
         adopt_dtypes(model, tensors)
     if transform is not None:
         transform(model)
-    parallelize(model, dims, roots=None if pipeline is None else pipeline.views)
+    parallelize(model, dims, roots=None if pipeline is None else pipeline.views, lora=lora)
     model.to_empty(device=dims.device)
     if tensors is not None:
-        load_weights(model, tensors, strict=pipeline is None)
+        skip = is_adapter if lora is not None else None
+        load_weights(model, tensors, strict=pipeline is None, skip=skip)
+        if lora is not None and seed is not None:
+            init_weights(model, seed, only=is_adapter)
     elif seed is not None:
         init_weights(model, seed)
     model.pipeline = pipeline

@@ -1,0 +1,90 @@
+"""LoRA adapters under tensor parallelism: each sharded like its base (``composer/lora.py``).
+
+Applied after tensor / expert parallelism, so a base is already a DTensor (or a swapped
+:class:`~composer.parallel.tensor.RowParallelLinear` / ``HeadSelectLinear``). With ``x`` the
+mixer's input as the base sees it:
+
+    base Shard(0), column parallel       B Shard(0) (a fused base: each part), A Replicate,
+    (each SplitLinear part too)          A's gradient partial (each rank back-propagates through
+                                         its own output rows)
+    base Shard(1), row parallel          A Shard(1), B Replicate with partial gradient (its
+                                         input ``A x`` is a partial sum, as the base's output)
+    base replicated                      both replicated, with the base weight's gradient kind
+    HeadSelectLinear (rows of one head)  both replicated, partial; B computes the same rows
+
+The gradient kinds go into ``tp.grad_kinds`` (summed over ``tp`` by ``reduce_tp_grads``) and the
+adapters' modules get local views. Routed experts under tp or ep are not adapted yet.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from composer.blocks.split import SplitLinear
+from composer.lora import EXPERTS, LoRA, LoRAConfig, add_lora
+from composer.parallel.mesh import LayoutError, ParallelDims
+from composer.parallel.tensor import (
+    PARTIAL,
+    HeadSelectLinear,
+    TPContext,
+    _swap_linear,
+    install_local_views,
+)
+
+
+def _base_weights(base: nn.Module) -> list[nn.Parameter]:
+    return base.weights() if isinstance(base, SplitLinear) else [base.weight]
+
+
+def _place_adapter(base: nn.Module, lora: LoRA, base_kind: str | None,
+                   tp: TPContext) -> dict[str, str]:
+    """Place ``lora`` as its base is placed; returns the adapter's gradient kinds by name
+    relative to ``lora``."""
+    placements = [w.placements if isinstance(w, DTensor) else None for w in _base_weights(base)]
+    first = placements[0]
+    if isinstance(base, HeadSelectLinear):
+        tp.place(lora.A, "weight", [Replicate()])
+        tp.place(lora.B, "weight", [Replicate()])
+        _swap_linear(lora, "B", HeadSelectLinear, rows=base.rows)
+        kinds = {"A.weight": PARTIAL, "B.weight": PARTIAL}
+    elif first is not None and first[0] == Shard(1):  # row parallel
+        tp.place(lora.A, "weight", [Shard(1)])
+        tp.place(lora.B, "weight", [Replicate()])
+        kinds = {"B.weight": PARTIAL}
+    elif first is not None and first[0] == Shard(0):  # column parallel (per part when fused)
+        tp.place(lora.A, "weight", [Replicate()])
+        if isinstance(lora.B, SplitLinear):
+            for part in lora.B.parts:
+                tp.place(lora.B, f"weight_{part}", [Shard(0)])
+            kinds = {"A.weight": PARTIAL}
+        else:
+            tp.place(lora.B, "weight", [Shard(0)])
+            kinds = {"A.weight": PARTIAL}
+    elif first is not None and first[0] == Replicate():
+        tp.place(lora.A, "weight", [Replicate()])
+        tp.place(lora.B, "weight", [Replicate()])
+        kinds = {"A.weight": base_kind, "B.weight": base_kind} if base_kind else {}
+    else:
+        raise LayoutError(f"LoRA: cannot shard an adapter for a base placed as {first}")
+    for module in (lora.A, lora.B):
+        install_local_views(module)
+    return {name: kind for name, kind in kinds.items() if kind is not None}
+
+
+def apply_lora(model: nn.Module, cfg: LoRAConfig, dims: ParallelDims) -> None:
+    """Attach the adapters (:func:`composer.lora.add_lora`) and, under tp, shard them like their
+    bases (module docstring)."""
+    tp = dims.tp_context if dims.tp > 1 else None
+    targets = add_lora(model, cfg)
+    if any(t.name == EXPERTS for t in targets) and (dims.tp > 1 or dims.ep > 1):
+        raise LayoutError("--lora-targets experts: routed-expert adapters under tensor or "
+                          "expert parallelism are not supported yet; use --tp 1 --ep 1")
+    if tp is None:
+        return
+    for t in targets:
+        base = model.get_submodule(t.path)
+        base_kind = tp.grad_kinds.get(f"{t.path}.weight")
+        for leaf, kind in _place_adapter(base, base.lora, base_kind, tp).items():
+            tp.grad_kinds[f"{t.path}.lora.{leaf}"] = kind
+    tp.param_kinds.clear()  # tp.place recorded kinds by id too; the names above are the record
