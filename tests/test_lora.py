@@ -181,3 +181,32 @@ def test_training_step_changes_only_adapters():
     bs = {k for k in adapters if k.endswith(".B") or ".B.weight" in k}
     assert changed <= adapters
     assert bs <= changed  # B starts at zero and moves first (A's gradient is B^T g = 0)
+
+
+def test_base_from_portable_checkpoint_adapters_initialised(tmp_path):
+    """A loaded base holds no adapters: they are initialised (seeded, by name) and the
+    adapted model starts exactly as the base; the same seed gives the same adapters."""
+    from composer.build.builder import open_portable, save
+    from composer.parallel.mesh import ParallelConfig, build_parallel_dims
+    from composer.run import build_sharded
+
+    base = tiny()
+    save(base, tmp_path / "base")
+    ids = _ids()
+    want = base(ids)
+    dims = build_parallel_dims(ParallelConfig(), "cpu")
+    got = []
+    for _ in range(2):
+        cfg, tensors = open_portable(tmp_path / "base")
+        try:
+            got.append(build_sharded(cfg, dims, seed=5, tensors=tensors,
+                                     lora=LoRAConfig(rank=2, targets=("all", "experts"))))
+        finally:
+            tensors.close()
+    model = got[0]
+    assert torch.equal(model(ids), want)
+    sd, again = lora_state_dict(model), lora_state_dict(got[1])
+    assert sd and all(torch.equal(v, again[k]) for k, v in sd.items())
+    a = sd["layers.1.mixer.q_proj.lora.A.weight"]
+    assert a.abs().max() <= 1 / math.sqrt(32) and a.std() > 0
+    assert not any(p.requires_grad for n, p in model.named_parameters() if ".lora." not in n)
