@@ -210,3 +210,46 @@ def test_base_from_portable_checkpoint_adapters_initialised(tmp_path):
     a = sd["layers.1.mixer.q_proj.lora.A.weight"]
     assert a.abs().max() <= 1 / math.sqrt(32) and a.std() > 0
     assert not any(p.requires_grad for n, p in model.named_parameters() if ".lora." not in n)
+
+
+def test_lora_run_is_not_read_as_its_base(tmp_path):
+    from composer.parallel.mesh import ParallelConfig
+    from composer.run import has_adapters, prepare
+
+    _train({"save": str(tmp_path / "run")})
+    assert has_adapters(tmp_path / "run")
+    with pytest.raises(ConfigError, match="is a LoRA run"):
+        prepare(str(tmp_path / "run"), ParallelConfig(), device="cpu")
+    lora = LoRAConfig(rank=4, targets=("all", "experts"))
+    model, _, _, step = prepare(str(tmp_path / "run"), ParallelConfig(), device="cpu", lora=lora)
+    assert step == 1 and lora_state_dict(model)["layers.3.mixer.experts.lora.up_proj.B"].any()
+
+
+def test_cli_train_lora_from_a_portable_base(tmp_path, capsys):
+    """``composer train BASE --lora-rank 4``: the step changes adapters only (the run's saved
+    base equals the portable one); an unknown target is the one-line error, exit 2."""
+    from composer.build.builder import save
+    from composer.cli import main
+    from composer.parallel.checkpoint import latest_step
+    from composer.parallel.mesh import ParallelConfig
+    from composer.run import prepare
+
+    save(tiny(), tmp_path / "base")
+    args = ["train", str(tmp_path / "base"), "--tokens", "synthetic", "--seq-len", "16",
+            "--steps", "1", "--batch-size", "4", "--device", "cpu", "--precision", "fp32",
+            "--lora-rank", "4", "--lora-alpha", "8"]
+    assert main([*args, "--lora-targets", "q_proj", "qkv"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["composer: error: --lora-targets qkv: no such projection in this model "
+                   "(available: all, a_proj, b_proj, down_proj, experts, gate_proj, in_proj, "
+                   "k_proj, kv_a_proj, kv_b_proj, o_proj, out_proj, q_a_proj, q_b_proj, "
+                   "q_proj, up_proj, v_proj, z_proj)"]
+    assert main([*args, "--save", str(tmp_path / "run")]) == 0
+    assert latest_step(tmp_path / "run").name.endswith("1")
+    lora = LoRAConfig(rank=4, alpha=8)
+    trained, _, _, _ = prepare(str(tmp_path / "run"), ParallelConfig(), device="cpu", lora=lora)
+    base = tiny().state_dict()
+    state = trained.state_dict()
+    assert {k for k in state if ".lora." not in k} == set(base)
+    assert all(torch.equal(state[k], v) for k, v in base.items())
+    assert any(v.any() for k, v in lora_state_dict(trained).items() if ".B." in k)
