@@ -12,8 +12,14 @@ mixer's input as the base sees it:
     base replicated                      both replicated, with the base weight's gradient kind
     HeadSelectLinear (rows of one head)  both replicated, partial; B computes the same rows
 
+Routed-expert adapters (``A [E, r, in]``, ``B [E, out, r]``) follow their weight's placement on
+its mesh, dimension by dimension: the expert dim split over ep (``Shard(0)``: both split), a
+hidden dim split over tp (the output rows ``Shard(1)``: B split, A replicated with partial
+gradient; the input columns ``Shard(2)``: A split, B replicated with partial gradient).
+
 The gradient kinds go into ``tp.grad_kinds`` (summed over ``tp`` by ``reduce_tp_grads``) and the
-adapters' modules get local views. Routed experts under tp or ep are not adapted yet.
+adapters' modules get local views (an experts' adapter is read through ``to_local`` by the
+experts' pre-hook).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from composer.parallel.tensor import (
     HeadSelectLinear,
     TPContext,
     _swap_linear,
+    distribute_param,
     install_local_views,
 )
 
@@ -72,19 +79,44 @@ def _place_adapter(base: nn.Module, lora: LoRA, base_kind: str | None,
     return {name: kind for name, kind in kinds.items() if kind is not None}
 
 
+def _place_expert_adapters(experts: nn.Module, dims: ParallelDims) -> dict[str, str]:
+    """Place each routed-expert adapter as its weight is placed (module docstring); returns the
+    gradient kinds by name relative to ``experts``."""
+    kinds = {}
+    for name, adapter in experts.lora.named_children():
+        w = experts._parameters[name]
+        if not isinstance(w, DTensor):
+            continue
+        a_pl, b_pl, partial = [], [], {"A": False, "B": False}
+        for i, pl in enumerate(w.placements):
+            tp_dim = dims.tp > 1 and w.device_mesh.mesh_dim_names[i] == "tp"
+            dim = pl.dim if isinstance(pl, Shard) else None
+            a_pl.append(pl if dim in (0, 2) else Replicate())
+            b_pl.append(pl if dim in (0, 1) else Replicate())
+            partial["A"] |= tp_dim and dim == 1  # output rows split: A's grad partial
+            partial["B"] |= tp_dim and dim == 2  # input columns split: B's grad partial
+        distribute_param(adapter, "A", w.device_mesh, a_pl)
+        distribute_param(adapter, "B", w.device_mesh, b_pl)
+        kinds |= {f"lora.{name}.{leaf}": PARTIAL for leaf, p in partial.items() if p}
+    return kinds
+
+
 def apply_lora(model: nn.Module, cfg: LoRAConfig, dims: ParallelDims) -> None:
-    """Attach the adapters (:func:`composer.lora.add_lora`) and, under tp, shard them like their
-    bases (module docstring)."""
+    """Attach the adapters (:func:`composer.lora.add_lora`) and, under tp / ep, shard them like
+    their bases (module docstring)."""
     tp = dims.tp_context if dims.tp > 1 else None
     targets = add_lora(model, cfg)
-    if any(t.name == EXPERTS for t in targets) and (dims.tp > 1 or dims.ep > 1):
-        raise LayoutError("--lora-targets experts: routed-expert adapters under tensor or "
-                          "expert parallelism are not supported yet; use --tp 1 --ep 1")
-    if tp is None:
-        return
     for t in targets:
         base = model.get_submodule(t.path)
-        base_kind = tp.grad_kinds.get(f"{t.path}.weight")
-        for leaf, kind in _place_adapter(base, base.lora, base_kind, tp).items():
-            tp.grad_kinds[f"{t.path}.lora.{leaf}"] = kind
-    tp.param_kinds.clear()  # tp.place recorded kinds by id too; the names above are the record
+        if t.name == EXPERTS:
+            kinds = _place_expert_adapters(base, dims)
+        elif tp is not None:
+            base_kind = tp.grad_kinds.get(f"{t.path}.weight")
+            kinds = {f"lora.{k}": v for k, v in
+                     _place_adapter(base, base.lora, base_kind, tp).items()}
+        else:
+            continue
+        if tp is not None:
+            tp.grad_kinds |= {f"{t.path}.{leaf}": kind for leaf, kind in kinds.items()}
+    if tp is not None:
+        tp.param_kinds.clear()  # tp.place recorded kinds by id too; the names are the record

@@ -1,7 +1,7 @@
 """LoRA under parallelism (composer/parallel/lora.py): on two gloo ranks, tensor parallel (every
 placement kind: column, row, fused per part, replicated with partial gradients, head-selecting
-kv projections) and FSDP2 (routed-expert adapters too) train as one process does, the base
-frozen; a resumed run continues exactly."""
+kv projections, routed experts' hidden units), expert parallel and FSDP2 (shard, replicate)
+train as one process does, the base frozen; a resumed run continues exactly."""
 
 import pytest
 import torch
@@ -22,8 +22,11 @@ projections are replicated with partial gradients; Mamba-2's in_proj is fused.""
 BASE = {"model": {"pattern": "M*-EG+", "set": SET}, "tokens": "synthetic", "seq_len": 16,
         "steps": 2, "global_batch_size": 4, "lr": 1e-2, "device": "cpu", "precision": "fp32",
         "lora_rank": 4, "lora_alpha": 8.0}
-CASES = {"tp2": {"tp": 2}, "dp2": {"lora_targets": ["all", "experts"]},
-         "dp2-replicate": {"dp_mode": "replicate"}}
+EXPERTS = ["all", "experts"]
+CASES = {"tp2": {"tp": 2}, "dp2": {"lora_targets": EXPERTS},
+         "dp2-replicate": {"dp_mode": "replicate"}, "ep2": {"ep": 2, "lora_targets": EXPERTS},
+         "tp2-experts": {"tp": 2, "lora_targets": EXPERTS}}
+"""``tp2-experts``: the experts' hidden units split over tp (gate/up rows, down columns)."""
 
 
 def _summary(out: dict) -> dict:
@@ -65,6 +68,8 @@ def test_two_ranks_equal_one_process(ranks, name):
     init = train_case({**BASE, **extra, "steps": 0}, fp64=True)["params"]
     moved = {k for k in ref["params"] if not torch.equal(init[k], ref["params"][k])}
     assert moved <= adapters and any(".lora.A" in k for k in moved)  # the second step moved A
+    if "lora_targets" in extra:
+        assert any(".experts.lora." in k and k.endswith(".B") for k in moved)
 
 
 def test_resume_is_exact(ranks):
