@@ -26,8 +26,11 @@ BASE = {"model": {"pattern": "M*-EG+", "set": SET}, "tokens": "synthetic", "seq_
 EXPERTS = ["all", "experts"]
 CASES = {"tp2": {"tp": 2}, "dp2": {"lora_targets": EXPERTS},
          "dp2-replicate": {"dp_mode": "replicate"}, "ep2": {"ep": 2, "lora_targets": EXPERTS},
-         "tp2-experts": {"tp": 2, "lora_targets": EXPERTS}, "pp2": {"pp": 2, "micro_batch_size": 2}}
-"""``tp2-experts``: the experts' hidden units split over tp (gate/up rows, down columns)."""
+         "tp2-experts": {"tp": 2, "lora_targets": EXPERTS}, "pp2": {"pp": 2, "micro_batch_size": 2},
+         "cp2-ac": {"cp": 2, "ac": "full"}}
+"""``tp2-experts``: the experts' hidden units split over tp (gate/up rows, down columns);
+``cp2-ac``: context parallel (the hooks on the projections see each rank's tokens) with every
+layer recomputed in the backward."""
 
 
 def _summary(out: dict) -> dict:
