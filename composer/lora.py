@@ -291,6 +291,23 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def load_lora_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy adapter tensors (keys as :func:`lora_state_dict` gives them; a fused B whole) into
+    ``model``'s adapters (a single-process model, after :func:`add_lora` with the adapter's
+    ranks). Every adapter must be given, and nothing else; shapes must match."""
+    want = lora_state_dict(model)
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or extra:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
+        raise ValueError(f"LoRA adapter tensors do not match the model's adapters: {what}")
+    for key, value in tensors.items():
+        if tuple(value.shape) != tuple(want[key].shape):
+            raise ValueError(f"LoRA adapter {key}: shape {list(value.shape)}, the model's "
+                             f"adapter is {list(want[key].shape)}")
+    model.load_state_dict(dict(tensors), strict=False)
+
+
+@torch.no_grad()
 def merge_lora(model: nn.Module) -> None:
     """``W += scaling * B @ A`` for every adapter, in place (a whole single-process model), then
     remove the adapters and their hooks; the base's parameters require grad again."""

@@ -253,3 +253,31 @@ def test_cli_train_lora_from_a_portable_base(tmp_path, capsys):
     assert {k for k in state if ".lora." not in k} == set(base)
     assert all(torch.equal(state[k], v) for k, v in base.items())
     assert any(v.any() for k, v in lora_state_dict(trained).items() if ".B." in k)
+
+
+def test_adapters_on_a_run_and_loaded_tensors(tmp_path):
+    """A run's weights as a base (``load_checkpoint(skip=is_adapter)``, then the adapters
+    initialised), and adapter tensors loaded by key (a fused B whole), as a PEFT import does."""
+    from composer.build.init import init_weights
+    from composer.lora import is_adapter, load_lora_state_dict
+    from composer.parallel.checkpoint import load_checkpoint
+    from composer.parallel.mesh import ParallelConfig, build_parallel_dims
+    from composer.run import build_sharded
+    from tests.helpers import train_case
+
+    recipe = {"model": {"pattern": "M*", "set": dict(s.split("=") for s in TINY)},
+              "tokens": "synthetic", "seq_len": 16, "steps": 1, "global_batch_size": 4,
+              "device": "cpu", "precision": "fp32", "save": str(tmp_path / "run")}
+    base = train_case(recipe)["params"]
+    cfg = apply_overrides(ModelConfig(pattern="M*"), TINY).validate()
+    dims = build_parallel_dims(ParallelConfig(), "cpu")
+    model = build_sharded(cfg, dims, seed=None, lora=LoRAConfig(rank=2))
+    assert load_checkpoint(tmp_path / "run", model, skip=is_adapter) == 1
+    init_weights(model, seed=0, only=is_adapter)
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[k], v) for k, v in base.items())
+    sd = {k: torch.randn(v.shape) for k, v in lora_state_dict(model).items()}
+    load_lora_state_dict(model, sd)
+    assert all(torch.equal(v, sd[k]) for k, v in lora_state_dict(model).items())
+    with pytest.raises(ValueError, match="missing"):
+        load_lora_state_dict(model, dict(list(sd.items())[1:]))
