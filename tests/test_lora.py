@@ -281,3 +281,25 @@ def test_adapters_on_a_run_and_loaded_tensors(tmp_path):
     assert all(torch.equal(v, sd[k]) for k, v in lora_state_dict(model).items())
     with pytest.raises(ValueError, match="missing"):
         load_lora_state_dict(model, dict(list(sd.items())[1:]))
+
+
+def test_cached_decoding_sees_the_adapters():
+    """The hooks act in every forward, cached decoding's too (Mamba-2 / GDN states, K/V); MLA's
+    absorbed decoding reads kv_b_proj's weight, so it decodes merged (merge_lora)."""
+    from composer.inference.decode import generate
+
+    model = tiny("M*-EG", dtype=torch.float64)
+    add_lora(model, LoRAConfig(rank=4, targets=("all", "experts")))
+    _randomize_adapters(model, seed=4)
+    prompt = _ids()[:, :5]
+    cached = generate(model, prompt, 6)
+    assert torch.equal(cached, generate(model, prompt, 6, use_cache=False))
+    merged = copy.deepcopy(model)
+    merge_lora(merged)
+    assert torch.equal(generate(merged, prompt, 6), cached)
+    mla = tiny("+", dtype=torch.float64)
+    add_lora(mla, LoRAConfig(rank=4))
+    _randomize_adapters(mla, seed=4)
+    full = generate(mla, prompt, 6, use_cache=False)
+    merge_lora(mla)
+    assert torch.equal(generate(mla, prompt, 6), full)
