@@ -29,7 +29,8 @@ from composer.build.builder import (
 )
 from composer.build.init import check_source, init_weights, load_weights
 from composer.config import ConfigError, ModelConfig
-from composer.parallel.checkpoint import is_training_checkpoint, load_checkpoint
+from composer.lora import LoRAConfig, is_adapter
+from composer.parallel.checkpoint import is_training_checkpoint, latest_step, load_checkpoint
 from composer.parallel.data import reshard
 from composer.parallel.mesh import ParallelConfig, ParallelDims, build_parallel_dims
 from composer.parallel.parallelize import parallelize
@@ -71,14 +72,17 @@ def check_vocab(rows: list[np.ndarray], cfg: ModelConfig, path: str | Path) -> N
 
 
 def prepare(source: str, pc: ParallelConfig, seed: int = 0,
-            optimizer_lr: float | None = None, device: str | None = None
+            optimizer_lr: float | None = None, device: str | None = None,
+            lora: LoRAConfig | None = None
             ) -> tuple[HybridModel, ParallelDims, torch.optim.Optimizer | None, int]:
     """Model (portable checkpoint, training checkpoint or preset), layout, optimizer, step.
 
     Shard-local: the model is built and parallelised on the meta device, then this rank
     allocates its shards on its device and initialises them (a preset: layout-independent, from
     ``seed``), reads its slices (a portable checkpoint) or loads its shards (a training
-    checkpoint, without initialising first)."""
+    checkpoint, without initialising first). ``lora``: the run's adapters (a training
+    checkpoint of a LoRA run holds them; without ``lora`` it is refused rather than read as its
+    base alone)."""
     from composer.zoo import get_preset, presets
 
     folder = Path(source)
@@ -92,9 +96,13 @@ def prepare(source: str, pc: ParallelConfig, seed: int = 0,
         cfg = get_preset(source).config()
     else:
         raise ConfigError(f"{source}: not a checkpoint folder or a preset name")
+    if training and lora is None and has_adapters(folder):
+        raise ConfigError(f"{folder} is a LoRA run: its adapters need the run's LoRA settings "
+                          "(or merge them first: composer export RUN OUT --merge)")
     dims = build_parallel_dims(pc, device)
     try:
-        model = build_sharded(cfg, dims, seed=None if training else seed, tensors=tensors)
+        model = build_sharded(cfg, dims, seed=None if training else seed, tensors=tensors,
+                              lora=lora)
     finally:
         if tensors is not None:
             tensors.close()
@@ -105,14 +113,25 @@ def prepare(source: str, pc: ParallelConfig, seed: int = 0,
     return model, dims, opt, step
 
 
+def has_adapters(folder: Path) -> bool:
+    """Whether the latest step of run ``folder`` holds LoRA adapters."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(latest_step(folder))).read_metadata().state_dict_metadata
+    return any(is_adapter(k) for k in saved)
+
+
 def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,
                   tensors: TensorSource | None = None, dtype: torch.dtype | None = None,
-                  transform: Callable[[HybridModel], None] | None = None) -> HybridModel:
+                  transform: Callable[[HybridModel], None] | None = None,
+                  lora: LoRAConfig | None = None) -> HybridModel:
     """Build on meta, parallelise there, allocate this rank's shards on its device and fill them:
     from a portable checkpoint's ``tensors``, from ``seed``, or not at all (``seed=None``: a
     training checkpoint loads next). Tensors take ``dtype`` (fp32 masters for training; kept
     names stay at least fp32) or, without it, the checkpoint's dtypes (fp32 for a seed).
-    ``transform`` changes the model on meta before it is parallelised (float8 linears)."""
+    ``transform`` changes the model on meta before it is parallelised (float8 linears).
+    ``lora``: LoRA adapters on the projections, the base frozen (:mod:`composer.lora`); a
+    portable checkpoint holds the base only, the adapters are initialised from ``seed``."""
     check_buildable(cfg)
     check_model(dims, cfg)
     pipeline = None
@@ -132,10 +151,13 @@ def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,
         adopt_dtypes(model, tensors)
     if transform is not None:
         transform(model)
-    parallelize(model, dims, roots=None if pipeline is None else pipeline.views)
+    parallelize(model, dims, roots=None if pipeline is None else pipeline.views, lora=lora)
     model.to_empty(device=dims.device)
     if tensors is not None:
-        load_weights(model, tensors, strict=pipeline is None)
+        skip = is_adapter if lora is not None else None
+        load_weights(model, tensors, strict=pipeline is None, skip=skip)
+        if lora is not None and seed is not None:
+            init_weights(model, seed, only=is_adapter)
     elif seed is not None:
         init_weights(model, seed)
     model.pipeline = pipeline

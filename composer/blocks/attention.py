@@ -279,6 +279,10 @@ class Attention(nn.Module):
     def init_rules(self) -> dict[str, Init]:
         return {"*_proj.weight": Normal(self.init_std), "*_proj.bias": ZEROS}
 
+    def lora_targets(self) -> dict[str, str]:
+        """The projections LoRA may adapt (:mod:`composer.lora`): transformers' names."""
+        return {name: name for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)
 

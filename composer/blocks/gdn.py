@@ -223,6 +223,10 @@ class GatedDeltaNet(nn.Module):
                 "dt_bias": DtBiasInit(d.dt_min, d.dt_max, d.dt_init_floor),
                 "A_log": ALogInit(*d.a_init_range)}
 
+    def lora_targets(self) -> dict[str, str]:
+        """The projections LoRA may adapt (:mod:`composer.lora`)."""
+        return {f"{n}_proj": f"{n}_proj" for n in "qkvzbao"}
+
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)
 

@@ -228,6 +228,11 @@ class Mamba2Mixer(nn.Module):
                 "dt_bias": DtBiasInit(m.dt_min, m.dt_max, m.dt_init_floor),
                 "A_log": ALogInit(*m.a_init_range), "D": ONES}
 
+    def lora_targets(self) -> dict[str, str]:
+        """The projections LoRA may adapt (:mod:`composer.lora`); ``in_proj`` is fused, its
+        adapter's B split into the same parts (tensor parallelism shards each)."""
+        return {"in_proj": "in_proj", "out_proj": "out_proj"}
+
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)
 

@@ -309,6 +309,13 @@ class MLA(nn.Module):
     def init_rules(self) -> dict[str, Init]:
         return {"*_proj.weight": Normal(self.init_std)}
 
+    def lora_targets(self) -> dict[str, str]:
+        """The projections LoRA may adapt (:mod:`composer.lora`). ``kv_b_proj``'s adapter acts
+        through its forward (the training form); decoding's absorbed form reads its weight, so
+        generate from a merged model (:func:`composer.lora.merge_lora`)."""
+        q = ("q_proj",) if self.q_lora_rank is None else ("q_a_proj", "q_b_proj")
+        return {name: name for name in (*q, "kv_a_proj", "kv_b_proj", "o_proj")}
+
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)
 

@@ -95,7 +95,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, cfg.d_model, bias=bias)
 
     def init_rules(self) -> dict[str, Init]:
-        return {"*.weight": Normal(self.init_std), "*.bias": ZEROS}
+        # "*_proj.": a glob that reached below the projections would also name the LoRA
+        # adapters attached to them (composer/lora.py), which declare their own init
+        return {"*_proj.weight": Normal(self.init_std), "*_proj.bias": ZEROS}
+
+    def lora_targets(self) -> dict[str, str]:
+        """The projections LoRA may adapt (:mod:`composer.lora`)."""
+        names = ("gate_proj", "up_proj", "down_proj") if self.gated else ("up_proj", "down_proj")
+        return {name: name for name in names}
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)

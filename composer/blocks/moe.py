@@ -294,7 +294,10 @@ class MoE(nn.Module):
 
     def init_rules(self) -> dict[str, Init]:
         return {"router.weight": Normal(self.init_std), "router.score_bias": ZEROS,
-                "experts.*": Normal(self.init_std),
+                # by name: a glob would name the adapters inside experts too (composer/lora.py)
+                "experts.gate_proj": Normal(self.init_std),
+                "experts.up_proj": Normal(self.init_std),
+                "experts.down_proj": Normal(self.init_std),
                 "shared_expert_gate.weight": Normal(self.init_std)}
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -366,6 +369,17 @@ class MoE(nn.Module):
         T_B1 = stats_B2E[:, 0].sum(-1, keepdim=True) / K
         f_BE = stats_B2E[:, 0] * E / (K * T_B1)
         return coeff * torch.sum(f_BE * stats_B2E[:, 1] / T_B1) / B
+
+    def lora_targets(self) -> dict[str, str]:
+        """The projections LoRA may adapt (:mod:`composer.lora`): the shared experts' under the
+        MLP's names (as PEFT's ``target_modules`` match them: ``gate_proj`` names every gate
+        projection), and the routed experts' 3-D weights as ``experts`` (adapted in weight
+        space, only when asked for)."""
+        out = {}
+        if self.shared_experts is not None:
+            out = {name: f"shared_experts.{path}"
+                   for name, path in self.shared_experts.lora_targets().items()}
+        return {**out, "experts": "experts"}
 
     def end_step(self) -> None:
         """Forget the statistics of the finished optimizer step (``global_batch`` scope)."""

@@ -74,6 +74,13 @@ class Mixer(Protocol):
     def stored_as(self, name: str) -> tuple[str, int]:
         """The checkpoint key and first row of parameter ``name`` (fused projections)."""
 
+    def lora_targets(self) -> dict[str, str]:
+        """Target name -> submodule path (relative to the mixer) of each projection LoRA may
+        adapt (``composer/lora.py``; ``--lora-targets`` picks names). A path names an
+        ``nn.Linear`` or a :class:`~composer.blocks.split.SplitLinear`; the name ``experts``
+        names routed experts (3-D weights, adapted in weight space). Default: ``{}`` (the
+        mixer has nothing to adapt)."""
+
 
 class TimeMixingOp(nn.Module):
     """A parameterless submodule that mixes over time; the mixer hands it tensors and its own
@@ -105,6 +112,12 @@ def plan_of(module: nn.Module) -> ParallelPlan | None:
 def init_rules_of(module: nn.Module) -> dict[str, Init]:
     rules = getattr(module, "init_rules", None)
     return rules() if rules is not None else {}
+
+
+def lora_targets_of(mixer: nn.Module) -> dict[str, str]:
+    """The projections ``mixer`` declares for LoRA (:meth:`Mixer.lora_targets`), or ``{}``."""
+    targets = getattr(mixer, "lora_targets", None)
+    return dict(targets()) if targets is not None else {}
 
 
 def has_cache(mixer: nn.Module) -> bool:

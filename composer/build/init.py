@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -85,8 +85,10 @@ def owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
-    """Fill every parameter and persistent buffer (its local shard) from its declared rule.
+def init_weights(model: nn.Module, seed: int,
+                 only: Callable[[str], bool] | None = None) -> None:
+    """Fill every parameter and persistent buffer (its local shard) from its declared rule
+    (with ``only``, just the tensors it accepts by name: LoRA adapters on a loaded base).
 
     A tensor no rule names falls back to the ``reset_parameters`` of the outermost module
     around it that has one (a user's block that declares no rules): that module is filled whole
@@ -95,6 +97,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
     scratch = torch.empty(BLOCK_ELEMENTS, dtype=torch.float32)  # one buffer for every block
     fallback: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named_state(model):
+        if only is not None and not only(name):
+            continue
         rule = rule_for(model, name)
         if rule is None:
             holder = _reset_holder(model, name)
@@ -290,10 +294,14 @@ def read_region(source: TensorSource, key: str, offsets: tuple[int, ...],
     return out if direct else bytes_to_tensor(buf, dtype, sizes)
 
 
-def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """The state-dict keys a portable checkpoint of ``model`` holds, with their full shapes."""
+def checkpoint_shapes(model: nn.Module,
+                      skip: Callable[[str], bool] | None = None) -> dict[str, tuple[int, ...]]:
+    """The state-dict keys a portable checkpoint of ``model`` holds, with their full shapes
+    (but the tensors ``skip`` names)."""
     shapes: dict[str, list[int]] = {}
     for name, t in named_state(model):
+        if skip is not None and skip(name):
+            continue
         key, row = stored_as(model, name)
         shape = list(t.shape)
         if key in shapes:  # another part of a fused tensor
@@ -306,13 +314,16 @@ def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, source: TensorSource, strict: bool = True) -> None:
+def load_weights(model: nn.Module, source: TensorSource, strict: bool = True,
+                 skip: Callable[[str], bool] | None = None) -> None:
     """Fill every tensor of ``model`` (its local shard) from a portable checkpoint: strict (every
     key of the checkpoint used, every tensor found, shapes equal to the config's). A pipeline
     stage's pruned model reads its own tensors only (``strict=False``; the whole model is
     checked with :func:`check_source` first)."""
-    check_source(model, source, strict)
+    check_source(model, source, strict, skip)
     for name, t in named_state(model):
+        if skip is not None and skip(name):  # not in the checkpoint (LoRA adapters)
+            continue
         key, row = stored_as(model, name)
         offsets, sizes = local_region(t)
         out = local_tensor(t)
@@ -323,10 +334,11 @@ def load_weights(model: nn.Module, source: TensorSource, strict: bool = True) ->
             out.copy_(got)
 
 
-def check_source(model: nn.Module, source: TensorSource, strict: bool = True) -> None:
-    """Every tensor of ``model`` is in ``source`` with its shape; with ``strict`` every tensor of
-    ``source`` is one of ``model``'s."""
-    expected = checkpoint_shapes(model)
+def check_source(model: nn.Module, source: TensorSource, strict: bool = True,
+                 skip: Callable[[str], bool] | None = None) -> None:
+    """Every tensor of ``model`` (but those ``skip`` names) is in ``source`` with its shape;
+    with ``strict`` every tensor of ``source`` is one of ``model``'s."""
+    expected = checkpoint_shapes(model, skip)
     where = source.folder
     unexpected = sorted(set(source.tensors) - set(expected))
     if unexpected and strict:

@@ -179,12 +179,18 @@ def remove_incomplete(folder: str | Path) -> list[str]:
 
 
 def load_checkpoint(folder: str | Path, model: nn.Module, optimizers: Optimizers = None,
-                    step_dir: Path | None = None) -> int:
+                    step_dir: Path | None = None,
+                    skip: Callable[[str], bool] | None = None) -> int:
     """Load the latest step (or ``step_dir``) into an already parallelised ``model`` (any
-    layout) and, when the step holds one, the optimizer state; returns the step."""
+    layout) and, when the step holds one, the optimizer state; returns the step. ``skip``:
+    tensors of the model the step does not hold, left as they are (LoRA adapters on a run's
+    weights: pass no optimizers then, the step's optimizer is the base's)."""
     step_dir = step_dir or latest_step(Path(folder))
     opts = _opt_list(optimizers)
-    state: dict = {"model": model_state(model), "step": torch.tensor(0)}
+    tensors = model_state(model)
+    if skip is not None:
+        tensors = {k: v for k, v in tensors.items() if not skip(k)}
+    state: dict = {"model": tensors, "step": torch.tensor(0)}
     saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     with_optim = bool(opts) and any(k.startswith("optim.") for k in saved)
     options = None if any(NESTED_GROUPS.match(k) for k in saved) else FLAT

@@ -215,9 +215,12 @@ class ExpertParallelExperts(nn.Module):
 
     def _local_experts(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
         """The group's forward on this rank's experts: its weights' local shards (``to_local``
-        keeps the gradients flowing to the DTensors)."""
-        local = {name: p.to_local() if isinstance(p, DTensor) else p
-                 for name, p in self.named_parameters(recurse=False)}
+        keeps the gradients flowing to the DTensors), or what a forward pre-hook shadowed them
+        with for this forward (LoRA's adapted weights, ``composer/lora.py``)."""
+        local = {}
+        for name, _ in self.named_parameters(recurse=False):
+            p = getattr(self, name)  # a shadow in __dict__ wins over the parameter
+            local[name] = p.to_local() if isinstance(p, DTensor) else p
         return functional_call(self.body[0], local, (x_AD, n_tokens_E))
 
 

@@ -3,6 +3,8 @@
 1. tensor + sequence parallel (``tensor.py``: the blocks' plans, vocab-parallel embedding/head),
 2. expert parallel (``expert.py``: the expert groups the plans name) and global token sums
    (over ``dp x cp``),
+2b. LoRA adapters (``lora.py``, with ``lora=``: attached to their bases, sharded like them, the
+   base frozen), so that everything after, FSDP included, sees them as parameters,
 3. context parallel (``context.py``: the sequence mixers swapped for their cp forms, the model
    cutting its rows),
 4. activation checkpointing (``--ac full``: each layer recomputed in the backward; ``--ac
@@ -19,6 +21,7 @@ on a materialised model whose ranks hold the same full weights (each keeps its c
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +34,9 @@ from composer.parallel.data import apply_fsdp, apply_replicate
 from composer.parallel.expert import apply_ep, make_global
 from composer.parallel.mesh import ParallelDims
 from composer.parallel.tensor import TPContext, apply_tp
+
+if TYPE_CHECKING:
+    from composer.lora import LoRAConfig
 
 
 def _moes(model: nn.Module) -> list[nn.Module]:
@@ -66,11 +72,11 @@ def apply_ac(model: nn.Module, mode: str) -> None:
         checkpoint(layer, **kwargs)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims,
-                roots: list[nn.Module] | None = None) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, roots: list[nn.Module] | None = None,
+                lora: LoRAConfig | None = None) -> nn.Module:
     """Apply the layout (module docstring). ``roots``: the modules whose forward runs (a
     pipeline rank's stages, :mod:`composer.parallel.pipeline`); data parallelism wraps each as
-    its own root instead of ``model``."""
+    its own root instead of ``model``. ``lora``: adapters to attach (:mod:`composer.lora`)."""
     if dims.mesh is not None and dims.tp > 1:
         tp_mesh = dims.mesh["tp"]
         dims.tp_context = TPContext(mesh=tp_mesh, group=tp_mesh.get_group(), size=dims.tp,
@@ -93,6 +99,10 @@ def parallelize(model: nn.Module, dims: ParallelDims,
             seq_group = dims.cp_mesh.get_group() if dims.cp > 1 else None
             for name in plan.local_sums:
                 make_global(moe, name, group=seq_group, grad_scale=1.0 / dims.tp)
+    if lora is not None:
+        from composer.parallel.lora import apply_lora
+
+        apply_lora(model, lora, dims)
     if dims.cp > 1:
         apply_cp(model, dims)
     apply_ac(model, dims.ac)

@@ -302,6 +302,7 @@ def _check_cp(recipe: Recipe, cfg: ModelConfig, seq_len: int) -> None:
 def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run, int]:
     """Build the run; returns it and the last step to take."""
     from composer.build.builder import build_model, model_stats
+    from composer.lora import lora_config
     from composer.run import build_sharded
 
     objective = get_objective(recipe.objective)
@@ -337,7 +338,8 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     try:  # fp32 masters whatever the source's dtype
         model = build_sharded(cfg, dims, seed=None if resume else recipe.seed, tensors=tensors,
                               dtype=torch.float32,
-                              transform=_fp8 if precision == "fp8" else None)
+                              transform=_fp8 if precision == "fp8" else None,
+                              lora=lora_config(recipe))
     finally:
         if tensors is not None:
             tensors.close()
