@@ -1,0 +1,281 @@
+"""PEFT interoperability: our LoRA adapters <-> a PEFT adapter folder, proven on logits against
+``peft.PeftModel`` on tiny random Llama, Qwen3 and Nemotron-H models (fp32, 1e-4)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import composer
+from composer.config import ConfigError
+from composer.convert import from_hf
+from composer.convert.api import HF_DIR
+from composer.convert.infer import adapter_for_architecture
+from composer.convert.peft import (
+    A_SUFFIX,
+    B_SUFFIX,
+    LoRATensors,
+    link_map,
+    load_peft,
+    merge,
+    read_peft,
+    write_peft,
+)
+from composer.portable import CheckpointError
+from tests.helpers import FP32_PARITY, randomize, rel_err
+
+peft = pytest.importorskip("peft")
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2))
+
+
+def qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=48,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16))
+
+
+def nemotron_h():
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    return NemotronHForCausalLM(NemotronHConfig(
+        vocab_size=97, hidden_size=32, hybrid_override_pattern="M*-M", num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=8,
+        mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=8))
+
+
+FAMILIES = {"llama": llama, "qwen3": qwen3, "nemotron-h": nemotron_h}
+# Our module names per family: attention q/v, an MLP projection, Mamba-2's fused in_proj.
+TARGETS = {"llama": ("q_proj", "v_proj", "down_proj"), "qwen3": ("q_proj", "k_proj", "up_proj"),
+           "nemotron-h": ("in_proj", "q_proj", "o_proj", "up_proj")}
+PEFT_TARGETS = {"llama": ["q_proj", "v_proj", "gate_proj", "down_proj"],
+                "qwen3": ["k_proj", "v_proj", "o_proj", "down_proj"],
+                "nemotron-h": ["in_proj", "v_proj", "down_proj"]}
+
+
+@pytest.fixture(params=list(FAMILIES))
+def converted(request, tmp_path):
+    """(family, HF model (random, fp32), our checkpoint folder, its config, its link map)."""
+    hf_model = FAMILIES[request.param]().eval()
+    randomize(hf_model, seed=3)
+    hf_model.save_pretrained(tmp_path / "hf")
+    cfg = from_hf(tmp_path / "hf", tmp_path / "ours")
+    arch = json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"][0]
+    adapter = adapter_for_architecture(arch)
+    return request.param, hf_model, tmp_path / "ours", adapter, link_map(adapter, cfg)
+
+
+def random_lora(lmap, names, seed=0) -> LoRATensors:
+    """Adapters of mixed ranks and scalings (B nonzero) on every 2-D weight named ``names``."""
+    g = torch.Generator().manual_seed(seed)
+    lora = LoRATensors({}, {})
+    for i, (key, shape) in enumerate(sorted(lmap.our_shapes.items())):
+        base = key.removesuffix(".weight")
+        if len(shape) != 2 or base.rsplit(".", 1)[-1] not in names:
+            continue
+        r = 2 + i % 3
+        lora.tensors[base + A_SUFFIX] = torch.randn(r, shape[1], generator=g) * 0.3
+        lora.tensors[base + B_SUFFIX] = torch.randn(shape[0], r, generator=g) * 0.3
+        lora.scalings[base] = (4.0, 8.0)[i % 2] / r
+    assert lora.bases()
+    return lora
+
+
+def ours_logits(folder, lora, ids):
+    model = composer.load(folder).eval()
+    model.load_state_dict(merge(model.state_dict(), lora))
+    with torch.no_grad():
+        return model(ids)
+
+
+def ids_for(vocab=97):
+    return torch.randint(0, vocab, (2, 13), generator=torch.Generator().manual_seed(1))
+
+
+def test_export_loads_in_peft(converted, tmp_path):
+    family, hf_model, folder, adapter, lmap = converted
+    lora = random_lora(lmap, TARGETS[family])
+    write_peft(tmp_path / "adapter", lmap, lora, base_model=str(tmp_path / "hf"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert config["rank_pattern"] and config["bias"] == "none"
+    ids = ids_for()
+    model = peft.PeftModel.from_pretrained(hf_model, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        expected = model(ids).logits
+    got = ours_logits(folder, lora, ids)
+    assert rel_err(got, expected) < FP32_PARITY, rel_err(got, expected)
+    with torch.no_grad(), model.disable_adapter():  # the adapter is not a no-op
+        assert rel_err(model(ids).logits, expected) > 1e-2
+
+
+def test_peft_made_adapter_imports(converted, tmp_path):
+    family, hf_model, folder, adapter, lmap = converted
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=PEFT_TARGETS[family],
+                             rank_pattern={"v_proj": 2}, alpha_pattern={"down_proj": 3})
+    model = peft.get_peft_model(hf_model, config).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model.save_pretrained(tmp_path / "made")
+    ids = ids_for()
+    with torch.no_grad():
+        expected = model(ids).logits
+    lora = load_peft(tmp_path / "made", lmap, adapter)
+    assert len(lora.bases()) == len(read_peft(tmp_path / "made")[1]) // 2
+    got = ours_logits(folder, lora, ids)
+    assert rel_err(got, expected) < FP32_PARITY, rel_err(got, expected)
+
+
+def test_round_trip_is_exact(converted, tmp_path):
+    family, _, _, adapter, lmap = converted
+    lora = random_lora(lmap, TARGETS[family], seed=7)
+    write_peft(tmp_path / "adapter", lmap, lora, base_model="base")
+    back = load_peft(tmp_path / "adapter", lmap, adapter)
+    assert sorted(back.tensors) == sorted(lora.tensors)
+    for key, t in lora.tensors.items():
+        assert torch.equal(back.tensors[key], t), key
+    assert back.scalings == pytest.approx(lora.scalings, rel=1e-12)
+
+
+def stacked_lmap():
+    """Granite's shared MLP: our gate_proj and up_proj are the halves of one HF input_linear."""
+    from composer.convert.peft import LinkMap
+    from composer.convert.plan import Link
+
+    links = [Link("m.gate_proj.weight", "hf.input_linear.weight", (), ((0, 6),)),
+             Link("m.up_proj.weight", "hf.input_linear.weight", (), ((6, 12),))]
+    return LinkMap({"m.gate_proj.weight": links[:1], "m.up_proj.weight": links[1:]},
+                   {"hf.input_linear.weight": links}, {"m.gate_proj.weight": (6, 5),
+                                                       "m.up_proj.weight": (6, 5)},
+                   {"hf.input_linear.weight": (12, 5)}, "granite")
+
+
+def test_one_hf_module_from_two_of_ours_is_rank_stacked(tmp_path):
+    lmap = stacked_lmap()
+    g = torch.Generator().manual_seed(0)
+    lora = LoRATensors({"m.gate_proj.lora.A.weight": torch.randn(2, 5, generator=g),
+                        "m.gate_proj.lora.B.weight": torch.randn(6, 2, generator=g),
+                        "m.up_proj.lora.A.weight": torch.randn(3, 5, generator=g),
+                        "m.up_proj.lora.B.weight": torch.randn(6, 3, generator=g)},
+                       {"m.gate_proj": 2.0, "m.up_proj": 0.5})
+    write_peft(tmp_path / "a", lmap, lora, base_model=None)
+    config, tensors = read_peft(tmp_path / "a")
+    a = tensors["base_model.model.hf.input_linear.lora_A.weight"]
+    b = tensors["base_model.model.hf.input_linear.lora_B.weight"]
+    assert a.shape == (5, 5) and b.shape == (12, 5) and config["r"] == 5
+    delta = config["lora_alpha"] / config["r"] * b @ a
+    want = torch.cat([2.0 * lora.b("m.gate_proj") @ lora.a("m.gate_proj"),
+                      0.5 * lora.b("m.up_proj") @ lora.a("m.up_proj")])
+    assert torch.allclose(delta, want, atol=1e-5)
+    back = load_peft(tmp_path / "a", lmap, adapter_for_architecture("LlamaForCausalLM"))
+    for base in ("m.gate_proj", "m.up_proj"):  # each gets the HF module's A (exact delta)
+        got = back.scalings[base] * back.b(base) @ back.a(base)
+        assert torch.allclose(got, lora.scalings[base] * lora.b(base) @ lora.a(base),
+                              atol=1e-5)
+
+
+def test_fused_ours_from_hf_modules_with_different_a_is_block_diagonal(tmp_path):
+    """The inverse: one of ours from two HF modules whose A's differ (a PEFT adapter on Qwen3.5's
+    in_proj_qkv halves, say): the stacked A, the block-diagonal B, exact."""
+    from composer.convert.peft import LinkMap, from_peft
+    from composer.convert.plan import Link
+
+    links = [Link("m.fused.weight", "hf.a.weight", ((0, 4),), ()),
+             Link("m.fused.weight", "hf.b.weight", ((4, 10),), ())]
+    lmap = LinkMap({"m.fused.weight": links}, {"hf.a.weight": links[:1],
+                                               "hf.b.weight": links[1:]},
+                   {"m.fused.weight": (10, 5)}, {"hf.a.weight": (4, 5), "hf.b.weight": (6, 5)},
+                   "x")
+    g = torch.Generator().manual_seed(1)
+    t = {f"base_model.model.hf.{m}.lora_{x}.weight": torch.randn(*s, generator=g)
+         for m, shapes in (("a", {"A": (2, 5), "B": (4, 2)}), ("b", {"A": (2, 5), "B": (6, 2)}))
+         for x, s in shapes.items()}
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "alpha_pattern": {"hf.b": 1}}
+    lora = from_peft(lmap, config, t)
+    assert lora.a("m.fused").shape == (4, 5)
+    want = torch.cat([2.0 * t["base_model.model.hf.a.lora_B.weight"]
+                      @ t["base_model.model.hf.a.lora_A.weight"],
+                      0.5 * t["base_model.model.hf.b.lora_B.weight"]
+                      @ t["base_model.model.hf.b.lora_A.weight"]])
+    got = lora.scalings["m.fused"] * lora.b("m.fused") @ lora.a("m.fused")
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.fixture
+def llama_adapter(tmp_path):
+    hf_model = llama()
+    hf_model.save_pretrained(tmp_path / "hf")
+    cfg = from_hf(tmp_path / "hf", tmp_path / "ours")
+    adapter = adapter_for_architecture("LlamaForCausalLM")
+    lmap = link_map(adapter, cfg)
+    write_peft(tmp_path / "adapter", lmap, random_lora(lmap, ("q_proj",)), base_model="b")
+    return tmp_path / "adapter", lmap, adapter
+
+
+def edit(folder, config=None, tensors=None):
+    from safetensors.torch import save_file
+
+    if config is not None:
+        path = folder / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if tensors is not None:
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"use_dora": True}, "use_dora=true: DoRA is not supported"),
+    ({"use_rslora": True}, "use_rslora=true: rank-stabilised scaling is not supported"),
+    ({"bias": "all"}, "bias='all' is not supported"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save=[\"lm_head\"]: modules_to_save is not"),
+    ({"peft_type": "IA3"}, "peft_type 'IA3' is not supported"),
+])
+def test_refused_options(llama_adapter, change, message):
+    folder, lmap, adapter = llama_adapter
+    edit(folder, config=change)
+    with pytest.raises(ConfigError, match=None) as exc:
+        load_peft(folder, lmap, adapter)
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_unknown_module_and_wrong_shape(llama_adapter):
+    folder, lmap, adapter = llama_adapter
+    _, tensors = read_peft(folder)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    renamed = {k.replace("self_attn.q_proj", "self_attn.qq_proj"): v for k, v in tensors.items()}
+    edit(folder, tensors=renamed)
+    with pytest.raises(CheckpointError, match="unknown module 'model.layers.0.self_attn.qq_proj'"):
+        load_peft(folder, lmap, adapter)
+    wrong = dict(tensors)
+    wrong[key] = torch.zeros(wrong[key].shape[0], 31)
+    edit(folder, tensors=wrong)
+    with pytest.raises(CheckpointError, match=r"shape mismatch: module 'model.layers.0.self_attn"
+                                              r".q_proj' has lora_A \[\d+, 31\]"):
+        load_peft(folder, lmap, adapter)
+    missing = {k: v for k, v in tensors.items() if k != key}
+    edit(folder, tensors=missing)
+    with pytest.raises(CheckpointError, match="has lora_B but not lora_A"):
+        load_peft(folder, lmap, adapter)
+
+
+def test_mamba_out_proj_refused(converted, tmp_path):
+    """peft refuses LoRA on a Mamba mixer's out_proj: the export says so up front."""
+    family, _, folder, _, lmap = converted
+    if family != "nemotron-h":
+        pytest.skip("a Mamba model's quirk")
+    assert (folder / HF_DIR / "config.json").exists()
+    with pytest.raises(ConfigError, match="peft refuses LoRA on a Mamba mixer's out_proj"):
+        write_peft(tmp_path / "a", lmap, random_lora(lmap, ("out_proj",)), base_model=None)
+    assert not (tmp_path / "a").exists()
