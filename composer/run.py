@@ -71,16 +71,20 @@ def check_vocab(rows: list[np.ndarray], cfg: ModelConfig, path: str | Path) -> N
 
 
 def prepare(source: str, pc: ParallelConfig, seed: int = 0,
-            optimizer_lr: float | None = None, device: str | None = None
+            optimizer_lr: float | None = None, device: str | None = None,
+            adapter: str | None = None
             ) -> tuple[HybridModel, ParallelDims, torch.optim.Optimizer | None, int]:
     """Model (portable checkpoint, training checkpoint or preset), layout, optimizer, step.
 
     Shard-local: the model is built and parallelised on the meta device, then this rank
     allocates its shards on its device and initialises them (a preset: layout-independent, from
     ``seed``), reads its slices (a portable checkpoint) or loads its shards (a training
-    checkpoint, without initialising first)."""
+    checkpoint, without initialising first). ``adapter``: a PEFT adapter folder merged into the
+    weights as they are read (eval and generate: the same logits as the adapted model)."""
     from composer.zoo import get_preset, presets
 
+    if adapter is not None:
+        return _prepare_with_adapter(source, pc, adapter, device)
     folder = Path(source)
     training = folder.is_dir() and is_training_checkpoint(folder)
     tensors = None
@@ -103,6 +107,32 @@ def prepare(source: str, pc: ParallelConfig, seed: int = 0,
         opt = torch.optim.AdamW(model.parameters(), lr=optimizer_lr)
     step = load_checkpoint(folder, model, opt) if training else 0
     return model, dims, opt, step
+
+
+def _prepare_with_adapter(source: str, pc: ParallelConfig, adapter: str, device: str | None
+                          ) -> tuple[HybridModel, ParallelDims, None, int]:
+    """:func:`prepare` of a portable checkpoint (a run: exported first, into a temporary folder,
+    its own adapters merged) read with the PEFT ``adapter`` merged into its weights."""
+    import tempfile
+
+    from composer.convert.peft_folders import merged_source
+
+    folder = Path(source)
+    if not folder.is_dir():
+        raise ConfigError(f"{source}: --adapter needs a checkpoint folder (the adapter's base)")
+    with tempfile.TemporaryDirectory(prefix="composer-adapter-") as tmp:
+        if is_training_checkpoint(folder):
+            from composer.export import export
+
+            folder = export(folder, Path(tmp) / "portable", merge=True)
+        tensors = merged_source(folder, adapter)
+        cfg = ModelConfig.load(folder / CONFIG_FILE)
+        dims = build_parallel_dims(pc, device)
+        try:
+            model = build_sharded(cfg, dims, seed=0, tensors=tensors)
+        finally:
+            tensors.close()
+    return model, dims, None, 0
 
 
 def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,

@@ -1,0 +1,95 @@
+"""PEFT adapters and checkpoint folders: which family's links a checkpoint follows, and a
+portable checkpoint read with a PEFT adapter merged in (``--adapter`` on eval and generate).
+
+The family of a checkpoint is decided as ``to-hf`` decides it (:func:`composer.convert.api.
+to_hf`): the architecture recorded in ``hf/conversion.json`` (with its expert layout and on-disk
+split), else the one of ``hf/config.json``, else the first family that writes the config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from composer.config import ConfigError, ModelConfig
+from composer.convert.api import CONVERSION_FILE, HF_DIR
+from composer.convert.base import Adapter, load_hf_config
+from composer.convert.infer import adapter_for_architecture, infer_adapter, recorded_family
+from composer.convert.peft import LinkMap, LoRATensors, link_map, load_peft
+from composer.portable import CONFIG_FILE, TensorSource, bytes_to_tensor, tensor_bytes
+
+
+def hf_metadata(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The HF ``config.json`` and ``conversion.json`` a checkpoint keeps (``{}`` when absent):
+    a portable checkpoint's ``hf/``, or a Hugging Face folder itself."""
+    hf_dir = folder / HF_DIR if (folder / CONFIG_FILE).exists() else folder
+    base = load_hf_config(hf_dir / "config.json") if (hf_dir / "config.json").exists() else {}
+    path = hf_dir / CONVERSION_FILE
+    info = json.loads(path.read_text()) if path.exists() else {}
+    return base, info
+
+
+def family_map(cfg: ModelConfig, hf_config: dict[str, Any], conversion: dict[str, Any],
+               folder: Path | None = None) -> tuple[Adapter, LinkMap]:
+    """The family adapter and the link map of ``cfg``, from what the checkpoint records."""
+    arch = conversion.get("architecture") or next(iter(hf_config.get("architectures") or []),
+                                                  None)
+    if arch:
+        adapter = adapter_for_architecture(arch)
+    else:
+        adapter = infer_adapter(cfg, recorded_family(folder, hf_config) if folder else None)
+    fused = conversion.get("fused_experts", adapter.save_fused_experts)
+    return adapter, link_map(adapter, cfg, fused, conversion.get("layout", {}))
+
+
+def checkpoint_map(folder: str | Path) -> tuple[ModelConfig, Adapter, LinkMap]:
+    """The config, family adapter and link map of a portable checkpoint."""
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).exists():
+        raise ConfigError(f"{folder}: no {CONFIG_FILE}; not a composer checkpoint")
+    cfg = ModelConfig.load(folder / CONFIG_FILE).validate()
+    base, info = hf_metadata(folder)
+    adapter, lmap = family_map(cfg, base, info, folder)
+    return cfg, adapter, lmap
+
+
+class MergedSource(TensorSource):
+    """A portable checkpoint's tensors with ``W + s B A`` in place of each adapted weight,
+    merged when first read (one merged tensor held at a time: loaders read a tensor's slices
+    one after the other)."""
+
+    def __init__(self, folder: Path, lora: LoRATensors) -> None:
+        super().__init__(folder)
+        self.lora = lora
+        self._weights = {base + ".weight": base for base in lora.bases()}
+        missing = sorted(set(self._weights) - set(self.tensors))
+        if missing:
+            raise ConfigError(f"{folder}: no tensor {missing[0]!r} for the adapter to merge into")
+        self._cached: tuple[str, memoryview] | None = None
+
+    def _merged(self, name: str) -> memoryview:
+        if self._cached is None or self._cached[0] != name:
+            info = self.tensors[name]
+            raw = bytearray(info.nbytes)
+            super().read_into(name, 0, memoryview(raw))
+            w = bytes_to_tensor(raw, info.torch_dtype, info.shape)
+            base = self._weights[name]
+            delta = self.lora.b(base).float() @ self.lora.a(base).float()
+            merged = (w.float() + self.lora.scalings[base] * delta).to(w.dtype)
+            self._cached = (name, tensor_bytes(merged))
+        return self._cached[1]
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        if name not in self._weights:
+            super().read_into(name, offset, out)
+            return
+        out[:] = self._merged(name)[offset:offset + out.nbytes]
+
+
+def merged_source(folder: str | Path, adapter_dir: str | Path) -> MergedSource:
+    """The portable checkpoint ``folder`` read with the PEFT adapter ``adapter_dir`` merged."""
+    _, adapter, lmap = checkpoint_map(folder)
+    lora = load_peft(adapter_dir, lmap, adapter)
+    return MergedSource(Path(folder), lora)
+
