@@ -36,7 +36,9 @@ class _Saved:
     """The newest step of a run: its config, meta model (with its LoRA modules when it has
     adapters), and where each state-dict key's parts are saved."""
 
-    def __init__(self, run: Path) -> None:
+    def __init__(self, run: Path, adapters: bool) -> None:
+        """``adapters``: whether the caller reads a LoRA run's adapters (a plain export
+        would drop them: refused)."""
         if not is_training_checkpoint(run):
             raise ConfigError(f"{run}: not a training checkpoint folder (no 'latest' file); "
                               "`composer train --save` writes one")
@@ -44,6 +46,9 @@ class _Saved:
         self.cfg = ModelConfig.load(run / CONFIG_FILE).validate()
         self.meta = FileSystemReader(str(self.step_dir)).read_metadata().state_dict_metadata
         self.lora = any(LORA_MARK in k for k in self.meta)
+        if self.lora and not adapters:
+            raise ConfigError(f"{run}: a LoRA run; a plain export would drop its adapters: use "
+                              "--adapter (a PEFT adapter folder) or --merge (merged weights)")
         self.model = build_model(self.cfg, device="meta")
         self.scalings: dict[str, float] = {}
         if self.lora:
@@ -128,10 +133,7 @@ def export(run: str | Path, out: str | Path, force: bool = False,
     the run's ``tokenizer/`` when it has one. A LoRA run needs ``merge``: each adapted weight
     is written as ``W + s B A`` (in fp32, cast back), without adapter tensors."""
     run = Path(run)
-    saved = _Saved(run)
-    if saved.lora and not merge:
-        raise ConfigError(f"{run}: a LoRA run; a plain export would drop its adapters: use "
-                          "--adapter (a PEFT adapter folder) or --merge (merged weights)")
+    saved = _Saved(run, adapters=merge)
     keys = saved.keys(adapters=False)
     plan = [(key, saved.dtypes[key], saved.shapes[key]) for key in keys]
     lora = saved.adapters() if saved.lora else LoRATensors({}, {})
@@ -180,7 +182,7 @@ def export_adapter(run: str | Path, out: str | Path, base: str | None = None,
     from composer.convert.peft_folders import family_map
 
     run = Path(run)
-    saved = _Saved(run)
+    saved = _Saved(run, adapters=True)
     if not saved.lora:
         raise ConfigError(f"{run}: not a LoRA run (no adapter tensors); `composer export` "
                           "writes its weights")

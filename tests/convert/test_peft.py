@@ -404,3 +404,41 @@ def test_lora_run_exports_a_peft_adapter_and_a_merged_checkpoint(llama_hf, tmp_p
                  "--base", "meta-llama/x"]) == 0
     assert json.loads((tmp_path / "b" / "adapter_config.json").read_text())[
         "base_model_name_or_path"] == "meta-llama/x"
+
+
+def test_training_start_reads_the_adapter_for_either_source(llama_hf, tmp_path):
+    """What ``train --adapter`` starts from: the same adapter tensors whether SOURCE is the
+    Hugging Face folder or its conversion."""
+    from composer.convert.peft_folders import training_start
+
+    peft_made(llama_hf, tmp_path / "made")
+    a = training_start(tmp_path / "hf", tmp_path / "made")
+    b = training_start(tmp_path / "ours", tmp_path / "made")
+    assert sorted(a.tensors) == sorted(b.tensors) and a.scalings == b.scalings
+    assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+    assert set(a.ranks().values()) == {4} and set(a.scalings.values()) == {2.0}
+
+
+def test_plain_export_of_a_run_with_adapters_is_refused(llama_hf, tmp_path, capsys):
+    """A run whose checkpoint holds adapter tensors (written here by hand: no LoRA modules
+    needed) is not exported without --adapter or --merge: the adapters would be dropped."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from composer.cli import main
+    from composer.parallel.checkpoint import latest_step
+
+    train_run(tmp_path / "ours", tmp_path / "run")
+    step = latest_step(tmp_path / "run")
+    meta = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    state = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in meta.items() if k.startswith("model.")}
+    dcp.load({"model": state}, checkpoint_id=str(step))
+    state["layers.0.mixer.q_proj.lora.A.weight"] = torch.zeros(2, 32)
+    shutil.rmtree(step)
+    dcp.save({"model": state}, checkpoint_id=str(step))
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a LoRA run; a plain export would drop its adapters: use --adapter" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()

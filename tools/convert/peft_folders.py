@@ -93,3 +93,33 @@ def merged_source(folder: str | Path, adapter_dir: str | Path) -> MergedSource:
     lora = load_peft(adapter_dir, lmap, adapter)
     return MergedSource(Path(folder), lora)
 
+
+
+def training_start(source: str | Path, adapter_dir: str | Path) -> LoRATensors:
+    """The PEFT adapter ``adapter_dir`` as our adapter tensors (per-module ranks and
+    scalings) for the portable checkpoint or Hugging Face folder ``source`` that ``train``
+    starts from: what :func:`attach_for_training` installs."""
+    source = Path(source)
+    if (source / CONFIG_FILE).exists():
+        _, adapter, lmap = checkpoint_map(source)
+    else:  # a Hugging Face folder: its own config.json says the family
+        hf_config, conversion = hf_metadata(source)
+        adapter = adapter_for_architecture(next(iter(hf_config.get("architectures") or []),
+                                                ""))
+        lmap = link_map(adapter, adapter.config_from_hf(hf_config))
+    return load_peft(adapter_dir, lmap, adapter)
+
+
+def attach_for_training(model: Any, lora: LoRATensors, lora_config: Any) -> None:
+    """GLUE (the lead connects it to ``composer.lora``; call it on the meta model, before
+    parallelisation): the adapters of ``lora`` become the model's trainable LoRA modules, with
+    their per-module ranks and scalings (``lora_config`` gives dropout and the rest). After the
+    model is allocated, copy ``lora.tensors`` into them (each ``<base>.lora.A.weight`` /
+    ``.lora.B.weight`` by state-dict name; B fused like its base), e.g. with
+    ``composer.build.init.load_weights`` from a source of these tensors."""
+    from composer.lora import add_lora  # the lora helper's API
+
+    missing = [b for b in lora.bases() if b + ".weight" not in model.state_dict()]
+    if missing:
+        raise ConfigError(f"the adapter adapts {missing[0]!r}, which this model does not have")
+    add_lora(model, lora_config, ranks=lora.ranks(), scalings=dict(lora.scalings))
