@@ -116,8 +116,9 @@ def lora_modules(model: torch.nn.Module, run: Path) -> dict[str, float]:
         from composer.convert.peft import load_peft
         from composer.convert.peft_folders import family_map
 
-        hf_config, conversion = run_origin(run)[1:]
-        adapter, lmap = family_map(ModelConfig.load(run / CONFIG_FILE), hf_config, conversion)
+        _, folder, hf_config, conversion = run_origin(run)
+        adapter, lmap = family_map(ModelConfig.load(run / CONFIG_FILE).validate(), hf_config,
+                                   conversion, folder)
         start = load_peft(recipe["adapter"], lmap, adapter)
         ranks, scalings = start.ranks(), start.scalings
     lora_api.add_lora(model, cfg, ranks=ranks, scalings=scalings)
@@ -152,9 +153,10 @@ def export(run: str | Path, out: str | Path, force: bool = False,
                           extra_dirs=extra)
 
 
-def run_origin(run: Path, depth: int = 0) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
-    """What a run was trained from (its recipe's ``model``): the name or path, the HF
-    ``config.json`` and ``conversion.json`` it keeps (``{}`` when none: a preset). A run
+def run_origin(run: Path, depth: int = 0
+               ) -> tuple[str | None, Path | None, dict[str, Any], dict[str, Any]]:
+    """What a run was trained from (its recipe's ``model``): the name or path, the folder (None:
+    a preset), the HF ``config.json`` and ``conversion.json`` it keeps (``{}`` when none). A run
     started from another run asks that one."""
     from composer.convert.peft_folders import hf_metadata
     from composer.train.recipe import RECIPE_FILE, read_recipe
@@ -162,15 +164,15 @@ def run_origin(run: Path, depth: int = 0) -> tuple[str | None, dict[str, Any], d
     recipe = read_recipe(run / RECIPE_FILE) if (run / RECIPE_FILE).exists() else {}
     model = recipe.get("model")
     if not isinstance(model, str):
-        return None, {}, {}
+        return None, None, {}, {}
     folder = Path(model)
     if folder.is_dir() and is_training_checkpoint(folder) and depth < 8:
         return run_origin(folder, depth + 1)
     if not folder.is_dir():
-        return model, {}, {}  # a preset name or a hub id
+        return model, None, {}, {}  # a preset name or a hub id
     hf_config, conversion = hf_metadata(folder)
     name = model if (folder / "config.json").exists() else hf_config.get("_name_or_path") or model
-    return name, hf_config, conversion
+    return name, folder, hf_config, conversion
 
 
 def export_adapter(run: str | Path, out: str | Path, base: str | None = None,
@@ -186,6 +188,6 @@ def export_adapter(run: str | Path, out: str | Path, base: str | None = None,
     if not saved.lora:
         raise ConfigError(f"{run}: not a LoRA run (no adapter tensors); `composer export` "
                           "writes its weights")
-    name, hf_config, conversion = run_origin(run)
-    _, lmap = family_map(saved.cfg, hf_config, conversion)
+    name, folder, hf_config, conversion = run_origin(run)
+    _, lmap = family_map(saved.cfg, hf_config, conversion, folder)
     return write_peft(out, lmap, saved.adapters(), base if base is not None else name, force)

@@ -442,3 +442,67 @@ def test_plain_export_of_a_run_with_adapters_is_refused(llama_hf, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert "a LoRA run; a plain export would drop its adapters: use --adapter" in err
     assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def fake_lora_modules(lora: LoRATensors):
+    """A stand-in for the glue to composer.lora: plain ``lora.A`` / ``lora.B`` linears under
+    each adapted module, so a hand-written checkpoint's adapters are found by name."""
+    def install(model, run):
+        for base in lora.bases():
+            module = model.get_submodule(base)
+            module.lora = torch.nn.Module()
+            module.lora.A = torch.nn.Linear(1, 1, bias=False, device="meta")
+            module.lora.B = torch.nn.Linear(1, 1, bias=False, device="meta")
+            module.lora.A.weight = torch.nn.Parameter(torch.empty_like(lora.a(base),
+                                                                       device="meta"))
+            module.lora.B.weight = torch.nn.Parameter(torch.empty_like(lora.b(base),
+                                                                       device="meta"))
+        return dict(lora.scalings)
+    return install
+
+
+def test_run_with_adapters_exports_peft_and_merged(llama_hf, tmp_path, monkeypatch):
+    """export --adapter and --merge of a run whose checkpoint holds adapters (written by hand,
+    the LoRA modules faked): peft's logits with the adapter on the run's trained base equal the
+    merged checkpoint's, and the merged checkpoint converts to transformers."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    import composer.export
+    from composer.cli import main
+    from composer.convert import to_hf
+    from composer.parallel.checkpoint import latest_step
+    from tests.helpers import load_hf
+
+    train_run(tmp_path / "ours", tmp_path / "run")
+    assert composer.export.run_origin(tmp_path / "run")[1] == tmp_path / "ours"
+    to_hf(tmp_path / "run", tmp_path / "base-hf")  # the trained base, before adapters
+    step = latest_step(tmp_path / "run")
+    meta = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    state = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in meta.items() if k.startswith("model.")}
+    dcp.load({"model": state}, checkpoint_id=str(step))
+    cfg = composer.ModelConfig.load(tmp_path / "run" / "config.yaml")
+    lmap = link_map(adapter_for_architecture("LlamaForCausalLM"), cfg)
+    lora = random_lora(lmap, ("q_proj", "v_proj", "down_proj"), seed=9)
+    state.update(lora.tensors)
+    shutil.rmtree(step)
+    dcp.save({"model": state}, checkpoint_id=str(step))
+    monkeypatch.setattr(composer.export, "lora_modules", fake_lora_modules(lora))
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "adapter"), "--adapter"]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "ours")
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "merged"), "--merge"]) == 0
+    assert not any(".lora." in k for k in composer.load(tmp_path / "merged").state_dict())
+    to_hf(tmp_path / "merged", tmp_path / "merged-hf")
+    ids = ids_for()
+    with torch.no_grad():
+        got = peft.PeftModel.from_pretrained(load_hf(tmp_path / "base-hf"),
+                                             tmp_path / "adapter").eval()(ids).logits
+        merged = composer.load(tmp_path / "merged").eval()(ids)
+        base = load_hf(tmp_path / "base-hf")(ids).logits
+        merged_hf = load_hf(tmp_path / "merged-hf")(ids).logits
+    assert rel_err(got, merged) < FP32_PARITY, rel_err(got, merged)
+    assert rel_err(merged_hf, merged) < FP32_PARITY
+    assert rel_err(base, merged) > 1e-2  # the adapters are not a no-op
