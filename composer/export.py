@@ -122,8 +122,13 @@ def lora_modules(model: torch.nn.Module, run: Path) -> dict[str, float]:
         start = load_peft(recipe["adapter"], lmap, adapter)
         ranks, scalings = start.ranks(), start.scalings
     lora_api.add_lora(model, cfg, ranks=ranks, scalings=scalings)
-    return {name.removesuffix(".lora"): float(m.scaling) for name, m in model.named_modules()
-            if name.endswith(".lora")}
+    out = {}
+    for name, child in model.named_modules():
+        if name.endswith(".lora"):  # the scaling lives on the adapter or on its base module
+            base = name.removesuffix(".lora")
+            holder = child if hasattr(child, "scaling") else model.get_submodule(base)
+            out[base] = float(holder.scaling)
+    return out
 
 
 def export(run: str | Path, out: str | Path, force: bool = False,
@@ -188,6 +193,10 @@ def export_adapter(run: str | Path, out: str | Path, base: str | None = None,
     if not saved.lora:
         raise ConfigError(f"{run}: not a LoRA run (no adapter tensors); `composer export` "
                           "writes its weights")
+    from composer.train.recipe import RECIPE_FILE, read_recipe
+
     name, folder, hf_config, conversion = run_origin(run)
     _, lmap = family_map(saved.cfg, hf_config, conversion, folder)
-    return write_peft(out, lmap, saved.adapters(), base if base is not None else name, force)
+    recipe = read_recipe(run / RECIPE_FILE) if (run / RECIPE_FILE).exists() else {}
+    return write_peft(out, lmap, saved.adapters(), base if base is not None else name, force,
+                      dropout=float(recipe.get("lora_dropout") or 0.0))
