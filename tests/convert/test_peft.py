@@ -506,3 +506,57 @@ def test_run_with_adapters_exports_peft_and_merged(llama_hf, tmp_path, monkeypat
     assert rel_err(got, merged) < FP32_PARITY, rel_err(got, merged)
     assert rel_err(merged_hf, merged) < FP32_PARITY
     assert rel_err(base, merged) > 1e-2  # the adapters are not a no-op
+
+
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
+def test_fused_hf_projections_of_gated_delta_net(family, tmp_path):
+    """Qwen3-Next's in_proj_qkvz (and Qwen3.5's in_proj_qkv) is made of four (three) of our
+    GDN projections, interleaved by head group: an export stacks their A's and places their
+    B's block-diagonally; a peft-made adapter on it gives each of ours its A and B rows."""
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is not None:
+        pytest.skip("flash-linear-attention is installed: transformers would run CUDA kernels")
+    from transformers import (
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
+
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                  linear_value_head_dim=6)
+    if family == "qwen3-next":
+        hf_model = Qwen3NextForCausalLM(Qwen3NextConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=24))
+        fused = "in_proj_qkvz"
+    else:
+        hf_model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common))
+        fused = "in_proj_qkv"
+    hf_model.eval()
+    randomize(hf_model, seed=6)
+    hf_model.save_pretrained(tmp_path / "hf")
+    cfg = from_hf(tmp_path / "hf", tmp_path / "ours")
+    adapter = adapter_for_architecture(type(hf_model).__name__)
+    lmap = link_map(adapter, cfg)
+    lora = random_lora(lmap, ("q_proj", "k_proj", "v_proj", "z_proj"), seed=2)
+    write_peft(tmp_path / "adapter", lmap, lora, base_model=None)
+    ids = ids_for()
+    with torch.no_grad():
+        got = peft.PeftModel.from_pretrained(hf_model, tmp_path / "adapter").eval()(ids).logits
+    assert rel_err(ours_logits(tmp_path / "ours", lora, ids), got) < FP32_PARITY
+    back = load_peft(tmp_path / "adapter", lmap, adapter)
+    for base in lora.bases():  # stacked on the way out: the rank grows, the update is exact
+        want = lora.scalings[base] * lora.b(base) @ lora.a(base)
+        have = back.scalings[base] * back.b(base) @ back.a(base)
+        assert torch.allclose(have, want, atol=1e-5), base
+    hf_model = type(hf_model)(hf_model.config).eval()
+    randomize(hf_model, seed=6)
+    model = peft_made(hf_model, tmp_path / "made", targets=(fused, "o_proj"))
+    with torch.no_grad():
+        expected = model(ids).logits
+    lora = load_peft(tmp_path / "made", lmap, adapter)
+    assert rel_err(ours_logits(tmp_path / "ours", lora, ids), expected) < FP32_PARITY
