@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,7 +21,6 @@ from composer.blocks.plan import named_state
 from composer.build.builder import build_model, write_portable
 from composer.build.init import stored_as
 from composer.config import ConfigError, ModelConfig
-from composer.convert.peft import LoRATensors
 from composer.data.tokenizer import TOKENIZER_DIR
 from composer.parallel.checkpoint import is_training_checkpoint, latest_step
 from composer.portable import CONFIG_FILE, DEFAULT_MAX_SHARD
@@ -32,13 +30,19 @@ LORA_MARK = ".lora."
 """Adapter tensors (``<base>.lora.A.weight``, ``.lora.B.weight``) have this in their names."""
 
 
-class _Saved:
+Install = Callable[[torch.nn.Module, Path], dict[str, float]]
+"""Adds a LoRA run's adapter modules to its meta model; returns each adapted base's scaling
+(:func:`composer.convert.peft_folders.lora_modules`: the glue to ``composer.lora``, which
+lives above this module: ``composer.convert`` imports ``composer.export``, not the reverse)."""
+
+
+class Saved:
     """The newest step of a run: its config, meta model (with its LoRA modules when it has
     adapters), and where each state-dict key's parts are saved."""
 
-    def __init__(self, run: Path, adapters: bool) -> None:
-        """``adapters``: whether the caller reads a LoRA run's adapters (a plain export
-        would drop them: refused)."""
+    def __init__(self, run: Path, install: Install | None = None) -> None:
+        """``install``: how to add a LoRA run's adapter modules; without it, a LoRA run is
+        refused (a plain export would drop its adapters)."""
         if not is_training_checkpoint(run):
             raise ConfigError(f"{run}: not a training checkpoint folder (no 'latest' file); "
                               "`composer train --save` writes one")
@@ -46,13 +50,13 @@ class _Saved:
         self.cfg = ModelConfig.load(run / CONFIG_FILE).validate()
         self.meta = FileSystemReader(str(self.step_dir)).read_metadata().state_dict_metadata
         self.lora = any(LORA_MARK in k for k in self.meta)
-        if self.lora and not adapters:
+        if self.lora and install is None:
             raise ConfigError(f"{run}: a LoRA run; a plain export would drop its adapters: use "
                               "--adapter (a PEFT adapter folder) or --merge (merged weights)")
         self.model = build_model(self.cfg, device="meta")
         self.scalings: dict[str, float] = {}
-        if self.lora:
-            self.scalings = lora_modules(self.model, run)
+        if self.lora and install is not None:
+            self.scalings = install(self.model, run)
         self.parts: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
         for name, t in named_state(self.model):
             key, _ = stored_as(self.model, name)
@@ -89,114 +93,34 @@ class _Saved:
                 yield k, t
             group, size = [], 0
 
-    def adapters(self) -> LoRATensors:
-        return LoRATensors(dict(self.stream(self.keys(adapters=True))), dict(self.scalings))
-
-
-def lora_modules(model: torch.nn.Module, run: Path) -> dict[str, float]:
-    """GLUE (the lead connects it to ``composer.lora``): add to the meta ``model`` the LoRA
-    modules the run ``run`` trained (ranks, targets and per-module scalings as its recipe says:
-    ``lora_*`` fields, or the PEFT ``adapter`` it started from), so that their saved tensors are
-    found under the names and fused layout of ``<base>.lora.A.weight`` / ``.lora.B.weight``;
-    returns each adapted base's scaling."""
-    try:
-        from composer import lora as lora_api
-    except ImportError:
-        raise ConfigError(f"{run}: a LoRA run, but this build has no composer.lora to read its "
-                          "adapters") from None
-    from composer.train.recipe import RECIPE_FILE, read_recipe
-
-    recipe = read_recipe(run / RECIPE_FILE) if (run / RECIPE_FILE).exists() else {}
-    rank = int(recipe.get("lora_rank") or 0)
-    alpha = recipe.get("lora_alpha") or rank
-    cfg = lora_api.LoRAConfig(rank=rank, alpha=alpha, dropout=0.0,
-                              targets=recipe.get("lora_targets") or ["all"])
-    ranks = scalings = None
-    if recipe.get("adapter"):  # per-module ranks and scalings of the adapter it started from
-        from composer.convert.peft import load_peft
-        from composer.convert.peft_folders import family_map
-
-        _, folder, hf_config, conversion = run_origin(run)
-        adapter, lmap = family_map(ModelConfig.load(run / CONFIG_FILE).validate(), hf_config,
-                                   conversion, folder)
-        start = load_peft(recipe["adapter"], lmap, adapter)
-        ranks, scalings = start.ranks(), start.scalings
-    lora_api.add_lora(model, cfg, ranks=ranks, scalings=scalings)
-    out = {}
-    for name, child in model.named_modules():
-        if name.endswith(".lora"):  # the scaling lives on the adapter or on its base module
-            base = name.removesuffix(".lora")
-            holder = child if hasattr(child, "scaling") else model.get_submodule(base)
-            out[base] = float(holder.scaling)
-    return out
+    def adapters(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The adapter tensors (``<base>.lora.A.weight``, ``.lora.B.weight``) and scalings."""
+        return dict(self.stream(self.keys(adapters=True))), dict(self.scalings)
 
 
 def export(run: str | Path, out: str | Path, force: bool = False,
            max_shard_bytes: int = DEFAULT_MAX_SHARD,
-           progress: Callable[[int], None] | None = None, merge: bool = False) -> Path:
+           progress: Callable[[int], None] | None = None, install: Install | None = None
+           ) -> Path:
     """Write the newest step of the training checkpoint folder ``run`` as a portable checkpoint
     at ``out`` (``config.yaml`` + ``model.safetensors``, sharded with an index when large), with
-    the run's ``tokenizer/`` when it has one. A LoRA run needs ``merge``: each adapted weight
-    is written as ``W + s B A`` (in fp32, cast back), without adapter tensors."""
+    the run's ``tokenizer/`` when it has one. A LoRA run needs ``install`` (its adapter
+    modules, :data:`Install`): each adapted weight is written merged, ``W + s B A`` (in fp32,
+    cast back), without adapter tensors."""
     run = Path(run)
-    saved = _Saved(run, adapters=merge)
+    saved = Saved(run, install)
     keys = saved.keys(adapters=False)
     plan = [(key, saved.dtypes[key], saved.shapes[key]) for key in keys]
-    lora = saved.adapters() if saved.lora else LoRATensors({}, {})
-    adapted = {base + ".weight": base for base in lora.bases()}
+    lora, scalings = saved.adapters() if saved.lora else ({}, {})
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for key, t in saved.stream(keys, progress):
-            if key in adapted:
-                base = adapted[key]
-                delta = lora.b(base).float() @ lora.a(base).float()
-                t = (t.float() + lora.scalings[base] * delta).to(t.dtype)
+            base = key.removesuffix(".weight")
+            a, b = lora.get(base + ".lora.A.weight"), lora.get(base + ".lora.B.weight")
+            if a is not None and b is not None:
+                t = (t.float() + scalings[base] * (b.float() @ a.float())).to(t.dtype)
             yield key, t
 
     extra = {TOKENIZER_DIR: run / TOKENIZER_DIR} if (run / TOKENIZER_DIR).is_dir() else None
     return write_portable(out, saved.cfg, plan, tensors(), force, max_shard_bytes,
                           extra_dirs=extra)
-
-
-def run_origin(run: Path, depth: int = 0
-               ) -> tuple[str | None, Path | None, dict[str, Any], dict[str, Any]]:
-    """What a run was trained from (its recipe's ``model``): the name or path, the folder (None:
-    a preset), the HF ``config.json`` and ``conversion.json`` it keeps (``{}`` when none). A run
-    started from another run asks that one."""
-    from composer.convert.peft_folders import hf_metadata
-    from composer.train.recipe import RECIPE_FILE, read_recipe
-
-    recipe = read_recipe(run / RECIPE_FILE) if (run / RECIPE_FILE).exists() else {}
-    model = recipe.get("model")
-    if not isinstance(model, str):
-        return None, None, {}, {}
-    folder = Path(model)
-    if folder.is_dir() and is_training_checkpoint(folder) and depth < 8:
-        return run_origin(folder, depth + 1)
-    if not folder.is_dir():
-        return model, None, {}, {}  # a preset name or a hub id
-    hf_config, conversion = hf_metadata(folder)
-    name = model if (folder / "config.json").exists() else hf_config.get("_name_or_path") or model
-    return name, folder, hf_config, conversion
-
-
-def export_adapter(run: str | Path, out: str | Path, base: str | None = None,
-                   force: bool = False) -> Path:
-    """Write the adapters of the LoRA run ``run`` (its newest step) as a PEFT adapter folder at
-    ``out``, through the converter of the family it was trained from; ``base`` overrides
-    ``base_model_name_or_path`` (default: what the run was trained from)."""
-    from composer.convert.peft import write_peft
-    from composer.convert.peft_folders import family_map
-
-    run = Path(run)
-    saved = _Saved(run, adapters=True)
-    if not saved.lora:
-        raise ConfigError(f"{run}: not a LoRA run (no adapter tensors); `composer export` "
-                          "writes its weights")
-    from composer.train.recipe import RECIPE_FILE, read_recipe
-
-    name, folder, hf_config, conversion = run_origin(run)
-    _, lmap = family_map(saved.cfg, hf_config, conversion, folder)
-    recipe = read_recipe(run / RECIPE_FILE) if (run / RECIPE_FILE).exists() else {}
-    return write_peft(out, lmap, saved.adapters(), base if base is not None else name, force,
-                      dropout=float(recipe.get("lora_dropout") or 0.0))

@@ -115,16 +115,14 @@ def _prepare_with_adapter(source: str, pc: ParallelConfig, adapter: str, device:
     its own adapters merged) read with the PEFT ``adapter`` merged into its weights."""
     import tempfile
 
-    from composer.convert.peft_folders import merged_source
+    from composer.convert.peft_folders import export_merged, merged_source
 
     folder = Path(source)
     if not folder.is_dir():
         raise ConfigError(f"{source}: --adapter needs a checkpoint folder (the adapter's base)")
     with tempfile.TemporaryDirectory(prefix="composer-adapter-") as tmp:
         if is_training_checkpoint(folder):
-            from composer.export import export
-
-            folder = export(folder, Path(tmp) / "portable", merge=True)
+            folder = export_merged(folder, Path(tmp) / "portable")
         tensors = merged_source(folder, adapter)
         cfg = ModelConfig.load(folder / CONFIG_FILE)
         dims = build_parallel_dims(pc, device)

@@ -226,7 +226,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from composer.export import export, export_adapter
+    from composer.export import export
     from composer.portable import parse_size
 
     if args.adapter and args.merge:
@@ -239,13 +239,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     start = time.perf_counter()
     if args.adapter:
+        from composer.convert.peft_folders import export_adapter
+
         export_adapter(args.run, args.out, base=args.base, force=args.force)
         what = "adapter_config.json, adapter_model.safetensors"
     else:
+        if args.merge:
+            from composer.convert.peft_folders import export_merged as export
         bar = _progress_bar(0, "export")
         try:
             export(args.run, args.out, force=args.force, max_shard_bytes=max_shard,
-                   progress=bar.update, merge=args.merge)
+                   progress=bar.update)
         finally:
             bar.close()
         what = "config.yaml, model.safetensors"

@@ -270,11 +270,10 @@ def test_unknown_module_and_wrong_shape(llama_adapter):
         load_peft(folder, lmap, adapter)
 
 
+@pytest.mark.parametrize("converted", ["nemotron-h"], indirect=True)
 def test_mamba_out_proj_refused(converted, tmp_path):
     """peft refuses LoRA on a Mamba mixer's out_proj: the export says so up front."""
-    family, _, folder, _, lmap = converted
-    if family != "nemotron-h":
-        pytest.skip("a Mamba model's quirk")
+    _, _, folder, _, lmap = converted
     assert (folder / HF_DIR / "config.json").exists()
     with pytest.raises(ConfigError, match="peft refuses LoRA on a Mamba mixer's out_proj"):
         write_peft(tmp_path / "a", lmap, random_lora(lmap, ("out_proj",)), base_model=None)
@@ -469,14 +468,14 @@ def test_run_with_adapters_exports_peft_and_merged(llama_hf, tmp_path, monkeypat
 
     import torch.distributed.checkpoint as dcp
 
-    import composer.export
+    import composer.convert.peft_folders as folders
     from composer.cli import main
     from composer.convert import to_hf
     from composer.parallel.checkpoint import latest_step
     from tests.helpers import load_hf
 
     train_run(tmp_path / "ours", tmp_path / "run")
-    assert composer.export.run_origin(tmp_path / "run")[1] == tmp_path / "ours"
+    assert folders.run_origin(tmp_path / "run")[1] == tmp_path / "ours"
     to_hf(tmp_path / "run", tmp_path / "base-hf")  # the trained base, before adapters
     step = latest_step(tmp_path / "run")
     meta = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
@@ -489,7 +488,7 @@ def test_run_with_adapters_exports_peft_and_merged(llama_hf, tmp_path, monkeypat
     state.update(lora.tensors)
     shutil.rmtree(step)
     dcp.save({"model": state}, checkpoint_id=str(step))
-    monkeypatch.setattr(composer.export, "lora_modules", fake_lora_modules(lora))
+    monkeypatch.setattr(folders, "lora_modules", fake_lora_modules(lora))
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "adapter"), "--adapter"]) == 0
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tmp_path / "ours")

@@ -9,15 +9,30 @@ split), else the one of ``hf/config.json``, else the first family that writes th
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
+import yaml
 
 from composer.config import ConfigError, ModelConfig
 from composer.convert.api import CONVERSION_FILE, HF_DIR
 from composer.convert.base import Adapter, load_hf_config
 from composer.convert.infer import adapter_for_architecture, infer_adapter, recorded_family
-from composer.convert.peft import LinkMap, LoRATensors, link_map, load_peft
-from composer.portable import CONFIG_FILE, TensorSource, bytes_to_tensor, tensor_bytes
+from composer.convert.peft import LinkMap, LoRATensors, link_map, load_peft, write_peft
+from composer.export import Saved, export
+from composer.parallel.checkpoint import is_training_checkpoint
+from composer.portable import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD,
+    TensorSource,
+    bytes_to_tensor,
+    tensor_bytes,
+)
+
+RECIPE_FILE = "recipe.yaml"
+"""``composer.train.recipe.RECIPE_FILE``, not imported: ``composer.train`` sits above us."""
 
 
 def hf_metadata(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -123,3 +138,93 @@ def attach_for_training(model: Any, lora: LoRATensors, lora_config: Any) -> None
     if missing:
         raise ConfigError(f"the adapter adapts {missing[0]!r}, which this model does not have")
     add_lora(model, lora_config, ranks=lora.ranks(), scalings=dict(lora.scalings))
+
+
+# ---------------------------------------------------------------- runs
+
+
+def _recipe(run: Path) -> dict[str, Any]:
+    """The recipe a run saved (``{}`` without one); read here as YAML, not through
+    ``composer.train`` (which sits above this module)."""
+    path = run / RECIPE_FILE
+    if not path.exists():
+        return {}
+    data = yaml.safe_load(path.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def lora_modules(model: torch.nn.Module, run: Path) -> dict[str, float]:
+    """GLUE (the lead connects it to ``composer.lora``): add to the meta ``model`` the LoRA
+    modules the run ``run`` trained (ranks, targets and per-module scalings as its recipe says:
+    ``lora_*`` fields, or the PEFT ``adapter`` it started from), so that their saved tensors are
+    found under the names and fused layout of ``<base>.lora.A.weight`` / ``.lora.B.weight``;
+    returns each adapted base's scaling."""
+    try:
+        import composer.lora as lora_api
+    except ImportError:
+        raise ConfigError(f"{run}: a LoRA run, but this build has no composer.lora to read its "
+                          "adapters") from None
+    recipe = _recipe(run)
+    rank = int(recipe.get("lora_rank") or 0)
+    alpha = recipe.get("lora_alpha") or rank
+    cfg = lora_api.LoRAConfig(rank=rank, alpha=alpha, dropout=0.0,
+                              targets=recipe.get("lora_targets") or ["all"])
+    ranks = scalings = None
+    if recipe.get("adapter"):  # per-module ranks and scalings of the adapter it started from
+        _, folder, hf_config, conversion = run_origin(run)
+        adapter, lmap = family_map(ModelConfig.load(run / CONFIG_FILE).validate(), hf_config,
+                                   conversion, folder)
+        start = load_peft(recipe["adapter"], lmap, adapter)
+        ranks, scalings = start.ranks(), start.scalings
+    lora_api.add_lora(model, cfg, ranks=ranks, scalings=scalings)
+    out = {}
+    for name, child in model.named_modules():
+        if name.endswith(".lora"):  # the scaling lives on the adapter or on its base module
+            base = name.removesuffix(".lora")
+            holder = child if hasattr(child, "scaling") else model.get_submodule(base)
+            out[base] = float(holder.scaling)
+    return out
+
+
+
+def run_origin(run: Path, depth: int = 0
+               ) -> tuple[str | None, Path | None, dict[str, Any], dict[str, Any]]:
+    """What a run was trained from (its recipe's ``model``): the name or path, the folder (None:
+    a preset), the HF ``config.json`` and ``conversion.json`` it keeps (``{}`` when none). A run
+    started from another run asks that one."""
+    model = _recipe(run).get("model")
+    if not isinstance(model, str):
+        return None, None, {}, {}
+    folder = Path(model)
+    if folder.is_dir() and is_training_checkpoint(folder) and depth < 8:
+        return run_origin(folder, depth + 1)
+    if not folder.is_dir():
+        return model, None, {}, {}  # a preset name or a hub id
+    hf_config, conversion = hf_metadata(folder)
+    name = model if (folder / "config.json").exists() else hf_config.get("_name_or_path") or model
+    return name, folder, hf_config, conversion
+
+
+def export_adapter(run: str | Path, out: str | Path, base: str | None = None,
+                   force: bool = False) -> Path:
+    """Write the adapters of the LoRA run ``run`` (its newest step) as a PEFT adapter folder at
+    ``out``, through the converter of the family it was trained from; ``base`` overrides
+    ``base_model_name_or_path`` (default: what the run was trained from)."""
+    run = Path(run)
+    saved = Saved(run, lora_modules)
+    if not saved.lora:
+        raise ConfigError(f"{run}: not a LoRA run (no adapter tensors); `composer export` "
+                          "writes its weights")
+    name, folder, hf_config, conversion = run_origin(run)
+    _, lmap = family_map(saved.cfg, hf_config, conversion, folder)
+    lora = LoRATensors(*saved.adapters())
+    return write_peft(out, lmap, lora, base if base is not None else name, force,
+                      dropout=float(_recipe(run).get("lora_dropout") or 0.0))
+
+
+def export_merged(run: str | Path, out: str | Path, force: bool = False,
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD,
+                  progress: Callable[[int], None] | None = None) -> Path:
+    """``composer export --merge``: the run as a portable checkpoint, its adapters (if any)
+    merged into the weights."""
+    return export(run, out, force, max_shard_bytes, progress, install=lora_modules)
