@@ -186,7 +186,6 @@ def lora_modules(model: torch.nn.Module, run: Path) -> dict[str, float]:
     return out
 
 
-
 def run_origin(run: Path, depth: int = 0
                ) -> tuple[str | None, Path | None, dict[str, Any], dict[str, Any]]:
     """What a run was trained from (its recipe's ``model``): the name or path, the folder (None:
@@ -196,7 +195,8 @@ def run_origin(run: Path, depth: int = 0
     if not isinstance(model, str):
         return None, None, {}, {}
     folder = Path(model)
-    if folder.is_dir() and is_training_checkpoint(folder) and depth < 8:
+    if folder.is_dir() and is_training_checkpoint(folder) and depth < 8 \
+            and folder.resolve() != run.resolve():  # a resumed run names itself
         return run_origin(folder, depth + 1)
     if not folder.is_dir():
         return model, None, {}, {}  # a preset name or a hub id
