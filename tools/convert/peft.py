@@ -12,9 +12,13 @@ adapter follows its weight: on export A is copied to each HF module our module f
 split by the links' rows; one HF module assembled from several of ours (Granite's shared
 ``input_linear`` from our gate and up projections) gets their A's stacked (rank the sum) and
 their B's placed block-diagonally (each block scaled by its module's scaling over the HF
-module's). Import is the inverse: our module fed by several HF modules whose A's are equal (what
-the export writes) keeps the rank; with different A's it gets the stacked A and block-diagonal B.
-Both are exact. Rows of an HF (or our) weight fed by a module without an adapter get zero B rows.
+module's; Qwen3-Next's ``in_proj_qkvz`` from four of ours, interleaved by head group). Import
+is the inverse: our module fed by several HF modules whose A's are equal (what the export writes)
+keeps the rank; with different A's it gets the stacked A and block-diagonal B; several of ours
+fed by one HF module each get its A (so a stacked export comes back with the summed rank and
+zero blocks in B: the same update). All exact. Rows of an HF (or our) weight fed by a module
+without an adapter get zero B rows. Nemotron-H's HF modules are named as transformers 5 builds
+them in memory (``model.``, not the checkpoint's ``backbone.``): what PEFT's keys use.
 
 Only row links can be followed (a column permutation, or a routed expert's slice of a 3-D
 tensor, is refused in one line); routed-expert adapters are written by ``--merge`` instead.
