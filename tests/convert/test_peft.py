@@ -361,6 +361,17 @@ def test_export_flags_of_a_run_without_adapters(llama_hf, tmp_path, capsys):
     assert "--base" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "m"), "--merge"]) == 0
+    import numpy as np  # eval --adapter of a run: the same loss as of its export
+
+    peft_made(llama(), tmp_path / "made")
+    np.save(tmp_path / "ids.npy", ids_for().numpy())
+    capsys.readouterr()
+    losses = []
+    for source in (tmp_path / "run", tmp_path / "m"):
+        assert main(["eval", str(source), "--tokens", str(tmp_path / "ids.npy"), "--adapter",
+                     str(tmp_path / "made"), "--json", "--device", "cpu"]) == 0
+        losses.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"])
+    assert losses[0] == losses[1]
 
 
 def lora_api_missing() -> bool:
