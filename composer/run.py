@@ -73,7 +73,7 @@ def check_vocab(rows: list[np.ndarray], cfg: ModelConfig, path: str | Path) -> N
 
 def prepare(source: str, pc: ParallelConfig, seed: int = 0,
             optimizer_lr: float | None = None, device: str | None = None,
-            lora: LoRAConfig | None = None
+            lora: LoRAConfig | None = None, adapter: str | None = None
             ) -> tuple[HybridModel, ParallelDims, torch.optim.Optimizer | None, int]:
     """Model (portable checkpoint, training checkpoint or preset), layout, optimizer, step.
 
@@ -82,9 +82,12 @@ def prepare(source: str, pc: ParallelConfig, seed: int = 0,
     ``seed``), reads its slices (a portable checkpoint) or loads its shards (a training
     checkpoint, without initialising first). ``lora``: the run's adapters (a training
     checkpoint of a LoRA run holds them; without ``lora`` it is refused rather than read as its
-    base alone)."""
+    base alone). ``adapter``: a PEFT adapter folder merged into the weights as they are read
+    (eval and generate: the same logits as the adapted model)."""
     from composer.zoo import get_preset, presets
 
+    if adapter is not None:
+        return _prepare_with_adapter(source, pc, adapter, device)
     folder = Path(source)
     training = folder.is_dir() and is_training_checkpoint(folder)
     tensors = None
@@ -119,6 +122,30 @@ def has_adapters(folder: Path) -> bool:
 
     saved = FileSystemReader(str(latest_step(folder))).read_metadata().state_dict_metadata
     return any(is_adapter(k) for k in saved)
+
+
+def _prepare_with_adapter(source: str, pc: ParallelConfig, adapter: str, device: str | None
+                          ) -> tuple[HybridModel, ParallelDims, None, int]:
+    """:func:`prepare` of a portable checkpoint (a run: exported first, into a temporary folder,
+    its own adapters merged) read with the PEFT ``adapter`` merged into its weights."""
+    import tempfile
+
+    from composer.convert.peft_folders import export_merged, merged_source
+
+    folder = Path(source)
+    if not folder.is_dir():
+        raise ConfigError(f"{source}: --adapter needs a checkpoint folder (the adapter's base)")
+    with tempfile.TemporaryDirectory(prefix="composer-adapter-") as tmp:
+        if is_training_checkpoint(folder):
+            folder = export_merged(folder, Path(tmp) / "portable")
+        tensors = merged_source(folder, adapter)
+        cfg = ModelConfig.load(folder / CONFIG_FILE)
+        dims = build_parallel_dims(pc, device)
+        try:
+            model = build_sharded(cfg, dims, seed=0, tensors=tensors)
+        finally:
+            tensors.close()
+    return model, dims, None, 0
 
 
 def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,

@@ -133,7 +133,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         rows = load_tokens(args.tokens, args.seq_len)
     use_threads(source_params(args.ckpt), args.batch_size * len(rows[0]) if len(rows) else 1)
-    model, dims, _, _ = prepare(args.ckpt, _layout(args), device=args.device)
+    model, dims, _, _ = prepare(args.ckpt, _layout(args), device=args.device,
+                                adapter=args.adapter)
     check_vocab(rows, model.config, args.tokens or args.data)
     loss, n = evaluate(model, dims, rows, args.batch_size, doc_ids)
     if is_main_process():
@@ -267,23 +268,36 @@ def cmd_export(args: argparse.Namespace) -> int:
     from composer.export import export
     from composer.portable import parse_size
 
+    if args.adapter and args.merge:
+        raise UsageError("give --adapter (a PEFT adapter folder) or --merge, not both")
+    if args.base is not None and not args.adapter:
+        raise UsageError("--base names the base model of a PEFT adapter; it needs --adapter")
     try:
         max_shard = parse_size(args.max_shard_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     start = time.perf_counter()
-    bar = _progress_bar(0, "export")
-    try:
-        export(args.run, args.out, force=args.force, max_shard_bytes=max_shard,
-               progress=bar.update)
-    finally:
-        bar.close()
+    if args.adapter:
+        from composer.convert.peft_folders import export_adapter
+
+        export_adapter(args.run, args.out, base=args.base, force=args.force)
+        what = "adapter_config.json, adapter_model.safetensors"
+    else:
+        if args.merge:
+            from composer.convert.peft_folders import export_merged as export
+        bar = _progress_bar(0, "export")
+        try:
+            export(args.run, args.out, force=args.force, max_shard_bytes=max_shard,
+                   progress=bar.update)
+        finally:
+            bar.close()
+        what = "config.yaml, model.safetensors"
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps({"run": str(args.run), "out": str(args.out),
                           "seconds": round(seconds, 3)}))
     else:
-        print(f"wrote {args.out} (config.yaml, model.safetensors) in {seconds:.2f}s")
+        print(f"wrote {args.out} ({what}) in {seconds:.2f}s")
     return 0
 
 
@@ -365,6 +379,8 @@ def make_parser(argv: Sequence[str] | None = None) -> Parser:
     ev.add_argument("--document-isolation", action="store_true",
                     help="with --data: nothing is seen or predicted across documents")
     ev.add_argument("--batch-size", type=int, default=8, help="sequences per forward per rank")
+    ev.add_argument("--adapter", metavar="DIR", default=None,
+                    help="a PEFT LoRA adapter folder, merged into the weights before evaluating")
     _add_layout(ev)
     ev.set_defaults(func=cmd_eval)
 
@@ -424,6 +440,13 @@ def make_parser(argv: Sequence[str] | None = None) -> Parser:
     ex.add_argument("out", help="the portable checkpoint folder to write")
     ex.add_argument("--max-shard-size", default="50GB",
                     help="split model.safetensors into shards of at most this size")
+    ex.add_argument("--adapter", action="store_true",
+                    help="a LoRA run: write its adapters as a PEFT adapter folder")
+    ex.add_argument("--merge", action="store_true",
+                    help="a LoRA run: write the merged weights (W + scaling B A)")
+    ex.add_argument("--base", metavar="NAME_OR_PATH", default=None,
+                    help="with --adapter: base_model_name_or_path (default: what the run was "
+                         "trained from)")
     ex.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     ex.add_argument("--json", action="store_true", help="one line of JSON on stdout")
     ex.set_defaults(func=cmd_export)

@@ -61,6 +61,8 @@ def add_parser(sub: Any) -> None:
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the text to continue")
     prompt.add_argument("--prompt-file", help="read the prompt from this UTF-8 file (as is)")
+    gen.add_argument("--adapter", metavar="DIR", default=None,
+                     help="a PEFT LoRA adapter folder, merged into the weights")
     gen.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                      help=f"stop after this many new tokens (default {DEFAULT_MAX_NEW_TOKENS})")
     gen.add_argument("--temperature", type=float, default=0.0,
@@ -183,9 +185,9 @@ def encode(tok: Tokenizer, text: str, chat: bool) -> list[int]:
     return ids
 
 
-def load_model(source: Path, kind: str, device: str) -> HybridModel:
+def load_model(source: Path, kind: str, device: str, adapter: str | None = None) -> HybridModel:
     """The SOURCE's model on ``device``, in eval mode (a Hugging Face folder converted into a
-    temporary folder first, removed once loaded)."""
+    temporary folder first, removed once loaded), with the PEFT ``adapter`` merged if given."""
     from composer.parallel.mesh import ParallelConfig
     from composer.run import prepare
 
@@ -194,10 +196,10 @@ def load_model(source: Path, kind: str, device: str) -> HybridModel:
 
         with tempfile.TemporaryDirectory(prefix="composer-generate-") as tmp:
             from_hf(source, Path(tmp) / "checkpoint")
-            return load_model(Path(tmp) / "checkpoint", "portable", device)
+            return load_model(Path(tmp) / "checkpoint", "portable", device, adapter)
     with warnings.catch_warnings():  # DCP's note that it reads in a single process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        model, _, _, _ = prepare(str(source), ParallelConfig(), device=device)
+        model, _, _, _ = prepare(str(source), ParallelConfig(), device=device, adapter=adapter)
     return model.eval()
 
 
@@ -295,7 +297,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kind = source_kind(source)
     tok = find_tokenizer(source, kind, args.tokenizer)
     prompt_ids = encode(tok, text, args.chat)
-    model = load_model(source, kind, args.device)
+    model = load_model(source, kind, args.device, args.adapter)
     vocab = model.config.vocab_size
     if max(prompt_ids) >= vocab:
         raise GenerateError(f"the prompt's token ids reach {max(prompt_ids)}, past the model's "
