@@ -39,6 +39,8 @@ BUILTIN_NAMES = {"builtin:chat": PREFIX}
 SEED = 23
 N_CONVERSATIONS = 1200
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+MAX_TOKENS = 256
+"""No conversation is longer (the recipe's ``seq_len``): nothing is truncated."""
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -131,15 +133,24 @@ def _capital(rng: random.Random) -> tuple[str, str]:
 TASKS = (_arithmetic, _echo, _reverse, _uppercase, _count, _repeat, _capital)
 
 
+def n_tokens(messages: list[dict[str, str]]) -> int:
+    """The conversation's length in the shipped tokenizer: ChatML wraps each message as
+    ``<|im_start|>ROLE\nCONTENT<|im_end|>\n`` and every other byte is one token."""
+    return sum(len(m["role"].encode()) + len(m["content"].encode()) + 4 for m in messages)
+
+
 def conversation(rng: random.Random) -> dict[str, list[dict[str, str]]]:
-    """One conversation: an optional system prompt (one in four), then one to three turns."""
+    """One conversation: an optional system prompt (one in four), then one to three turns (a
+    turn that would make it longer than :data:`MAX_TOKENS` is left out)."""
     messages = []
     if rng.random() < 0.25:
         messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
     for _ in range(rng.choice((1, 1, 1, 2, 2, 3))):
         question, answer = rng.choice(TASKS)(rng)
-        messages += [{"role": "user", "content": question},
-                     {"role": "assistant", "content": answer}]
+        turn = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        if n_tokens(messages + turn) > MAX_TOKENS:
+            break
+        messages += turn
     return {"messages": messages}
 
 
