@@ -124,6 +124,7 @@ def test_the_recipe_trains_a_tiny_model_on_the_set():
     assert recipe.objective == "sft" and recipe.lora_rank == 0 and recipe.eval_every
     assert recipe.seq_len >= chatset.MAX_TOKENS and recipe.split
     assert parse_blend(recipe.data) == [(1.0, str(chatset.PREFIX))]
+    assert parse_blend("data/web") == [(1.0, "data/web")]  # any other prefix is as given
     _, pattern, overrides = model_source(recipe.model)
     cfg = apply_overrides(ModelConfig(pattern=pattern), overrides)
     assert cfg.vocab_size == load_tokenizer(str(chatset.TOKENIZER)).vocab_size
@@ -138,12 +139,16 @@ def test_the_prepared_set_masks_the_answers():
     ds = MaskedDataset(parse_blend("builtin:chat")[0][1])
     tok = load_tokenizer(str(chatset.PREFIX))
     assert ds.n_documents == len(ROWS)
+    assert ds.supervised_tokens() == sum(len(m["content"]) + 1 for r in ROWS
+                                         for m in r["messages"] if m["role"] == "assistant")
     for d in (0, 1, len(ROWS) - 1):
         ids, mask = ds.document(d)
-        answers = "".join(m["content"] + "<|im_end|>" for m in ROWS[d]["messages"]
-                          if m["role"] == "assistant")
-        assert tok._tok.decode([int(i) for i in ids[mask == 1]],
-                               skip_special_tokens=False) == answers
+        answers = [m["content"] for m in ROWS[d]["messages"] if m["role"] == "assistant"]
+        supervised = ids[mask == 1]
+        # each answer's bytes and its <|im_end|> (the eod, which decode leaves out)
+        assert int((supervised == tok.eod).sum()) == len(answers)
+        assert tok.decode(supervised) == "".join(answers)
+        assert len(ids) == chatset.n_tokens(ROWS[d]["messages"])
 
 
 @pytest.mark.slow
