@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from composer.data.chatset import resolve_builtin
 from composer.data.indexed import DataError
 
 BLOCK = 1 << 16
@@ -19,14 +20,14 @@ BLOCK = 1 << 16
 
 def parse_blend(values: list[str] | str | None) -> list[tuple[float, str]]:
     """``["PREFIX"]`` or ``["0.7", "A", "0.3", "B"]`` -> ``[(weight, prefix), ...]`` (weights
-    normalised to sum to 1)."""
+    normalised to sum to 1); a shipped dataset's name (``builtin:chat``) becomes its PREFIX."""
     if values is None:
         return []
     if isinstance(values, str):
         values = values.split()
     values = [str(v) for v in values]
     if len(values) == 1:
-        return [(1.0, values[0])]
+        return [(1.0, resolve_builtin(values[0]))]
     if len(values) % 2:
         raise DataError(f"--data {' '.join(values)}: a blend is WEIGHT PREFIX pairs "
                         "(e.g. --data 0.7 A 0.3 B); one PREFIX alone needs no weight")
@@ -39,7 +40,7 @@ def parse_blend(values: list[str] | str | None) -> list[tuple[float, str]]:
                             "pairs)") from None
         if not weight > 0:
             raise DataError(f"--data: the weight of {prefix} must be positive, got {w}")
-        pairs.append((weight, prefix))
+        pairs.append((weight, resolve_builtin(prefix)))
     total = sum(w for w, _ in pairs)
     return [(w / total, p) for w, p in pairs]
 
