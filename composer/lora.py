@@ -52,6 +52,13 @@ class LoRAConfig:
     alpha: float | None = None
     dropout: float = 0.0
     targets: tuple[str, ...] = (ALL,)
+    ranks: Mapping[str, int] | None = None
+    """Per-projection ranks (module path or target name -> rank): an imported PEFT adapter's
+    ``rank_pattern``, or a rank widened by fusing; default ``rank``."""
+    scalings: Mapping[str, float] | None = None
+    """Per-projection scalings, likewise (``alpha_pattern``); default :attr:`scaling`."""
+    paths: tuple[str, ...] | None = None
+    """Adapt only these module paths among the targets (an imported adapter's modules)."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -236,6 +243,15 @@ def add_lora(model: nn.Module, cfg: LoRAConfig, ranks: Mapping[str, int] | None 
     made where their base's weight is); values come from the init rules
     (``composer.build.init``). Returns the adapted targets."""
     targets = select_targets(model, cfg.targets)
+    if cfg.paths is not None:
+        keep = set(cfg.paths)
+        missing = sorted(keep - {t.path for t in targets})
+        if missing:
+            raise ConfigError(f"LoRA: {missing[0]!r} is not a projection of this model that "
+                              f"{' '.join(cfg.targets)} names")
+        targets = [t for t in targets if t.path in keep]
+    ranks = cfg.ranks if ranks is None else ranks
+    scalings = cfg.scalings if scalings is None else scalings
     for t in targets:
         rank = _lookup(ranks, t, cfg.rank)
         scaling = _lookup(scalings, t, cfg.scaling)

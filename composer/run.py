@@ -80,10 +80,9 @@ def prepare(source: str, pc: ParallelConfig, seed: int = 0,
     Shard-local: the model is built and parallelised on the meta device, then this rank
     allocates its shards on its device and initialises them (a preset: layout-independent, from
     ``seed``), reads its slices (a portable checkpoint) or loads its shards (a training
-    checkpoint, without initialising first). ``lora``: the run's adapters (a training
-    checkpoint of a LoRA run holds them; without ``lora`` it is refused rather than read as its
-    base alone). ``adapter``: a PEFT adapter folder merged into the weights as they are read
-    (eval and generate: the same logits as the adapted model)."""
+    checkpoint, without initialising first). ``lora``: LoRA adapters (a LoRA run's own, from
+    its recipe, when not given). ``adapter``: a PEFT adapter folder merged into the weights as
+    they are read (eval and generate: the same logits as the adapted model)."""
     from composer.zoo import get_preset, presets
 
     if adapter is not None:
@@ -100,8 +99,9 @@ def prepare(source: str, pc: ParallelConfig, seed: int = 0,
     else:
         raise ConfigError(f"{source}: not a checkpoint folder or a preset name")
     if training and lora is None and has_adapters(folder):
-        raise ConfigError(f"{folder} is a LoRA run: its adapters need the run's LoRA settings "
-                          "(or merge them first: composer export RUN OUT --merge)")
+        from composer.convert.peft_folders import run_lora_config
+
+        lora = run_lora_config(folder)  # the adapters as the run trained them
     dims = build_parallel_dims(pc, device)
     try:
         model = build_sharded(cfg, dims, seed=None if training else seed, tensors=tensors,

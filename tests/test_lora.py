@@ -212,17 +212,20 @@ def test_base_from_portable_checkpoint_adapters_initialised(tmp_path):
     assert not any(p.requires_grad for n, p in model.named_parameters() if ".lora." not in n)
 
 
-def test_lora_run_is_not_read_as_its_base(tmp_path):
+def test_lora_run_is_read_with_its_adapters(tmp_path):
     from composer.parallel.mesh import ParallelConfig
     from composer.run import has_adapters, prepare
 
     _train({"save": str(tmp_path / "run")})
     assert has_adapters(tmp_path / "run")
-    with pytest.raises(ConfigError, match="is a LoRA run"):
-        prepare(str(tmp_path / "run"), ParallelConfig(), device="cpu")
+    own, _, _, _ = prepare(str(tmp_path / "run"), ParallelConfig(), device="cpu")
     lora = LoRAConfig(rank=4, targets=("all", "experts"))
     model, _, _, step = prepare(str(tmp_path / "run"), ParallelConfig(), device="cpu", lora=lora)
     assert step == 1 and lora_state_dict(model)["layers.3.mixer.experts.lora.up_proj.B"].any()
+    # without LoRA settings the run's own (its recipe) are used: never read as its base alone
+    got = lora_state_dict(own)
+    assert got.keys() == lora_state_dict(model).keys()
+    assert all(torch.equal(v, lora_state_dict(model)[k]) for k, v in got.items())
 
 
 def test_cli_train_lora_from_a_portable_base(tmp_path, capsys):

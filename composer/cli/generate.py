@@ -200,6 +200,10 @@ def load_model(source: Path, kind: str, device: str, adapter: str | None = None)
     with warnings.catch_warnings():  # DCP's note that it reads in a single process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         model, _, _, _ = prepare(str(source), ParallelConfig(), device=device, adapter=adapter)
+    from composer.lora import adapter_modules, merge_lora
+
+    if adapter_modules(model):  # a LoRA run: merged (exact; every cached path reads W alone)
+        merge_lora(model)
     return model.eval()
 
 

@@ -80,6 +80,8 @@ def resolve(source: str | None, config: str | None,
     if recipe.model is None:
         raise ConfigError("nothing to train: give SOURCE (a preset or checkpoint folder) or a "
                           "recipe with `model:`")
+    if recipe.origin is None:
+        recipe.origin = recipe.model
     if recipe.steps is None:
         raise ConfigError("--steps is required (the run's total number of optimizer steps)")
     return recipe, resume
@@ -302,8 +304,8 @@ def _check_cp(recipe: Recipe, cfg: ModelConfig, seq_len: int) -> None:
 def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run, int]:
     """Build the run; returns it and the last step to take."""
     from composer.build.builder import build_model, model_stats
-    from composer.lora import lora_config
     from composer.run import build_sharded
+    from composer.train.adapters import load_adapter_tensors, run_adapters
 
     objective = get_objective(recipe.objective)
     recipe = objective.adjust(recipe)  # sft: document isolation
@@ -334,15 +336,18 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     if recipe.eval_every and valid is None and recipe.steps:  # --steps 0 evaluates nothing
         raise ConfigError("--eval-every needs validation data: an indexed dataset (--data) "
                           "with a valid share in --split, e.g. --split 98,2,0")
+    lora, start = run_adapters(recipe, resume)
     seed_everything(recipe.seed)
     try:  # fp32 masters whatever the source's dtype
         model = build_sharded(cfg, dims, seed=None if resume else recipe.seed, tensors=tensors,
                               dtype=torch.float32,
                               transform=_fp8 if precision == "fp8" else None,
-                              lora=lora_config(recipe))
+                              lora=lora)
     finally:
         if tensors is not None:
             tensors.close()
+    if start is not None:
+        load_adapter_tensors(model, start)
     if model.pipeline is not None:
         model.pipeline.configure(schedule, recipe.global_batch_size // (micro * dims.dp))
     opt = build_optimizers(model, recipe.optimizer, recipe.lr, recipe.weight_decay,

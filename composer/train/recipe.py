@@ -42,6 +42,9 @@ class Recipe:
     """A preset name, a checkpoint folder, or ``{preset|pattern: ..., set: {...}}`` (the
     command's SOURCE)."""
     description: str = setting("", cli=False)
+    origin: Any = setting(None, cli=False)
+    """What the run was first trained from (``model`` of its first invocation; a resumed run's
+    ``model`` is the run itself): what ``export --adapter`` names as the base."""
     objective: Literal["pretrain", "sft"] = setting(
         "pretrain", "pretrain (default: every token predicted) or sft (the masked tokens of "
         "chat data from `composer data prepare --format chat`)")

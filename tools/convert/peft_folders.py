@@ -113,7 +113,7 @@ def merged_source(folder: str | Path, adapter_dir: str | Path) -> MergedSource:
 def training_start(source: str | Path, adapter_dir: str | Path) -> LoRATensors:
     """The PEFT adapter ``adapter_dir`` as our adapter tensors (per-module ranks and
     scalings) for the portable checkpoint or Hugging Face folder ``source`` that ``train``
-    starts from: what :func:`attach_for_training` installs."""
+    starts from (:func:`adapter_lora_config` gives the adapters' layout)."""
     source = Path(source)
     if (source / CONFIG_FILE).exists():
         _, adapter, lmap = checkpoint_map(source)
@@ -123,21 +123,6 @@ def training_start(source: str | Path, adapter_dir: str | Path) -> LoRATensors:
                                                 ""))
         lmap = link_map(adapter, adapter.config_from_hf(hf_config))
     return load_peft(adapter_dir, lmap, adapter)
-
-
-def attach_for_training(model: Any, lora: LoRATensors, lora_config: Any) -> None:
-    """GLUE (the lead connects it to ``composer.lora``; call it on the meta model, before
-    parallelisation): the adapters of ``lora`` become the model's trainable LoRA modules, with
-    their per-module ranks and scalings (``lora_config`` gives dropout and the rest). After the
-    model is allocated, copy ``lora.tensors`` into them (each ``<base>.lora.A.weight`` /
-    ``.lora.B.weight`` by state-dict name; B fused like its base), e.g. with
-    ``composer.build.init.load_weights`` from a source of these tensors."""
-    from composer.lora import add_lora  # the lora helper's API
-
-    missing = [b for b in lora.bases() if b + ".weight" not in model.state_dict()]
-    if missing:
-        raise ConfigError(f"the adapter adapts {missing[0]!r}, which this model does not have")
-    add_lora(model, lora_config, ranks=lora.ranks(), scalings=dict(lora.scalings))
 
 
 # ---------------------------------------------------------------- runs
@@ -153,37 +138,53 @@ def _recipe(run: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def lora_modules(model: torch.nn.Module, run: Path) -> dict[str, float]:
-    """GLUE (the lead connects it to ``composer.lora``): add to the meta ``model`` the LoRA
-    modules the run ``run`` trained (ranks, targets and per-module scalings as its recipe says:
-    ``lora_*`` fields, or the PEFT ``adapter`` it started from), so that their saved tensors are
-    found under the names and fused layout of ``<base>.lora.A.weight`` / ``.lora.B.weight``;
-    returns each adapted base's scaling."""
-    try:
-        import composer.lora as lora_api
-    except ImportError:
-        raise ConfigError(f"{run}: a LoRA run, but this build has no composer.lora to read its "
-                          "adapters") from None
+def adapter_lora_config(start: LoRATensors, dropout: float = 0.0) -> Any:
+    """The :class:`composer.lora.LoRAConfig` that gives a model exactly the adapters of
+    ``start`` (an imported PEFT adapter): its modules, per-module ranks and scalings."""
+    from composer.lora import ALL, LoRAConfig
+
+    ranks = start.ranks()
+    if not ranks:
+        raise ConfigError("the PEFT adapter adapts no projection")
+    return LoRAConfig(rank=max(ranks.values()), dropout=dropout, targets=(ALL,), ranks=ranks,
+                      scalings=dict(start.scalings), paths=tuple(start.bases()))
+
+
+def run_lora_config(run: Path) -> Any:
+    """The LoRA adapters the run ``run`` trains (``composer.lora.LoRAConfig``), or None: its
+    recipe's ``lora_*`` fields, or the PEFT ``adapter`` it started from (read again for its
+    modules, ranks and scalings; the weights are the run's)."""
+    from composer.lora import LoRAConfig
+
     recipe = _recipe(run)
+    dropout = float(recipe.get("lora_dropout") or 0.0)
+    if recipe.get("adapter"):
+        _, folder, _, _ = run_origin(run)
+        if folder is None:
+            raise ConfigError(f"{run}: started from the adapter {recipe['adapter']}, but what "
+                              "it adapted is not a folder any more")
+        return adapter_lora_config(training_start(folder, recipe["adapter"]), dropout)
     rank = int(recipe.get("lora_rank") or 0)
-    alpha = recipe.get("lora_alpha") or rank
-    cfg = lora_api.LoRAConfig(rank=rank, alpha=alpha, dropout=0.0,
-                              targets=recipe.get("lora_targets") or ["all"])
-    ranks = scalings = None
-    if recipe.get("adapter"):  # per-module ranks and scalings of the adapter it started from
-        _, folder, hf_config, conversion = run_origin(run)
-        adapter, lmap = family_map(ModelConfig.load(run / CONFIG_FILE).validate(), hf_config,
-                                   conversion, folder)
-        start = load_peft(recipe["adapter"], lmap, adapter)
-        ranks, scalings = start.ranks(), start.scalings
-    lora_api.add_lora(model, cfg, ranks=ranks, scalings=scalings)
-    out = {}
-    for name, child in model.named_modules():
-        if name.endswith(".lora"):  # the scaling lives on the adapter or on its base module
-            base = name.removesuffix(".lora")
-            holder = child if hasattr(child, "scaling") else model.get_submodule(base)
-            out[base] = float(holder.scaling)
-    return out
+    if not rank:
+        return None
+    return LoRAConfig(rank=rank, alpha=recipe.get("lora_alpha"), dropout=dropout,
+                      targets=tuple(recipe.get("lora_targets") or ["all"]))
+
+
+def lora_modules(model: torch.nn.Module, run: Path) -> dict[str, float]:
+    """Add to the meta ``model`` the LoRA modules the run ``run`` trained
+    (:func:`run_lora_config`), so that their saved tensors are found under the names and fused
+    layout of ``<base>.lora.A.weight`` / ``.lora.B.weight``; returns each adapted base's
+    scaling."""
+    from composer.lora import adapter_modules, add_lora
+
+    cfg = run_lora_config(run)
+    if cfg is None:
+        raise ConfigError(f"{run}: its checkpoint holds LoRA adapters, but its recipe.yaml has "
+                          "no lora_rank or adapter")
+    add_lora(model, cfg)
+    return {name.removesuffix(".lora"): float(module.scaling)
+            for name, module in adapter_modules(model) if hasattr(module, "scaling")}
 
 
 def run_origin(run: Path, depth: int = 0
@@ -191,7 +192,8 @@ def run_origin(run: Path, depth: int = 0
     """What a run was trained from (its recipe's ``model``): the name or path, the folder (None:
     a preset), the HF ``config.json`` and ``conversion.json`` it keeps (``{}`` when none). A run
     started from another run asks that one."""
-    model = _recipe(run).get("model")
+    recipe = _recipe(run)
+    model = recipe.get("origin") or recipe.get("model")  # origin: kept across resumes
     if not isinstance(model, str):
         return None, None, {}, {}
     folder = Path(model)
