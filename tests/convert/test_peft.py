@@ -374,18 +374,6 @@ def test_export_flags_of_a_run_without_adapters(llama_hf, tmp_path, capsys):
     assert losses[0] == losses[1]
 
 
-def lora_api_missing() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("composer.lora") is None
-
-
-needs_lora = pytest.mark.skipif(lora_api_missing(), reason="composer.lora (the LoRA modules of "
-                                "issue 23 item 4) is not on this branch; the lead enables these "
-                                "after merging it")
-
-
-@needs_lora
 def test_lora_run_exports_a_peft_adapter_and_a_merged_checkpoint(llama_hf, tmp_path, capsys):
     from composer.cli import main
     from composer.convert import to_hf
@@ -570,3 +558,44 @@ def test_fused_hf_projections_of_gated_delta_net(family, tmp_path):
         expected = model(ids).logits
     lora = load_peft(tmp_path / "made", lmap, adapter)
     assert rel_err(ours_logits(tmp_path / "ours", lora, ids), expected) < FP32_PARITY
+
+
+def test_train_starts_from_a_peft_adapter(llama_hf, tmp_path):
+    """``composer train SOURCE --adapter DIR`` (SOURCE a Hugging Face folder or its portable
+    conversion): the run starts as peft's adapted model (its logits at step 0), only the
+    adapters train, a resume is exact, and ``export --adapter`` writes what peft loads back."""
+    from transformers import LlamaForCausalLM
+
+    from composer.cli import main
+    from composer.cli.generate import load_model
+    from composer.lora import is_adapter
+
+    made = peft_made(llama_hf, tmp_path / "made")
+    ids = ids_for()
+    with torch.no_grad():
+        want = made(ids).logits
+    for source in (tmp_path / "hf", tmp_path / "ours"):
+        run = tmp_path / f"run-{source.name}"
+        train_run(source, run, steps=0, adapter=str(tmp_path / "made"))
+        with torch.no_grad():
+            assert rel_err(load_model(run, "training", "cpu")(ids), want) < FP32_PARITY
+    straight = train_run(tmp_path / "ours", tmp_path / "straight", adapter=str(tmp_path / "made"))
+    train_run(tmp_path / "ours", tmp_path / "resumed", adapter=str(tmp_path / "made"),
+              exit_at_step=1)
+    resumed = train_case_resume(tmp_path / "resumed")
+    start = train_run(tmp_path / "ours", tmp_path / "zero", steps=0, adapter=str(tmp_path / "made"))
+    for name, p in straight["params"].items():
+        assert torch.equal(p, resumed["params"][name]), name
+        assert is_adapter(name) != torch.equal(p, start["params"][name]), name
+    assert main(["export", str(tmp_path / "straight"), str(tmp_path / "out"), "--adapter"]) == 0
+    base = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        back = peft.PeftModel.from_pretrained(base, tmp_path / "out").eval()(ids).logits
+        ours = load_model(tmp_path / "straight", "training", "cpu")(ids)
+    assert rel_err(back, ours) < FP32_PARITY
+
+
+def train_case_resume(run):
+    from tests.helpers import train_case
+
+    return train_case({"exit_at_step": None}, source=str(run))
