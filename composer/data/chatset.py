@@ -24,8 +24,11 @@ merges), then ``<|endoftext|>`` 256, ``<|im_start|>`` 257, ``<|im_end|>`` 258 (a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -225,14 +228,23 @@ def prepare(folder: str | Path = BUILTIN_CHAT) -> dict[str, Any]:
     """Prepare ``chat.jsonl`` with the shipped tokenizer into the dataset PREFIX ``chat``
     (tokens, mask, ``chat.json``, ``chat.tokenizer/``; format in :mod:`composer.data.masked`)."""
     out = Path(folder)
-    # LEAD: connect this to the chat helper's preparer (`composer data prepare --format chat`),
-    # i.e. the equivalent of
-    #   composer data prepare chat.jsonl --format chat --tokenizer tokenizer/ --mask assistant \
-    #       --out chat --force
-    from composer.data import chat  # type: ignore[attr-defined]
+    from composer.data.chat_prepare import prepare_chat
 
-    return chat.prepare([str(out / JSONL.name)], str(out / PREFIX.name),  # LEAD: the real name
-                        tokenizer=str(out / TOKENIZER.name), mask="assistant", force=True)
+    # from inside the folder: the shipped record names its inputs relative to it, not as paths
+    # of the machine that made it
+    with _chdir(out):
+        return prepare_chat([JSONL.name], PREFIX.name, tokenizer=os.path.join(".", TOKENIZER.name),
+                            mask="assistant", force=True)
+
+
+@contextlib.contextmanager
+def _chdir(folder: Path) -> Iterator[None]:  # contextlib.chdir is Python 3.11+ only
+    old = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(old)
 
 
 def resolve_builtin(prefix: str) -> str:

@@ -4,7 +4,6 @@ and in transformers and renders and masks as transformers does, and the sft-debu
 it."""
 
 import fnmatch
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -17,8 +16,6 @@ from composer.data.blend import parse_blend
 from composer.data.tokenizer import HFTokenizer, load_tokenizer
 
 ROWS = [json.loads(line) for line in chatset.JSONL.read_text(encoding="utf-8").splitlines()]
-HAS_CHAT_PREPARE = importlib.util.find_spec("composer.data.chat") is not None
-PREPARED = chatset.PREFIX.with_name(chatset.PREFIX.name + ".mask.idx").is_file()
 
 
 def test_the_shipped_files_are_what_the_script_generates(tmp_path):
@@ -130,9 +127,18 @@ def test_the_recipe_trains_a_tiny_model_on_the_set():
     assert cfg.vocab_size == load_tokenizer(str(chatset.TOKENIZER)).vocab_size
 
 
-@pytest.mark.skipif(not (HAS_CHAT_PREPARE and PREPARED),
-                    reason="needs the chat helper's composer.data.chat and the prepared set "
-                           "(python -m composer.data.chatset --prepare)")
+def test_the_shipped_prepared_set_is_what_prepare_writes(tmp_path):
+    """``python -m composer.data.chatset --prepare`` rebuilds the shipped files byte for byte."""
+    import shutil
+
+    shutil.copyfile(chatset.BUILTIN_CHAT / chatset.JSONL.name, tmp_path / chatset.JSONL.name)
+    shutil.copytree(chatset.TOKENIZER, tmp_path / chatset.TOKENIZER.name)
+    chatset.prepare(tmp_path)
+    for suffix in (".bin", ".idx", ".mask.bin", ".mask.idx", ".chat.json"):
+        name = chatset.PREFIX.name + suffix
+        assert (tmp_path / name).read_bytes() == (chatset.BUILTIN_CHAT / name).read_bytes(), name
+
+
 def test_the_prepared_set_masks_the_answers():
     from composer.data.masked import MaskedDataset
 
@@ -152,9 +158,6 @@ def test_the_prepared_set_masks_the_answers():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (HAS_CHAT_PREPARE and PREPARED),
-                    reason="needs --objective sft (the sft helper), composer.data.chat and the "
-                           "prepared set (python -m composer.data.chatset --prepare)")
 def test_the_sft_debug_recipe_lowers_the_masked_loss(tmp_path):
     """The issue's acceptance: under 2 minutes on 2 cores, masked validation loss down >= 30%."""
     from composer.cli import main
