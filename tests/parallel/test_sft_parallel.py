@@ -1,6 +1,6 @@
 """The SFT objective on two gloo ranks equals one process: the gradient of one step at dp=2
 (the global masked-token normalisation, fp32 1e-6), and the losses, gradient norms and weights
-of two steps and the masked validation loss at pp=2, cp=2 and tp=2 (fp64 masters). All cases
+of two steps and the masked validation loss at pp=2, cp=2, tp=2 and ep=2 (fp64 masters). All cases
 run in one pair of spawned ranks."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from tests.train.test_sft import LENGTHS, assert_grads_close, masked_data, sft_v
 
 pytestmark = pytest.mark.slow  # every test here spawns ranks
 
-LAYOUTS = {"pp2": {"pp": 2, "micro_batch_size": 1}, "cp2": {"cp": 2}, "tp2": {"tp": 2}}
+LAYOUTS = {"pp2": {"pp": 2, "micro_batch_size": 1}, "cp2": {"cp": 2}, "tp2": {"tp": 2},
+           "ep2": {"ep": 2}}
 EVAL = {"split": "80,20,0", "eval_every": 2, "eval_iters": 1}
 """Every layout also evaluates (the masked validation loss) after its second step."""
 
