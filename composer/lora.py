@@ -233,15 +233,16 @@ def _attach_experts(experts: nn.Module, rank: int, scaling: float) -> None:
 
 
 def add_lora(model: nn.Module, cfg: LoRAConfig, ranks: Mapping[str, int] | None = None,
-             scalings: Mapping[str, float] | None = None) -> list[Target]:
+             scalings: Mapping[str, float] | None = None, seed: int = 0) -> list[Target]:
     """Attach adapters to the projections ``cfg.targets`` pick and freeze everything else.
 
     ``ranks`` / ``scalings`` override ``cfg.rank`` / ``cfg.scaling`` per projection, keyed by
     its module path in the model (``layers.0.mixer.q_proj``) or by target name (``q_proj``):
     an imported PEFT adapter's ``rank_pattern`` / ``alpha_pattern``, or a rank widened by fusing
     several HF modules' adapters into one of ours. Works on the meta device (the adapters are
-    made where their base's weight is); values come from the init rules
-    (``composer.build.init``). Returns the adapted targets."""
+    made where their base's weight is, and there initialised from ``seed`` by their init rules,
+    as the builder initialises every tensor: ``composer.build.init``). Returns the adapted
+    targets."""
     targets = select_targets(model, cfg.targets)
     if cfg.paths is not None:
         keep = set(cfg.paths)
@@ -250,6 +251,7 @@ def add_lora(model: nn.Module, cfg: LoRAConfig, ranks: Mapping[str, int] | None 
             raise ConfigError(f"LoRA: {missing[0]!r} is not a projection of this model that "
                               f"{' '.join(cfg.targets)} names")
         targets = [t for t in targets if t.path in keep]
+    before = adapter_names(model)
     ranks = cfg.ranks if ranks is None else ranks
     scalings = cfg.scalings if scalings is None else scalings
     for t in targets:
@@ -262,6 +264,11 @@ def add_lora(model: nn.Module, cfg: LoRAConfig, ranks: Mapping[str, int] | None 
             _attach_linear(module, rank, scaling, cfg.dropout)
     freeze_base(model)
     _check_init(model)
+    new = adapter_names(model) - before
+    if any(p.device.type != "meta" for n, p in model.named_parameters() if n in new):
+        from composer.build.init import init_weights
+
+        init_weights(model, seed, only=new.__contains__)  # a model in memory: B = 0 now
     return targets
 
 

@@ -22,28 +22,19 @@ import heapq
 
 import numpy as np
 
+from composer.data import chat
+from composer.data.chat import TRUNCATE_SIDES
 from composer.data.indexed import DataError
 from composer.data.masked import MaskedDataset
-
-TRUNCATE_SIDES = ("right", "left", "error")
 
 
 def truncate(ids: np.ndarray, mask: np.ndarray, seq_len: int, side: str,
              name: str = "a document") -> tuple[np.ndarray, np.ndarray]:
-    """``ids`` and ``mask`` cut to at most ``seq_len`` tokens (``right``: the first ones,
-    ``left``: the last ones; ``error``: :class:`DataError` naming the document and both
-    lengths)."""
-    n = len(ids)
-    if n <= seq_len:
-        return ids, mask
-    if side == "right":
-        return ids[:seq_len], mask[:seq_len]
-    if side == "left":
-        return ids[n - seq_len:], mask[n - seq_len:]
-    if side == "error":
-        raise DataError(f"{name}: {n} tokens, longer than --seq-len {seq_len} "
-                        "(--truncate right|left cuts it)")
-    raise DataError(f"--truncate {side!r}: expected one of {', '.join(TRUNCATE_SIDES)}")
+    """:func:`composer.data.chat.truncate`, its refusal naming the document ``name``."""
+    try:
+        return chat.truncate(ids, mask, seq_len, side)
+    except chat.RowError as e:
+        raise DataError(f"{name}: {e}") from None
 
 
 def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:

@@ -1,5 +1,5 @@
-"""Training objectives (DESIGN.md §8): what a row's labels are, what the loss counts, what data
-the objective reads. One loop (:mod:`composer.train.loop`) runs them all.
+"""Training objectives: what a row's labels are, what the loss counts, what data the objective
+reads. One loop (:mod:`composer.train.loop`) runs them all (docs/finetuning.md).
 
 - ``pretrain`` (the default): next-token prediction on every token; the ids are the labels.
 - ``sft``: supervised fine-tuning on masked conversations (:mod:`composer.data.sft`): the labels
