@@ -386,7 +386,8 @@ def make_parser(argv: Sequence[str] | None = None) -> Parser:
 
     tr = sub.add_parser("train", help="train (mixed precision, schedules, exact resume)")
     tr.add_argument("source", nargs="?", default=None,
-                    help="a preset, a portable checkpoint, or a run folder to resume")
+                    help="a preset, a portable checkpoint, a Hugging Face folder, or a run "
+                    "folder to resume")
     tr.add_argument("--config", help="a recipe YAML file or a shipped recipe's name")
     tr.add_argument("--list-recipes", action="store_true", help="list the shipped recipes")
     tr.add_argument("--json", action="store_true",
