@@ -25,11 +25,9 @@ import multiprocessing
 import os
 import tempfile
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +43,7 @@ from composer.data.chat import (
 )
 from composer.data.indexed import DataError, IndexedDataset, optimal_dtype
 from composer.data.masked import MASK_SUFFIX, META_SUFFIX, MaskedDataset, MaskedWriter, is_masked
-from composer.data.prepare import CHUNKSIZE, _check_inputs, _jsonl_items, _remove
+from composer.data.prepare import _check_inputs, _encoded, _jsonl_items, _remove
 from composer.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -152,21 +150,6 @@ def _pool(settings: Settings, dtype: str, workers: int) -> Iterator[ProcessPoolE
         yield pool
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _chunks(items: Iterator[Item], encoder: _Encoder, pool: ProcessPoolExecutor | None,
-            workers: int) -> Iterator[Chunk]:
-    chunks = iter(lambda: list(islice(items, CHUNKSIZE)), [])
-    if pool is None:
-        yield from map(encoder, chunks)
-        return
-    pending: deque[Iterable[Chunk]] = deque()
-    while window := list(islice(chunks, 4 * workers)):
-        pending.append(pool.map(_encode_in_worker, window))
-        if len(pending) > 1:
-            yield from pending.popleft()
-    while pending:
-        yield from pending.popleft()
 
 
 def _parquet_rows(path: str) -> Iterator[Item]:
@@ -284,8 +267,8 @@ def prepare_chat(inputs: list[str], out_prefix: str, tokenizer: str,
             Path(tmp_tok, "chat_template.jinja").write_text(template, encoding="utf-8")
         with MaskedWriter(out_prefix, dtype) as writer, \
                 _pool(settings, dtype, workers) as pool:
-            counts = _write(writer, _chunks(_items(sources), encoder, pool, workers),
-                            skip_bad_rows, progress)
+            chunks = _encoded(_items(sources), encoder, pool, workers, _encode_in_worker)
+            counts = _write(writer, chunks, skip_bad_rows, progress)
             if writer.n_documents == 0:
                 raise DataError(f"no conversations: all {counts['rows']:,} rows were bad "
                                 "(nothing written)")

@@ -199,17 +199,19 @@ def _encode_in_worker(chunk: list[Item]) -> Encoded:
     return _WORKER(chunk)
 
 
-def _encoded(items: Iterator[Item], encoder: _Encoder, pool: ProcessPoolExecutor | None,
-             workers: int) -> Iterator[Encoded]:
-    """The encoded chunks in input order. ``map`` submits its whole input at once, so it is
-    fed one window of chunks at a time, the next queued while the previous is drained."""
+def _encoded(items: Iterator[Item], encoder: Callable[[list[Item]], Any],
+             pool: ProcessPoolExecutor | None, workers: int,
+             task: Callable[[list[Item]], Any] = _encode_in_worker) -> Iterator[Any]:
+    """The encoded chunks in input order (``encoder`` here, ``task`` in the pool's workers;
+    chat preparation passes its own). ``map`` submits its whole input at once, so it is fed one
+    window of chunks at a time, the next queued while the previous is drained."""
     chunks = iter(lambda: list(islice(items, CHUNKSIZE)), [])
     if pool is None:
         yield from map(encoder, chunks)
         return
-    pending: deque[Iterable[Encoded]] = deque()
+    pending: deque[Iterable[Any]] = deque()
     while window := list(islice(chunks, 4 * workers)):
-        pending.append(pool.map(_encode_in_worker, window))
+        pending.append(pool.map(task, window))
         if len(pending) > 1:
             yield from pending.popleft()
     while pending:

@@ -89,3 +89,18 @@ class Batches:
                                   f"({self.vocab_size})")
             out.append(Micro(ids, docs, labels))
         return out
+
+
+def blend_batches(parts: list[list], weights: list[float], name: str, global_batch: int,
+                  vocab_size: int) -> tuple[Batches, Batches | None]:
+    """Training and validation batches of a blend: ``parts[0]`` holds each dataset's training
+    samples, ``parts[1]`` its validation samples (validation only when every dataset has a
+    share), mixed by ``weights`` (:class:`composer.data.blend.Blend`)."""
+    from composer.data.blend import Blend
+
+    samples = [s[0] if len(s) == 1 else Blend(s, weights) for s in parts if s]
+    train = Batches(samples[0], global_batch, vocab_size, name)
+    valid = None
+    if len(parts[1]) == len(weights):
+        valid = Batches(samples[1], global_batch, vocab_size, name)
+    return train, valid

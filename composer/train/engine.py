@@ -34,7 +34,7 @@ from composer.parallel.checkpoint import (
 )
 from composer.parallel.mesh import LayoutError, build_parallel_dims
 from composer.portable import CONFIG_FILE
-from composer.train.data import SYNTHETIC, Batches, Rows, synthetic_rows
+from composer.train.data import SYNTHETIC, Batches, Rows, blend_batches, synthetic_rows
 from composer.train.loop import Run, Summary, seed_everything, train_loop
 from composer.train.metrics import MetricsLog
 from composer.train.objectives import get_objective
@@ -205,7 +205,6 @@ def _fp8(model: torch.nn.Module) -> None:
 def _indexed(recipe: Recipe, cfg: ModelConfig, blend: list[tuple[float, str]],
              split: str | None) -> tuple[Batches, Batches | None, int]:
     """Train (and validation) batches of a blend of indexed datasets."""
-    from composer.data.blend import Blend
     from composer.data.gpt import GPTSamples, split_documents
     from composer.data.indexed import IndexedDataset
 
@@ -219,13 +218,8 @@ def _indexed(recipe: Recipe, cfg: ModelConfig, blend: list[tuple[float, str]],
             if len(ranges[which]) or which == 0:
                 parts[which].append(GPTSamples(ds, recipe.seq_len, recipe.seed, ranges[which],
                                                name=prefix))
-    weights = [w for w, _ in blend]
-    name = " + ".join(p for _, p in blend)
-    samples = [s[0] if len(s) == 1 else Blend(s, weights) for s in parts if s]
-    train = Batches(samples[0], recipe.global_batch_size, cfg.vocab_size, name)
-    valid = None
-    if len(parts[1]) == len(blend):
-        valid = Batches(samples[1], recipe.global_batch_size, cfg.vocab_size, name)
+    train, valid = blend_batches(parts, [w for w, _ in blend], " + ".join(p for _, p in blend),
+                                 recipe.global_batch_size, cfg.vocab_size)
     return train, valid, recipe.seq_len + 1
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from composer.config import ConfigError, ModelConfig
-from composer.train.data import IGNORE_INDEX, Batches, Micro
+from composer.train.data import IGNORE_INDEX, Batches, Micro, blend_batches
 from composer.train.recipe import Recipe
 
 
@@ -104,7 +104,7 @@ def _pad_id(prefix: str) -> int:
 
 def open_sft_data(recipe: Recipe, cfg: ModelConfig) -> tuple[Batches, Batches | None, int]:
     """Train (and validation) batches of packed masked conversations; rows of ``--seq-len``."""
-    from composer.data.blend import Blend, parse_blend
+    from composer.data.blend import parse_blend
     from composer.data.gpt import split_documents
     from composer.data.masked import MaskedDataset, is_masked
     from composer.data.sft import SFTSamples
@@ -135,13 +135,8 @@ def open_sft_data(recipe: Recipe, cfg: ModelConfig) -> tuple[Batches, Batches | 
             print(f"composer train: {truncated} conversation(s) longer than --seq-len "
                   f"{recipe.seq_len} truncated (--truncate {recipe.truncate})", file=sys.stderr,
                   flush=True)
-    weights = [w for w, _ in blend]
-    name = " + ".join(p for _, p in blend)
-    samples = [s[0] if len(s) == 1 else Blend(s, weights) for s in parts if s]
-    train = Batches(samples[0], recipe.global_batch_size, cfg.vocab_size, name)
-    valid = None
-    if len(parts[1]) == len(blend):
-        valid = Batches(samples[1], recipe.global_batch_size, cfg.vocab_size, name)
+    train, valid = blend_batches(parts, [w for w, _ in blend], " + ".join(p for _, p in blend),
+                                 recipe.global_batch_size, cfg.vocab_size)
     return train, valid, recipe.seq_len
 
 
