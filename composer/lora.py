@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.model import named_layers
-from composer.blocks.plan import ZEROS, Init, Uniform, rule_for
+from composer.blocks.plan import ZEROS, Init, Uniform, init_module, rule_for
 from composer.blocks.protocol import lora_targets_of
 from composer.blocks.split import SplitLinear
 from composer.config import ConfigError
@@ -264,11 +264,14 @@ def add_lora(model: nn.Module, cfg: LoRAConfig, ranks: Mapping[str, int] | None 
             _attach_linear(module, rank, scaling, cfg.dropout)
     freeze_base(model)
     _check_init(model)
-    new = adapter_names(model) - before
-    if any(p.device.type != "meta" for n, p in model.named_parameters() if n in new):
-        from composer.build.init import init_weights
-
-        init_weights(model, seed, only=new.__contains__)  # a model in memory: B = 0 now
+    fresh = [m for name, m in adapter_modules(model) if not any(
+        f"{name}.{n}" in before for n, _ in m.named_parameters())]
+    if any(p.device.type != "meta" for m in fresh for p in m.parameters()):
+        # a model in memory: B = 0 now (a meta model is initialised by the builder, by name and
+        # layout-independently; composer.build sits above this module)
+        generator = torch.Generator().manual_seed(seed)
+        for m in fresh:
+            init_module(m, generator)
     return targets
 
 

@@ -82,7 +82,7 @@ def test_text_datasets_report_documents_and_rows(tmp_path, capsys):
 
 
 def test_workers_override_truncate_and_skip(tmp_path, capsys, chatml, monkeypatch):
-    monkeypatch.setattr("composer.data.chat_prepare.CHUNKSIZE", 4)  # chunks over both workers
+    monkeypatch.setattr("composer.data.prepare.CHUNKSIZE", 4)  # chunks over both workers
     src = jsonl(tmp_path / "chat.jsonl", ROWS * 3 + ['{"messages": [{"role": "user"}]}'])
     template = tmp_path / "gen.jinja"
     template.write_text(CHATML_GENERATION)
