@@ -94,6 +94,7 @@ class GRPO(Pretrain):
     name = "grpo"
     counts_targets = False
     eval_at_start = True
+    needs_valid_data = False
 
     def adjust(self, recipe: Recipe) -> Recipe:
         # a step's batch is the rollout's P x G sequences

@@ -283,7 +283,7 @@ def rollout_metrics(plan: Plan, correct: torch.Tensor, lengths: torch.Tensor,
                     truncated: torch.Tensor) -> dict[str, float]:
     """The rollout's global statistics (the logged ``reward_*``, ``accuracy``, ...)."""
     metrics = {"reward_mean": float(plan.rewards.mean()),
-               "reward_std": float(plan.rewards.std(unbiased=False)),
+               "reward_std": float(plan.rewards.std()) if len(plan.rewards) > 1 else 0.0,
                "response_length_mean": float(lengths.double().mean()),
                "truncated_fraction": float(truncated.double().mean())}
     judged = ~torch.isnan(correct)
