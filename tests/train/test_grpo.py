@@ -96,3 +96,171 @@ def test_plan_update_dapo_flags() -> None:
     longer = plan_update(rewards, lengths, truncated, _recipe(overlong_buffer=2))
     assert longer.rewards.tolist() == [1.0, -1.0, 1.0, 0.5, -1.0, 1.0]
     assert longer.advantages[2] > 0 > longer.advantages[3]  # group 1 is no longer level
+
+
+METRICS = ("loss", "reward_mean", "reward_std", "accuracy", "entropy", "clip_fraction",
+           "response_length_mean", "truncated_fraction", "logprob_mismatch", "rollout_s",
+           "train_s", "tokens_per_s")
+
+
+def start(values: dict):
+    """The run ``values`` describe, set up in this process (close ``run.log`` after)."""
+    from composer.train.engine import resolve, setup
+
+    recipe, resume = resolve(None, None, values)
+    return setup(recipe, resume, quiet=True)[0]
+
+
+def test_grpo_end_to_end(tmp_path: Path) -> None:
+    from composer.cli import main
+    from composer.data.tokenizer import load_tokenizer
+    from tests.helpers import train_case
+
+    save = tmp_path / "run"
+    out = train_case(grpo_values(steps=2, eval_every=2, eval_iters=1, save=str(save)))
+    first, *steps = out["rows"]
+    assert first["step"] == 0 and set(first) == {"step", "val_accuracy", "val_reward"}
+    assert [r["step"] for r in steps] == [1, 2] and "val_accuracy" in steps[-1]
+    for row in steps:
+        for key in METRICS:
+            assert math.isfinite(row[key]), (key, row)
+        assert 1.0 <= row["logprob_mismatch"] <= 1.0001  # one weights, two code paths
+        assert 0.0 <= row["accuracy"] <= 1.0 and row["response_length_mean"] <= 3
+    tok = load_tokenizer(str(save / "tokenizer"))  # the task's vocabulary, not the corpus's
+    assert (tok.vocab_size, tok.eod, tok.encode("3+4=")) == (22, EOS, [3, 11, 4, 17])
+    assert main(["generate", str(save), "--prompt", "3+4=", "--max-new-tokens", "2"]) == 0
+
+
+def test_updates_per_rollout_reuse_its_rollout(tmp_path: Path, monkeypatch) -> None:
+    from composer.train.loop import take_step
+    from composer.train.rl.losses import policy_loss_terms
+
+    run = start(grpo_values(updates_per_rollout=2, steps=3, lr=1e-2, schedule="constant",
+                            **reward_env(tmp_path, monkeypatch, "first_char")))
+    try:
+        take_step(run, 1, False)
+        rollout = run.state["rollout"]
+        old = rollout.seqs.logp_old.clone()
+        seqs = rollout.seqs
+        with torch.no_grad():  # what step 2's forward will compute: the weights after step 1
+            logp = run.model.token_logprobs(seqs.ids, seqs.targets).logp
+        scored = seqs.targets != -100
+        assert (logp - old)[scored].abs().max() > 1e-3  # rho != 1: an off-policy update
+        terms, _ = policy_loss_terms(logp, old, rollout.advantages, 0.2, 0.2)
+        second = take_step(run, 2, False)
+        assert run.state["rollout"] is rollout and rollout.updates == 2
+        assert torch.equal(rollout.seqs.logp_old, old)  # still the generation's
+        assert second.loss == pytest.approx(float((rollout.weights * terms).sum()), rel=1e-5)
+        assert second.metrics["rollout_s"] == 0.0 and "logprob_mismatch" not in second.metrics
+        take_step(run, 3, False)
+        assert run.state["rollout"].step == 3  # (3 - 1) % 2 == 0: a new rollout
+    finally:
+        run.log.close()
+
+
+REWARDS = '''
+def first_char(prompt, completion, meta):
+    """Level rewards for prompts marked so, else rewards that differ within a group."""
+    if meta.get("level"):
+        return 1.0
+    return ord(completion[0]) / 100 if completion else 0.0
+
+
+def raises(prompt, completion, meta):
+    raise KeyError("no answer")
+
+
+def not_a_number(prompt, completion, meta):
+    return "1.0"
+'''
+
+
+def reward_env(tmp_path: Path, monkeypatch, function: str) -> dict:
+    """A ``module:function`` env over four prompts, the second one's rewards level."""
+    (tmp_path / "grpo_rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": "1+2="}, {"prompt": "3+3=", "level": True}, {"prompt": "2*4="},
+            {"prompt": "9-5="}]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"env": f"grpo_rewards:{function}", "tokenizer": str(TASKS_TOKENIZER),
+            "env_arg": [f"prompts={tmp_path / 'prompts.jsonl'}"]}
+
+
+def test_dapo_flags_zero_the_weights_they_drop(tmp_path: Path, monkeypatch) -> None:
+    values = grpo_values(max_new_tokens=8, filter_zero_std=True, mask_truncated=True,
+                         **reward_env(tmp_path, monkeypatch, "first_char"))
+    run = start(values)
+    try:
+        run.objective.before_step(run, 1)
+        rollout = run.state["rollout"]
+    finally:
+        run.log.close()
+    seqs, plan = rollout.seqs, rollout.plan
+    level = torch.tensor(["level" in p.meta for p in run.state["env"].prompts(
+        4, seed=rollout_seed(values), split="train")]).repeat_interleave(4)
+    assert level.sum() == 4 and seqs.truncated.any() and not seqs.truncated.all()
+    assert torch.equal(plan.keep, ~level & ~seqs.truncated)  # one process: every row is here
+    trained = rollout.weights.sum(1) > 0
+    assert torch.equal(trained, plan.keep)
+    assert rollout.weights.sum() == pytest.approx(1.0)  # token-mean over what is kept
+    assert plan.n_tokens == int(seqs.lengths[plan.keep].sum())
+
+
+def rollout_seed(values: dict, index: int = 0) -> int:
+    return mix_seed(values["seed"], index)
+
+
+@pytest.mark.parametrize("function, message", [
+    ("raises", r"reward function grpo_rewards:raises raised on prompt 0: KeyError: 'no answer' "
+               r"\(row .*prompts.jsonl:\d\)"),
+    ("not_a_number", r"reward function grpo_rewards:not_a_number returned str '1.0' on prompt "
+                     r"0, not a finite number \(row .*prompts.jsonl:\d\)")])
+def test_bad_reward_function_is_one_line_and_saves_nothing(tmp_path: Path, monkeypatch, capsys,
+                                                           function: str, message: str) -> None:
+    import re
+
+    import yaml
+
+    from composer.cli import main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(grpo_values(**reward_env(tmp_path, monkeypatch, function))))
+    save = tmp_path / "run"
+    assert main(["train", "--config", str(recipe), "--save", str(save)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and re.fullmatch("composer: error: " + message, err), err
+    assert not save.exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"micro_batch_size": 3}, "--micro-batch-size (3) must divide the 16 sequences of a "
+                              "data-parallel rank (--prompts-per-step 4 / dp 1 x --group-size 4)"),
+    ({"group_size": 1}, "--group-size must be >= 2 (advantages compare a prompt's completions)"),
+    ({"rollout_temperature": 0.0}, "--rollout-temperature must be > 0 (greedy rollouts give a "
+                                   "group identical completions)"),
+    ({"env": None}, "--objective grpo needs --env: a built-in task (arith, countdown) or "
+                    "module:function"),
+    ({"model": {**MODEL, "set": {**MODEL["set"], "vocab_size": 20}}},
+     "the model's vocabulary (20) is smaller than the tokenizer's (22): --set vocab_size=22 "
+     "(or more)")])
+def test_refusals(change: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        start({**grpo_values(), **change})
+    assert str(info.value) == message
+
+
+@pytest.mark.slow
+def test_grpo_debug_recipe_learns(tmp_path: Path) -> None:
+    """The shipped recipe's acceptance: greedy accuracy from at most 0.15 to at least 0.30."""
+    from composer.train.engine import resolve, setup
+    from composer.train.loop import train_loop
+
+    recipe, resume = resolve(None, "grpo-debug", {"save": str(tmp_path / "run")})
+    run, last = setup(recipe, resume, quiet=True)
+    try:
+        summary = train_loop(run, last, quiet=True)
+    finally:
+        run.log.close()
+    accuracy = [(r["step"], r["val_accuracy"]) for r in summary.rows if "val_accuracy" in r]
+    assert accuracy[0][0] == 0 and accuracy[0][1] <= 0.15, accuracy
+    assert accuracy[-1][1] >= 0.30, accuracy
