@@ -131,12 +131,12 @@ def test_grpo_end_to_end(tmp_path: Path) -> None:
     assert main(["generate", str(save), "--prompt", "3+4=", "--max-new-tokens", "2"]) == 0
 
 
-def test_updates_per_rollout_reuse_its_rollout(tmp_path: Path, monkeypatch) -> None:
+def test_updates_per_rollout_reuse_its_rollout(tmp_path: Path) -> None:
     from composer.train.loop import take_step
     from composer.train.rl.losses import policy_loss_terms
 
     run = start(grpo_values(updates_per_rollout=2, steps=3, lr=1e-2, schedule="constant",
-                            **reward_env(tmp_path, monkeypatch, "first_char")))
+                            **reward_env(tmp_path, "first_char")))
     try:
         take_step(run, 1, False)
         rollout = run.state["rollout"]
@@ -158,37 +158,42 @@ def test_updates_per_rollout_reuse_its_rollout(tmp_path: Path, monkeypatch) -> N
         run.log.close()
 
 
-REWARDS = '''
-def first_char(prompt, completion, meta):
-    """Level rewards for prompts marked so, else rewards that differ within a group."""
+def first_char(prompt: str, completion: str, meta: dict) -> float:
+    """A reward function: level rewards for prompts marked so, else rewards that differ within
+    a group (a random policy's completions start with different characters)."""
     if meta.get("level"):
         return 1.0
     return ord(completion[0]) / 100 if completion else 0.0
 
 
-def raises(prompt, completion, meta):
+def raises(prompt: str, completion: str, meta: dict) -> float:
     raise KeyError("no answer")
 
 
-def not_a_number(prompt, completion, meta):
+def not_a_number(prompt: str, completion: str, meta: dict) -> str:
     return "1.0"
-'''
 
 
-def reward_env(tmp_path: Path, monkeypatch, function: str) -> dict:
-    """A ``module:function`` env over four prompts, the second one's rewards level."""
-    (tmp_path / "grpo_rewards.py").write_text(REWARDS)
-    monkeypatch.syspath_prepend(str(tmp_path))
+def raises_if_bad(prompt: str, completion: str, meta: dict) -> float:
+    if meta.get("bad"):
+        raise KeyError("no answer")
+    return first_char(prompt, completion, meta)
+
+
+def reward_env(folder: Path, function: str, bad: str | None = None) -> dict:
+    """A ``module:function`` env (a reward function above) over four prompts, the second one's
+    rewards level (and the one whose text is ``bad`` marked so), in the tasks' tokenizer."""
     rows = [{"prompt": "1+2="}, {"prompt": "3+3=", "level": True}, {"prompt": "2*4="},
             {"prompt": "9-5="}]
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"env": f"grpo_rewards:{function}", "tokenizer": str(TASKS_TOKENIZER),
-            "env_arg": [f"prompts={tmp_path / 'prompts.jsonl'}"]}
+    rows = [{**r, "bad": True} if r["prompt"] == bad else r for r in rows]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"env": f"tests.train.test_grpo:{function}", "tokenizer": str(TASKS_TOKENIZER),
+            "env_arg": [f"prompts={folder / 'prompts.jsonl'}"]}
 
 
-def test_dapo_flags_zero_the_weights_they_drop(tmp_path: Path, monkeypatch) -> None:
+def test_dapo_flags_zero_the_weights_they_drop(tmp_path: Path) -> None:
     values = grpo_values(max_new_tokens=8, filter_zero_std=True, mask_truncated=True,
-                         **reward_env(tmp_path, monkeypatch, "first_char"))
+                         **reward_env(tmp_path, "first_char"))
     run = start(values)
     try:
         run.objective.before_step(run, 1)
@@ -211,11 +216,11 @@ def rollout_seed(values: dict, index: int = 0) -> int:
 
 
 @pytest.mark.parametrize("function, message", [
-    ("raises", r"reward function grpo_rewards:raises raised on prompt 0: KeyError: 'no answer' "
+    ("raises", r"reward function tests.train.test_grpo:raises raised on prompt 0: KeyError: 'no answer' "
                r"\(row .*prompts.jsonl:\d\)"),
-    ("not_a_number", r"reward function grpo_rewards:not_a_number returned str '1.0' on prompt "
+    ("not_a_number", r"reward function tests.train.test_grpo:not_a_number returned str '1.0' on prompt "
                      r"0, not a finite number \(row .*prompts.jsonl:\d\)")])
-def test_bad_reward_function_is_one_line_and_saves_nothing(tmp_path: Path, monkeypatch, capsys,
+def test_bad_reward_function_is_one_line_and_saves_nothing(tmp_path: Path, capsys,
                                                            function: str, message: str) -> None:
     import re
 
@@ -224,7 +229,7 @@ def test_bad_reward_function_is_one_line_and_saves_nothing(tmp_path: Path, monke
     from composer.cli import main
 
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(grpo_values(**reward_env(tmp_path, monkeypatch, function))))
+    recipe.write_text(yaml.safe_dump(grpo_values(**reward_env(tmp_path, function))))
     save = tmp_path / "run"
     assert main(["train", "--config", str(recipe), "--save", str(save)]) == 2
     err = capsys.readouterr().err.strip()
@@ -247,6 +252,31 @@ def test_refusals(change: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         start({**grpo_values(), **change})
     assert str(info.value) == message
+
+
+def test_no_tokenizer_is_refused(tmp_path: Path) -> None:
+    env = reward_env(tmp_path, "first_char")
+    with pytest.raises(ConfigError) as info:
+        start({**grpo_values(), **env, "tokenizer": None})
+    assert str(info.value) == ("--env tests.train.test_grpo:first_char: no tokenizer (the "
+                               "environment brings none and SOURCE a preset has no "
+                               "tokenizer/); give --tokenizer")
+
+
+def test_resume_regenerates_the_rollout(tmp_path: Path) -> None:
+    """A run stopped inside a rollout (K = 2, after step 1) makes a new one at step 2 from the
+    weights it resumes with: the same prompts, new samples, a first update."""
+    from tests.helpers import train_case
+
+    save = str(tmp_path / "run")
+    values = grpo_values(updates_per_rollout=2, steps=4, save=save, **reward_env(tmp_path,
+                                                                                 "first_char"))
+    first = train_case({**values, "exit_at_step": 1})
+    resumed = train_case({"steps": 4}, source=save)
+    rows = {r["step"]: r for r in first["rows"] + resumed["rows"]}
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert [rows[s]["rollout_s"] > 0 for s in (1, 2, 3, 4)] == [True, True, True, False]
+    assert "logprob_mismatch" in rows[2] and "logprob_mismatch" not in rows[4]
 
 
 @pytest.mark.slow
