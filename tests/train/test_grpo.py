@@ -216,10 +216,10 @@ def rollout_seed(values: dict, index: int = 0) -> int:
 
 
 @pytest.mark.parametrize("function, message", [
-    ("raises", r"reward function tests.train.test_grpo:raises raised on prompt 0: KeyError: 'no answer' "
-               r"\(row .*prompts.jsonl:\d\)"),
-    ("not_a_number", r"reward function tests.train.test_grpo:not_a_number returned str '1.0' on prompt "
-                     r"0, not a finite number \(row .*prompts.jsonl:\d\)")])
+    ("raises", r"reward function tests.train.test_grpo:raises raised on prompt 0: "
+               r"KeyError: 'no answer' \(row .*prompts.jsonl:\d\)"),
+    ("not_a_number", r"reward function tests.train.test_grpo:not_a_number returned str '1.0' "
+                     r"on prompt 0, not a finite number \(row .*prompts.jsonl:\d\)")])
 def test_bad_reward_function_is_one_line_and_saves_nothing(tmp_path: Path, capsys,
                                                            function: str, message: str) -> None:
     import re
