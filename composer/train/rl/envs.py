@@ -295,8 +295,7 @@ class RewardFunction(Env):
                               f"(row {prompt.source})") from e
         if isinstance(value, bool) or not isinstance(value, numbers.Real) \
                 or not math.isfinite(float(value)):
-            shown = repr(value)
-            shown = shown if len(shown) <= 40 and "\n" not in shown else shown[:37] + "..."
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
             raise RewardError(f"reward function {self.name} returned {type(value).__name__} "
                               f"{shown} on {where}, not a finite number (row {prompt.source})")
         return Score(float(value), None)

@@ -80,7 +80,7 @@ def overlong_penalty(lengths: torch.Tensor, max_new: int, buffer: int,
     if buffer == 0:
         return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
     over = (lengths.to(torch.float64) - (max_new - buffer)).clamp(0, buffer)
-    return (-penalty * over / buffer).to(torch.float32)
+    return (0.0 - penalty * over / buffer).to(torch.float32)  # 0.0 - x: no -0.0
 
 
 def token_weights(mask: torch.Tensor, agg: Aggregation, n_tokens_global: float,

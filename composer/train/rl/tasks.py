@@ -226,6 +226,9 @@ scores about 1/(number of answers). ``negative``: allow answers below 0. ``holdo
 fraction of prompt texts kept for eval only."""
 
 
+Table = tuple[dict[int, list[str]], list[tuple[str, int]]]
+
+
 def _arith_value(operands: tuple[int, ...], ops: tuple[str, ...]) -> int:
     """The value with ``*`` binding tighter than ``+`` and ``-`` (as written in the prompt)."""
     total, sign, product = 0, 1, operands[0]
@@ -263,8 +266,8 @@ class Arith(Env):
             raise RewardError(f"env arith: balanced=true enumerates the expressions, at most "
                               f"{TABLE_LIMIT} (digits={digits}, terms={terms}, ops={k['ops']} "
                               f"make {size}); lower digits or terms")
-        self._tables: dict[str, dict[int, list[str]]] | None = {} if size <= TABLE_LIMIT else None
-        if self._tables is not None and not self._table("train"):
+        self._tables: dict[str, Table] | None = {} if size <= TABLE_LIMIT else None
+        if self._tables is not None and not self._table("all")[1]:
             raise RewardError(f"env arith: no expression has an answer in {self._range()}")
 
     def _range(self) -> str:
@@ -275,30 +278,35 @@ class Arith(Env):
         lo, hi = self.args["min_answer"], self.args["max_answer"]
         return (lo is None or value >= lo) and (hi is None or value <= hi)
 
-    def _table(self, split: str) -> dict[int, list[str]]:
-        """Every allowed expression of ``split`` by its answer (sorted, so draws are stable)."""
+    def _table(self, split: str) -> Table:
+        """Every allowed expression of ``split`` (``"all"``: ignoring holdout) by its answer,
+        and all of them as one list (both in a fixed order, so draws are stable)."""
         assert self._tables is not None
         if split not in self._tables:
-            table: dict[int, list[str]] = {}
+            by_answer: dict[int, list[str]] = {}
             lo, hi = self._operand
+            holdout = 0.0 if split == "all" else self.args["holdout"]
             for operands in itertools.product(range(lo, hi + 1), repeat=self.args["terms"]):
                 for ops in itertools.product(self.args["ops"], repeat=self.args["terms"] - 1):
                     value, text = _arith_value(operands, ops), _expression(operands, ops) + "="
-                    if self._allowed(value) and in_split(text, split, self.args["holdout"]):
-                        table.setdefault(value, []).append(text)
-            self._tables[split] = dict(sorted(table.items()))
+                    if self._allowed(value) and in_split(text, split, holdout):
+                        by_answer.setdefault(value, []).append(text)
+            by_answer = dict(sorted(by_answer.items()))
+            flat = [(text, answer) for answer, texts in by_answer.items() for text in texts]
+            self._tables[split] = (by_answer, flat)
         return self._tables[split]
 
     def _draw(self, rng: random.Random, split: str) -> tuple[str, int]:
+        """A prompt text and its answer: uniform over the allowed expressions, or (balanced)
+        over the answers, then over the expressions of the answer drawn."""
         if self._tables is not None:
-            table = self._table(split)
-            if not table:
+            by_answer, flat = self._table(split)
+            if not flat:
                 raise RewardError(f"env arith: no {split} expression has an answer in "
-                                  f"{self._range()} (lower holdout)")
+                                  f"{self._range()} (holdout={self.args['holdout']:g})")
             if self.args["balanced"]:
-                answer = rng.choice(list(table))
-                return rng.choice(table[answer]), answer
-            flat = [(text, answer) for answer, texts in table.items() for text in texts]
+                answer = rng.choice(list(by_answer))
+                return rng.choice(by_answer[answer]), answer
             return rng.choice(flat)
         lo, hi, terms = *self._operand, self.args["terms"]
         for _ in range(MAX_DRAWS):
