@@ -162,7 +162,9 @@ class GRPO(Pretrain):
         r = run.recipe
         env = make_env(r.env, list(r.env_arg))
         tok = find_tokenizer(r, env)
-        run.state.update(env=env, tokenizer=tok, rollout=None, eval=eval_prompts(env, r))
+        prompts = eval_prompts(env, r)  # encoded once, by every rank: the same errors on all
+        run.state.update(env=env, tokenizer=tok, rollout=None,
+                         eval=(prompts, [encode_prompt(tok, p) for p in prompts]))
         if r.save and is_rank0():  # the task's vocabulary, not the data's (there is none)
             folder = Path(r.save) / TOKENIZER_DIR
             shutil.rmtree(folder, ignore_errors=True)
@@ -236,14 +238,15 @@ class GRPO(Pretrain):
         """Greedy decoding of the fixed evaluation prompts (each data-parallel rank its share,
         ``prompts_per_step / dp`` per generate call): ``val_accuracy`` (tasks that judge
         correctness) and ``val_reward``."""
-        r, dims, env, tok = run.recipe, run.dims, run.state["env"], run.state["tokenizer"]
-        prompts = run.state["eval"]
-        mine = [prompts[i] for i in prompt_share(len(prompts), dims.dp, dims.dp_rank())]
+        r, dims, env = run.recipe, run.dims, run.state["env"]
+        prompts, encoded = run.state["eval"]
+        share = prompt_share(len(prompts), dims.dp, dims.dp_rank())
+        mine, ids = [prompts[i] for i in share], [encoded[i] for i in share]
         per_call = r.prompts_per_step // dims.dp
         rows, error = [], None
         for at in range(0, len(mine), per_call):
             chunk = mine[at:at + per_call]
-            texts = greedy_completions(run, [encode_prompt(tok, p) for p in chunk])
+            texts = greedy_completions(run, ids[at:at + per_call])
             for prompt, text in zip(chunk, texts, strict=True):
                 reward = correct = float("nan")
                 if error is None:

@@ -215,8 +215,14 @@ def first_error(dims: Any, message: str | None, failed: bool) -> str | None:
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
-    ids = tokenizer.encode_prompt(prompt.text) if hasattr(tokenizer, "encode_prompt") else \
-        tokenizer.encode(prompt.text)
+    """The prompt's token ids (the tokenizer's post-processor applied, as generation encodes a
+    prompt); a one-line :class:`RewardError` naming the prompt when it cannot be encoded.
+    Every rank encodes every prompt of a rollout, so all of them stop on the same error."""
+    try:
+        ids = tokenizer.encode_prompt(prompt.text) if hasattr(tokenizer, "encode_prompt") \
+            else tokenizer.encode(prompt.text)
+    except ValueError as exc:
+        raise RewardError(f"prompt {prompt.index}: {exc}") from None
     if not ids:
         raise RewardError(f"prompt {prompt.index}: the text {prompt.text!r} encodes to no token")
     return list(ids)
@@ -242,7 +248,7 @@ def generate_group(run: Any, ids: list[int], n: int, temperature: float, seed: i
                         seed=seed, return_logprobs=True, sync_group=dp_group(run.dims))
 
 
-def _sample(run: Any, env: Env, prompts: list[Prompt], step: int
+def _sample(run: Any, env: Env, prompts: list[Prompt], encoded: list[list[int]], step: int
             ) -> tuple[list[list[int]], tuple[list, list, list], torch.Tensor, str | None]:
     """Generate and score this rank's prompts: the prompt ids per completion, the
     completions, this rank's table rows (reward, correct, length, truncated, failed) and the
@@ -251,12 +257,7 @@ def _sample(run: Any, env: Env, prompts: list[Prompt], step: int
     g = r.group_size
     prompt_ids, tokens, logps, truncated, table = [], [], [], [], []
     error = None
-    for prompt in prompts:
-        try:
-            ids = encode_prompt(tok, prompt)
-        except RewardError as exc:
-            error = error or str(exc)
-            ids = [tok.eod or 0]  # the peers' decoding steps still need this rank's
+    for prompt, ids in zip(prompts, encoded, strict=True):
         gen = generate_group(run, ids, g, r.rollout_temperature,
                              mix_seed(r.seed, step, prompt.index), r.rollout_top_p)
         t, lp, tr = split_completions(gen.ids.cpu(), len(ids), gen.logprobs.cpu(),
@@ -299,8 +300,10 @@ def make_rollout(run: Any, step: int) -> Rollout:
     prompts = env.prompts(r.prompts_per_step,
                           seed=mix_seed(r.seed, rollout_index(step, r.updates_per_rollout)),
                           split="train")
-    mine = [prompts[i] for i in prompt_share(len(prompts), dims.dp, dims.dp_rank())]
-    prompt_ids, (tokens, logps, truncated), local, error = _sample(run, env, mine, step)
+    encoded = [encode_prompt(run.state["tokenizer"], p) for p in prompts]  # every rank: all
+    share = prompt_share(len(prompts), dims.dp, dims.dp_rank())
+    prompt_ids, (tokens, logps, truncated), local, error = _sample(
+        run, env, [prompts[i] for i in share], [encoded[i] for i in share], step)
     table = gather_rows(dims, local).cpu()
     message = first_error(dims, error, bool(table[:, 4].any()))
     if message is not None:
@@ -311,8 +314,7 @@ def make_rollout(run: Any, step: int) -> Rollout:
     plan = plan_update(table[:, 0], lengths, trunc, r)
     pad = run.state["tokenizer"].eod or 0
     seqs = pad_sequences(prompt_ids, tokens, logps, truncated, pad, dims.device)
-    rows = [i * r.group_size + j for i in prompt_share(len(prompts), dims.dp, dims.dp_rank())
-            for j in range(r.group_size)]
+    rows = [i * r.group_size + j for i in share for j in range(r.group_size)]
     keep = plan.keep[rows].to(dims.device)
     weights = token_weights((seqs.targets != -100) & keep[:, None], r.loss_agg, plan.n_tokens,
                             plan.n_seqs, r.max_new_tokens)

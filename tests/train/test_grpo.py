@@ -24,11 +24,12 @@ from composer.train.grpo_rollout import (
     split_completions,
 )
 from composer.train.recipe import Recipe
+from composer.train.rl.envs import RewardError
 from composer.train.rl.tasks import EOS, TASKS_TOKENIZER
 
 MODEL = {"pattern": "M*-", "set": {"vocab_size": 22, "d_model": 32, "attention.n_heads": 2,
                                    "attention.n_kv_heads": 2, "mamba.n_heads": 2,
-                                   "mamba.d_head": 16, "mamba.n_groups": 1, "mamba.d_state": 8,
+                                   "mamba.d_head": 16, "mamba.n_groups": 2, "mamba.d_state": 8,
                                    "mamba.chunk_size": 8, "mlp.d_ff": 64}}
 ARITH = ["digits=1", "ops=+", "max_answer=9"]
 
@@ -252,6 +253,14 @@ def test_refusals(change: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         start({**grpo_values(), **change})
     assert str(info.value) == message
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_named(tmp_path: Path) -> None:
+    env = reward_env(tmp_path, "first_char")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+2="}\n{"prompt": ""}\n')
+    with pytest.raises(RewardError) as info:  # at setup: the eval prompts are encoded there
+        start({**grpo_values(), **env})
+    assert str(info.value) == "prompt 1: the text '' encodes to no token"
 
 
 def test_no_tokenizer_is_refused(tmp_path: Path) -> None:
