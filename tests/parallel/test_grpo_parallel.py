@@ -1,7 +1,9 @@
 """GRPO on two gloo ranks equals one process for a fixed seed: at dp=2 (each rank generating
-half the prompts) and at tp=2, the rollouts' rewards and advantages, the losses and the weights
-after two steps (the second rollout is sampled by the updated weights), in fp32. Both layouts
-run in one pair of spawned ranks."""
+half the prompts; also with ``--scale-rewards batch`` and ``seq-mean-token-mean``, which need
+the whole rollout's statistics) and at tp=2, the rollouts' rewards and advantages, the losses and
+the weights after two steps (the second rollout is sampled by the updated weights), in fp32; and
+a reward function failing on rank 1 stops both ranks with its message. All cases run in one
+pair of spawned ranks."""
 
 from __future__ import annotations
 
@@ -15,7 +17,11 @@ from tests.train.test_grpo import grpo_values, reward_env
 
 pytestmark = pytest.mark.slow  # every test here spawns ranks
 
-LAYOUTS = {"dp2": {"dp": 2, "micro_batch_size": 4}, "tp2": {"tp": 2}}
+LAYOUTS = {"dp2": {"dp": 2, "micro_batch_size": 4}, "tp2": {"tp": 2},
+           "dp2-batch": {"dp": 2, "scale_rewards": "batch", "loss_agg": "seq-mean-token-mean"}}
+"""Layouts, and with the batch's reward std and the per-sequence mean the options whose global
+statistics the ranks must share."""
+OPTIONS = ("scale_rewards", "loss_agg")
 TOLERANCE = 1e-5
 """fp32: the layouts sum the same terms in other orders (another batch split, a split
 vocabulary and split heads), a relative change of ~1e-7 per step; Adam's normalisation moves a
@@ -84,7 +90,8 @@ def ranks(tmp_path_factory) -> tuple[str, dict, list[str]]:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_equals_one_process(ranks, layout: str) -> None:
     folder, got, _ = ranks
-    ref, got = grpo_case(values(folder)), got[layout]
+    options = {k: v for k, v in LAYOUTS[layout].items() if k in OPTIONS}
+    ref, got = grpo_case(values(folder, **options)), got[layout]
     for mine, theirs in zip(got["plans"], ref["plans"], strict=True):
         assert torch.equal(mine["keep"], theirs["keep"])
         assert torch.allclose(mine["rewards"], theirs["rewards"], rtol=0, atol=0)

@@ -159,6 +159,22 @@ def test_updates_per_rollout_reuse_its_rollout(tmp_path: Path) -> None:
         run.log.close()
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_kl_reference(tmp_path: Path, lora_rank: int) -> None:
+    """``--kl-coef``: the reference is the starting policy (kl 0 at the first update, > 0 once
+    the weights moved); under LoRA it is the base with the adapters off, no copy."""
+    from composer.train.loop import take_step
+
+    run = start(grpo_values(kl_coef=0.1, lora_rank=lora_rank, lr=1e-2, schedule="constant",
+                            **reward_env(tmp_path, "first_char")))
+    try:
+        assert run.ref_model.copies is (lora_rank == 0)
+        assert take_step(run, 1, False).metrics["kl"] == pytest.approx(0.0, abs=1e-12)
+        assert take_step(run, 2, False).metrics["kl"] > 1e-6
+    finally:
+        run.log.close()
+
+
 def first_char(prompt: str, completion: str, meta: dict) -> float:
     """A reward function: level rewards for prompts marked so, else rewards that differ within
     a group (a random policy's completions start with different characters)."""
