@@ -83,13 +83,15 @@ def _logits(h_nD: torch.Tensor, w_VD: torch.Tensor, scale: float, math: torch.dt
     return z_nV.mul_(scale) if scale != 1.0 else z_nV
 
 
-def _forward(h_ND, w_VD, target_N, scale, rows, start, reduce, want_entropy):
-    """``(logp, entropy, lse, E_p[z])`` per row, one chunk of logits at a time."""
+def _forward(h_ND, w_VD, target, scale, rows, start, reduce, want_entropy):
+    """``(logp, entropy, lse, E_p[z])``, each shaped like ``target`` (``h_ND``: its rows
+    flattened), one chunk of logits at a time. Written through flat views: the results are no
+    views themselves (FSDP2 warns of a view among a forward's outputs)."""
     math = torch.promote_types(h_ND.dtype, torch.float32)
     n = h_ND.shape[0]
-    logp_N = torch.zeros(n, dtype=math, device=h_ND.device)
-    ent_N = torch.zeros(n, dtype=math, device=h_ND.device)
-    lse_N, mean_N = torch.empty_like(logp_N), torch.empty_like(logp_N)
+    out = [torch.zeros(target.shape, dtype=math, device=h_ND.device) for _ in range(4)]
+    logp_N, ent_N, lse_N, mean_N = (t.view(-1) for t in out)
+    target_N = target.reshape(-1)
     valid_N = target_N != IGNORE_INDEX
     for lo in range(0, n, rows):
         z_nV = _logits(h_ND[lo:lo + rows], w_VD, scale, math)
@@ -100,7 +102,7 @@ def _forward(h_ND, w_VD, target_N, scale, rows, start, reduce, want_entropy):
         if want_entropy:
             ent_N[lo:lo + rows] = torch.where(valid_n, lse_n - mean_n, 0.0)
         lse_N[lo:lo + rows], mean_N[lo:lo + rows] = lse_n, mean_n
-    return logp_N, ent_N, lse_N, mean_N
+    return tuple(out)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -108,13 +110,13 @@ class _TokenLogprobs(torch.autograd.Function):
     docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, h_ND, w_VD, target_N, scale, rows, start, reduce, want_entropy):
-        logp_N, ent_N, lse_N, mean_N = _forward(h_ND, w_VD, target_N, scale, rows, start,
-                                                reduce, want_entropy)
-        ctx.save_for_backward(h_ND, w_VD, target_N, lse_N, mean_N)
+    def forward(ctx: Any, h_ND, w_VD, target, scale, rows, start, reduce, want_entropy):
+        logp, ent, lse, mean = _forward(h_ND, w_VD, target, scale, rows, start, reduce,
+                                        want_entropy)
+        ctx.save_for_backward(h_ND, w_VD, target.reshape(-1), lse.view(-1), mean.view(-1))
         ctx.args = (scale, rows, start)
         ctx.set_materialize_grads(False)
-        return logp_N, ent_N
+        return logp, ent
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -134,12 +136,12 @@ class _TokenLogprobs(torch.autograd.Function):
             p_nV = (z_nV - lse_N[sl, None]).exp()
             dz_nV = torch.zeros_like(z_nV)
             if g_logp is not None:
-                gl_n = torch.where(valid_n, g_logp[sl].to(math), 0.0)
+                gl_n = torch.where(valid_n, g_logp.reshape(-1)[sl].to(math), 0.0)
                 dz_nV -= gl_n[:, None] * p_nV
                 at = (valid_n & (t_n >= start) & (t_n < start + width)).nonzero()[:, 0]
                 dz_nV[at, t_n[at] - start] += gl_n[at]
             if g_ent is not None:
-                ge_n = torch.where(valid_n, g_ent[sl].to(math), 0.0)
+                ge_n = torch.where(valid_n, g_ent.reshape(-1)[sl].to(math), 0.0)
                 dz_nV -= ge_n[:, None] * p_nV * (z_nV - mean_N[sl, None])
             dz_nV = (dz_nV * scale).to(h_ND.dtype)
             if dh_ND is not None:
@@ -150,14 +152,16 @@ class _TokenLogprobs(torch.autograd.Function):
         return dh_ND, dw, None, None, None, None, None, None
 
 
-def linear_token_logprobs(h_ND: torch.Tensor, w_VD: torch.Tensor, target_N: torch.Tensor,
+def linear_token_logprobs(h: torch.Tensor, w_VD: torch.Tensor, target: torch.Tensor,
                           scale: float = 1.0, entropy: bool = False, *,
                           chunk_rows: int | None = None, start: int = 0,
                           reduce: Reduce | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(logp (N,), entropy (N,) | None)`` of ``target`` under ``softmax(scale * h @ W^T)``
-    (module docstring), in at least fp32; ``chunk_rows`` defaults to
-    ``max(64, CHUNK_ELEMENTS // V)``. ``start`` / ``reduce``: a vocabulary split over ranks."""
+    """``(logp, entropy | None)``, shaped like ``target`` (``h``: ``(*target.shape, D)``), of
+    ``target`` under ``softmax(scale * h @ W^T)`` (module docstring), in at least fp32;
+    ``chunk_rows`` defaults to ``max(64, CHUNK_ELEMENTS // V)``. ``start`` / ``reduce``: a
+    vocabulary split over ranks."""
+    h_ND = h.reshape(-1, h.shape[-1])
     rows = chunk_rows or max(64, CHUNK_ELEMENTS // max(w_VD.shape[0], 1))
     device = h_ND.device.type
     if torch.is_autocast_enabled(device):  # as linear_cross_entropy: the head in autocast's
@@ -165,12 +169,11 @@ def linear_token_logprobs(h_ND: torch.Tensor, w_VD: torch.Tensor, target_N: torc
         h_ND, w_VD = h_ND.to(low), w_VD.to(low)
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad):
-            logp_N, ent_N = _TokenLogprobs.apply(h_ND, w_VD, target_N, scale, rows, start,
-                                                 reduce, entropy)
+            logp, ent = _TokenLogprobs.apply(h_ND, w_VD, target, scale, rows, start, reduce,
+                                             entropy)
         else:
-            logp_N, ent_N = _forward(h_ND, w_VD, target_N, scale, rows, start, reduce,
-                                     entropy)[:2]
-    return logp_N, ent_N if entropy else None
+            logp, ent = _forward(h_ND, w_VD, target, scale, rows, start, reduce, entropy)[:2]
+    return logp, ent if entropy else None
 
 
 def logits_scale(logits_scaling: float, temperature: float) -> float:

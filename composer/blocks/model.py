@@ -130,11 +130,8 @@ class Readout(nn.Module):
         """``(logp, entropy | None)``, each ``(B, T)``, of ``targets`` under
         ``softmax(logits / temperature)`` (:func:`composer.blocks.logprobs.linear_token_logprobs`:
         chunked, never the whole logits)."""
-        logp_N, ent_N = linear_token_logprobs(
-            h_BTD.flatten(0, 1), weight_VD, targets_BT.flatten(),
-            logits_scale(self.logits_scaling, temperature), entropy)
-        shape = targets_BT.shape
-        return logp_N.view(shape), None if ent_N is None else ent_N.view(shape)
+        return linear_token_logprobs(h_BTD, weight_VD, targets_BT,
+                                     logits_scale(self.logits_scaling, temperature), entropy)
 
 
 def embed_tokens(embed: nn.Module, cfg: ModelConfig, input_ids: torch.Tensor) -> torch.Tensor:

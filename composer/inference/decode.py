@@ -41,7 +41,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 
+from composer.blocks.cache import InferenceCache
 from composer.blocks.model import HybridModel
 
 
@@ -170,7 +172,7 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
             done_B = torch.zeros(b, dtype=torch.bool, device=device)
             n_local = 0  # columns this rank's rows need (fewer than the steps under sync)
             if use_cache:
-                cache = model.new_cache(b, ids_BT.shape[1] + max_new_tokens)
+                cache = new_cache(model, b, ids_BT.shape[1] + max_new_tokens)
                 logits_BV = model.forward_cached(ids_BT, cache, attention_mask=mask_BT)
             else:
                 logits_BV = _full_forward(model, ids_BT, mask_BT)
@@ -205,6 +207,40 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
             return Generated(ids, torch.stack(logps[:n_local], 1), done_B)
     finally:
         model.train(was_training)
+
+
+def _tp_local_shape(p: DTensor) -> torch.Size:
+    """The shape of ``p`` on this tensor-parallel rank: its global shape cut along the ``tp``
+    mesh dimension only (torch.chunk semantics, as DTensor splits), whatever else shards it
+    (FSDP's dp shards are gathered before any forward)."""
+    shape = list(p.shape)
+    for mesh_dim, (name, placement) in enumerate(zip(p.device_mesh.mesh_dim_names or (),
+                                                     p.placements, strict=True)):
+        if name == "tp" and isinstance(placement, Shard):
+            n, size = shape[placement.dim], p.device_mesh.size(mesh_dim)
+            chunk = -(-n // size)
+            rank = p.device_mesh.get_local_rank(mesh_dim)
+            shape[placement.dim] = max(0, min(chunk, n - rank * chunk))
+    return torch.Size(shape)
+
+
+def new_cache(model: HybridModel, batch: int, max_len: int) -> InferenceCache:
+    """``model.new_cache``, on a sharded model too. Each mixer sizes its state from its weights
+    (a tensor-parallel rank holds a slice of the heads and caches only those), and outside a
+    forward those are DTensors of global shape; while the cache is made, each reads as an
+    empty meta tensor of its shape on this tp rank (only shapes are read)."""
+    sharded = [(m, name, p) for m in model.modules() for name, p in m._parameters.items()
+               if isinstance(p, DTensor)]
+    if not sharded:
+        return model.new_cache(batch, max_len)
+    weight = model.embed.weight
+    for module, name, p in sharded:
+        module.__dict__[name] = torch.empty(_tp_local_shape(p), dtype=p.dtype, device="meta")
+    try:
+        return model.new_cache(batch, max_len, device=weight.device, dtype=weight.dtype)
+    finally:
+        for module, name, _ in sharded:
+            module.__dict__.pop(name, None)
 
 
 def _sampled_logp(logits_BV: torch.Tensor, token_B: torch.Tensor, temperature: float,
