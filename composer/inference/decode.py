@@ -167,7 +167,7 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.no_grad():
             columns, logps = [], []
             done_B = torch.zeros(b, dtype=torch.bool, device=device)
             n_local = 0  # columns this rank's rows need (fewer than the steps under sync)
