@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from composer.config import ConfigError, ModelConfig
+from composer.parallel.data import reshard
 from composer.train.grpo_rollout import (
     decode_completion,
     dp_group,
@@ -257,6 +258,7 @@ class GRPO(Pretrain):
                     except RewardError as exc:
                         error = str(exc)
                 rows.append([reward, correct, float(error is not None)])
+        reshard(run.model)  # generation left the FSDP roots' own weights gathered
         table = gather_rows(dims, torch.tensor(rows, dtype=torch.float64, device=dims.device))
         message = first_error(dims, error, bool(table[:, 2].any()))
         if message is not None:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from composer.blocks.model import completion_targets
+from composer.parallel.data import reshard
 from composer.train.rl.envs import Env, Prompt, RewardError
 from composer.train.rl.losses import (
     group_advantages,
@@ -304,6 +305,7 @@ def make_rollout(run: Any, step: int) -> Rollout:
     share = prompt_share(len(prompts), dims.dp, dims.dp_rank())
     prompt_ids, (tokens, logps, truncated), local, error = _sample(
         run, env, [prompts[i] for i in share], [encoded[i] for i in share], step)
+    reshard(run.model)  # generation left the FSDP roots' own weights gathered
     table = gather_rows(dims, local).cpu()
     message = first_error(dims, error, bool(table[:, 4].any()))
     if message is not None:

@@ -29,14 +29,15 @@ weight by at most ``lr / eps`` times its gradient's change, ~1e-6 here."""
 
 
 def grpo_case(values: dict) -> dict:
-    """Each step's global rollout plan (rewards, advantages, kept), the losses and the final
-    weights (whole tensors) of the run ``values`` describe (every rank calls it)."""
+    """Each step's global rollout plan (rewards, advantages, kept), losses, gradient norms,
+    the final evaluation and weights (whole tensors) of the run ``values`` describe (every
+    rank calls it)."""
     from composer.train.engine import resolve, setup
     from composer.train.loop import take_step
 
     recipe, resume = resolve(None, None, values)
     run, last = setup(recipe, resume, quiet=True)
-    plans, losses = [], []
+    plans, losses, norms = [], [], []
     try:
         for step in range(1, last + 1):
             stats = take_step(run, step, False)
@@ -44,13 +45,15 @@ def grpo_case(values: dict) -> dict:
             plans.append({"rewards": plan.rewards, "advantages": plan.advantages,
                           "keep": plan.keep})
             losses.append(stats.loss)
+            norms.append(stats.grad_norm)
+        val = run.objective.validate(run)  # greedy, each rank its share of the eval prompts
     finally:
         run.log.close()
 
     def whole(v: torch.Tensor) -> torch.Tensor:
         return (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
 
-    return {"plans": plans, "losses": losses,
+    return {"plans": plans, "losses": losses, "norms": norms, "val": val,
             "params": {k: whole(v) for k, v in run.model.named_parameters()}}
 
 
@@ -98,7 +101,9 @@ def test_layout_equals_one_process(ranks, layout: str) -> None:
         assert torch.allclose(mine["advantages"], theirs["advantages"], rtol=0,
                               atol=TOLERANCE)
     assert got["losses"] == pytest.approx(ref["losses"], rel=TOLERANCE, abs=TOLERANCE)
-    assert any(abs(x) > 1e-3 for x in ref["losses"])  # the updates are not trivially zero
+    assert got["norms"] == pytest.approx(ref["norms"], rel=TOLERANCE)
+    assert min(ref["norms"]) > 1e-2  # the updates are not trivially zero
+    assert got["val"] == pytest.approx(ref["val"], rel=1e-12)
     for k, p in ref["params"].items():
         assert (got["params"][k] - p).abs().max() <= TOLERANCE, k
 
