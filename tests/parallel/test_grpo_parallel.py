@@ -64,9 +64,14 @@ def values(folder: str, **layout) -> dict:
 
 
 def in_ranks(folder: str, bad: str) -> dict:
+    from composer.config import ConfigError
     from composer.train.rl.envs import RewardError
 
     out = {name: grpo_case(values(folder, **layout)) for name, layout in LAYOUTS.items()}
+    try:
+        grpo_case({**values(folder, dp=2), "prompts_per_step": 3})
+    except ConfigError as exc:
+        out["refused"] = str(exc)
     try:  # rank 1's reward function raises: every rank stops with its message
         grpo_case({**values(folder, dp=2), **reward_env(Path(folder) / "bad", "raises_if_bad",
                                                         bad)})
@@ -106,6 +111,11 @@ def test_layout_equals_one_process(ranks, layout: str) -> None:
     assert got["val"] == pytest.approx(ref["val"], rel=1e-12)
     for k, p in ref["params"].items():
         assert (got["params"][k] - p).abs().max() <= TOLERANCE, k
+
+
+def test_prompts_not_divisible_by_dp_are_refused(ranks) -> None:
+    assert ranks[1]["refused"] == ("--prompts-per-step (3) must be divisible by dp (2): each "
+                                   "data-parallel rank generates its share")
 
 
 def test_one_ranks_reward_error_stops_every_rank(ranks) -> None:
