@@ -31,17 +31,24 @@ parallelism's reductions) stay matched; a rank whose rows are all finished keeps
 padding until every rank is (one all-reduce of a flag per step). Each rank still returns only the
 columns its own rows needed, so its output is what it would generate alone. Every rank of the
 group must pass the same ``max_new_tokens`` and eos ids.
+
+Sharded models (FSDP2, tensor parallelism) generate as one process does: each tensor-parallel
+rank caches its own heads (:func:`new_cache`), the caches are in the compute dtype (bf16 under
+FSDP's mixed precision), and a sharded model decodes under ``no_grad`` rather than inference mode
+(FSDP2 reuses the buffers it gathers weights into). The returned tensors are ordinary ones, so
+a rollout can be trained on.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
 
 from composer.blocks.cache import InferenceCache
 from composer.blocks.model import HybridModel
@@ -222,9 +229,14 @@ def _decode(model, ids_BT, mask_BT, max_new_tokens, use_cache, pick, vocab_limit
     return columns[:n_local], logps[:n_local], done_B
 
 
-def _sharded(model: HybridModel) -> list[tuple[torch.nn.Module, str, DTensor]]:
+def _sharded(model: HybridModel) -> list[tuple[torch.nn.Module, str, Any]]:
+    """Every DTensor parameter (module, name, parameter). No DTensor exists before
+    ``torch.distributed.tensor`` is imported, and importing it here would cost ~0.5 s."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return []
     return [(m, name, p) for m in model.modules() for name, p in m._parameters.items()
-            if isinstance(p, DTensor)]
+            if isinstance(p, dtensor.DTensor)]
 
 
 def _no_grad(model: HybridModel):
@@ -234,10 +246,12 @@ def _no_grad(model: HybridModel):
     return torch.no_grad() if _sharded(model) else torch.inference_mode()
 
 
-def _tp_local_shape(p: DTensor) -> torch.Size:
+def _tp_local_shape(p: Any) -> torch.Size:
     """The shape of ``p`` on this tensor-parallel rank: its global shape cut along the ``tp``
     mesh dimension only (torch.chunk semantics, as DTensor splits), whatever else shards it
     (FSDP's dp shards are gathered before any forward)."""
+    from torch.distributed.tensor import Shard
+
     shape = list(p.shape)
     for mesh_dim, (name, placement) in enumerate(zip(p.device_mesh.mesh_dim_names or (),
                                                      p.placements, strict=True)):
