@@ -137,3 +137,20 @@ def test_eos_rows_finish_with_zero_logprobs_after() -> None:
     assert bool(out.finished[0])
     plain = composer.generate(model, ids, 12, **kw, return_logprobs=True)
     assert not bool(plain.finished.any()) and plain.logprobs.shape == (3, 12)
+
+
+def test_generated_tensors_can_be_trained_on() -> None:
+    """The ids and log-probs come back as ordinary tensors (not inference-mode ones), so a
+    rollout's sequences go straight into a training forward and backward."""
+    model = tiny("M*-")
+    ids, mask = left_padded(model.config.vocab_size, (5, 3))
+    out = composer.generate(model, ids, 4, attention_mask=mask, temperature=1.0, seed=1,
+                            return_logprobs=True)
+    assert not (out.ids.is_inference() or out.logprobs.is_inference()
+                or out.finished.is_inference())
+    scored = torch.zeros_like(out.ids, dtype=torch.bool)
+    scored[:, 5:] = True
+    logp = model.token_logprobs(out.ids, completion_targets(out.ids, scored),
+                                doc_ids=F.pad(mask, (0, 4), value=1)).logp
+    logp.sum().backward()
+    assert model.lm_head.weight.grad.abs().max() > 0
