@@ -12,7 +12,7 @@ step ``K`` with a checkpoint, leaving the schedule for ``--steps`` untouched.
 SOURCE may also be a Hugging Face folder: converted into a temporary portable checkpoint (each
 rank its own, removed at exit: :mod:`composer.train.source`) and trained from; its tokenizer is
 kept in ``SAVE/tokenizer`` when the data has none. ``--objective`` picks what the loop optimises
-(:mod:`composer.train.objectives`: ``pretrain``, the default, or ``sft``).
+(:mod:`composer.train.objectives`: ``pretrain``, the default, ``sft``, ``dpo`` or ``grpo``).
 """
 
 from __future__ import annotations
@@ -327,7 +327,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
 
         _, schedule = check_pipeline(cfg, dims.pp, recipe.parallel.pp_schedule,
                                      recipe.global_batch_size // (micro * dims.dp))
-    if recipe.eval_every and valid is None and recipe.steps:  # --steps 0 evaluates nothing
+    if recipe.eval_every and valid is None and recipe.steps and objective.needs_valid_data:
         raise ConfigError("--eval-every needs validation data: an indexed dataset (--data) "
                           "with a valid share in --split, e.g. --split 98,2,0")
     lora, start = run_adapters(recipe, resume)
@@ -374,6 +374,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
             Path(recipe.save).mkdir(parents=True, exist_ok=True)
             recipe.write(Path(recipe.save) / RECIPE_FILE)
             save_data_tokenizer(recipe)
+    objective.prepare(run)  # a reference model, an environment
     last = recipe.steps if recipe.exit_at_step is None else min(recipe.steps, recipe.exit_at_step)
     run.log = MetricsLog(recipe.log_dir or recipe.save, is_rank0(), last, run.start_step, quiet,
                          recipe.tensorboard)

@@ -1,11 +1,14 @@
 """The training loop: accumulation over micro-batches, clipping, skipping, saving, logging.
 
-One optimizer step ``s`` consumes one global batch of ``G`` sequences: data-parallel rank ``r``
-runs its ``G / dp`` rows as micro-batches of ``m``. Each micro-batch's backward is of
-``ce_i * n_i * dp / N + aux_i / k`` (``n_i`` its predicted tokens: those with a valid label,
-under sft the supervised ones, :func:`composer.train.objectives.n_targets`; ``N`` the global
-batch's,
-``k = G / (m dp)`` micro-batches): data parallel averages gradients over ``dp``, so the step's
+Each step the run's objective (:mod:`composer.train.objectives`) runs this rank's forwards and
+backwards (``before_step``, then ``accumulate``); the loop reduces what it returns over every
+rank in one all-reduce, clips, steps and logs, whatever the objective. For next-token prediction
+(:mod:`composer.train.lm`: pretrain, sft), one optimizer step ``s`` consumes one global batch of
+``G`` sequences: data-parallel rank ``r`` runs its ``G / dp`` rows as micro-batches of ``m``.
+Each micro-batch's backward is of ``ce_i * n_i * dp / N + aux_i / k`` (``n_i`` its predicted
+tokens: those with a valid label, under sft the supervised ones,
+:func:`composer.train.objectives.n_targets`; ``N`` the global batch's, ``k = G / (m dp)``
+micro-batches): data parallel averages gradients over ``dp``, so the step's
 gradient is that of the mean cross-entropy over every predicted token of the global batch, the
 same for any ``(m, dp)``. MoE load-balancing losses are computed per micro-batch (their
 statistics summed over data-parallel ranks) and averaged over the micro-batches, as in
@@ -27,7 +30,6 @@ import random
 import signal
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,14 +38,15 @@ import torch
 import torch.distributed as dist
 
 from composer.blocks.model import HybridModel
-from composer.parallel.data import finish_grads, reshard
+from composer.parallel.data import finish_grads
 from composer.parallel.expert import finish_moe_step
 from composer.parallel.grads import clip_grads, grad_norm
 from composer.parallel.mesh import ParallelDims
 from composer.parallel.pipeline import embed_on_last
-from composer.train.data import Batches, Micro
+from composer.train.data import Batches
+from composer.train.lm import autocast, dp_total, lm_accumulate, validate
 from composer.train.metrics import MetricsLog, max_memory_bytes, peak_flops
-from composer.train.objectives import Pretrain, n_targets, stand_in_labels
+from composer.train.objectives import Pretrain, StepSums
 from composer.train.optim import Optimizers
 from composer.train.recipe import Recipe
 from composer.train.schedule import Schedule
@@ -122,120 +125,17 @@ class Run:
     supervised targets in ``tokens``)."""
     objective: Pretrain = field(default_factory=Pretrain)
     """What the labels are and what the loss counts (:mod:`composer.train.objectives`)."""
+    ref_model: Any = None
+    """The objective's frozen reference (dpo, grpo with a KL term;
+    :mod:`composer.train.reference`)."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """The objective's own state between steps (GRPO's current rollout)."""
 
 
-def _autocast(run: Run):
-    if run.precision in ("bf16", "fp8"):
-        return torch.autocast(run.dims.device.type, dtype=torch.bfloat16)
-    return nullcontext()
+def accumulate(run: Run) -> StepSums:
+    """This rank's forward and backward of the next step, as its objective defines them."""
+    return run.objective.accumulate(run)
 
-
-def _tensors(run: Run, micro: list[Micro]
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The micro-batches' ids (stacked), under document isolation their doc ids, and their own
-    labels when they have some (masked samples; None: the ids are the labels), on the
-    device."""
-    device = run.dims.device
-    ids = torch.from_numpy(np.concatenate([mb.ids for mb in micro])).long()
-    ids = ids.to(device, non_blocking=True)
-    run.batch_device = ids.device
-    docs = labels = None
-    if run.recipe.document_isolation and micro[0].doc_ids is not None:
-        docs = torch.from_numpy(np.concatenate([mb.doc_ids for mb in micro]))
-        docs = docs.to(device, non_blocking=True)
-    if micro[0].labels is not None:
-        labels = torch.from_numpy(np.concatenate([mb.labels for mb in micro])).long()
-        labels = labels.to(device, non_blocking=True)
-    return ids, docs, labels
-
-
-def _forward(run: Run, micro: Micro):
-    ids, docs, labels = _tensors(run, [micro])
-    kwargs = {} if docs is None else {"doc_ids": docs}
-    with _autocast(run):
-        return run.model(ids, ids if labels is None else labels, **kwargs)
-
-
-def _dp_total(run: Run, n_local: int) -> torch.Tensor:
-    total = torch.tensor(float(n_local), dtype=torch.float64, device=run.dims.device)
-    if run.dims.dp > 1:
-        dist.all_reduce(total, group=run.dims.dp_mesh.get_group())
-    return total
-
-
-def accumulate(run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Forward and backward over this rank's micro-batches of the next global batch; returns
-    the summed token cross-entropy, the mean aux loss, the mean (weighted) multi-token-prediction
-    loss and the predicted tokens (this rank's)."""
-    dims = run.dims
-    isolated = run.recipe.document_isolation
-    micro = run.batches.local(run.consumed, dims.dp, dims.dp_rank(), run.micro_batch)
-    counts = [n_targets(mb, isolated) for mb in micro]
-    if isolated or micro[0].labels is not None:  # a count that varies: one small all-reduce
-        n_global = _dp_total(run, sum(counts))
-    else:
-        n_global = float(run.recipe.global_batch_size * (run.seq_len - 1))
-    pipeline = getattr(run.model, "pipeline", None)
-    if pipeline is not None:  # the schedule runs the micro-batches (composer.parallel.pipeline)
-        ids, docs, labels = _tensors(run, micro)
-        with _autocast(run):
-            ce_sum, aux, mtp = pipeline.train_step(ids, docs,
-                                                   dims.grad_replicas / float(n_global), labels)
-        return ce_sum, aux, mtp, sum(counts)
-    ce_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
-    aux_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
-    mtp_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
-    for mb, n in zip(micro, counts, strict=True):
-        stand_in = None if n or mb.labels is None else stand_in_labels(mb, isolated)
-        out = _forward(run, mb if stand_in is None else stand_in)
-        # loss = ce + aux + mtp: the main cross-entropy is weighted by its tokens, the
-        # per-micro-batch means (load balancing, multi-token prediction) averaged
-        extra = out.aux_loss + out.mtp_loss
-        if stand_in is not None:  # no supervised target: a finite mean, weighted 0
-            ce = (out.loss - extra) * 0.0
-        else:
-            ce = out.loss - extra if n else out.aux_loss * 0.0  # no target: NaN mean
-        term = ce * (n * dims.dp / n_global) + extra / len(micro)
-        if term.requires_grad:  # a dense model's micro-batch without a target has no graph
-            term.backward()
-        ce_sum += ce.detach().double() * n
-        aux_sum += out.aux_loss.detach().double()
-        mtp_sum += out.mtp_loss.detach().double()
-    return ce_sum, aux_sum / len(micro), mtp_sum / len(micro), sum(counts)
-
-
-def _eval_ce(run: Run, micro: Micro) -> torch.Tensor:
-    """A micro-batch's mean cross-entropy (fp64), through the pipeline when there is one."""
-    pipeline = getattr(run.model, "pipeline", None)
-    if pipeline is None:
-        out = _forward(run, micro)
-        return (out.loss - out.aux_loss - out.mtp_loss).double()
-    ids, docs, labels = _tensors(run, [micro])
-    with _autocast(run):
-        return pipeline.loss(ids, docs, labels)[0]
-
-
-@torch.no_grad()
-def validate(run: Run) -> float:
-    """Mean loss over ``eval_iters`` global batches of the validation data (the same ones at
-    every evaluation)."""
-    dims, r = run.dims, run.recipe
-    run.model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=dims.device)
-    for it in range(r.eval_iters):
-        for mb in run.valid.local(it * r.global_batch_size, dims.dp, dims.dp_rank(),
-                                  run.micro_batch):
-            n = n_targets(mb, r.document_isolation)
-            if n:
-                ce = _eval_ce(run, mb)
-                totals[0] += ce * n
-                totals[1] += n
-    run.model.train()
-    reshard(run.model)  # evaluation left the FSDP roots' own weights gathered
-    totals /= dims.tp * dims.pp * dims.cp  # these ranks hold the same numbers
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-    return float(totals[0] / totals[1])
 
 
 def params_finite(model: HybridModel) -> bool:
@@ -262,22 +162,37 @@ def save(run: Run, step: int) -> None:
     run.saver.save(step, run.model, run.optimizers.opts, state)
 
 
-def _reduce_stats(run: Run, ce_sum: torch.Tensor, aux: torch.Tensor, mtp: torch.Tensor, n: int,
-                  stop: bool) -> tuple[float, float, float, bool, int]:
-    """One all-reduce: the global mean loss, the mean aux and MTP losses, whether any rank
-    stops, and the global batch's predicted tokens."""
+def _reduce_stats(run: Run, sums: StepSums, stop: bool
+                  ) -> tuple[float, float, float, bool, float, int, dict[str, float]]:
+    """One all-reduce (two with maxima): the global mean loss, the mean aux and MTP losses,
+    whether any rank stops, the global count, the global processed tokens and the objective's
+    metrics."""
     dims = run.dims
-    # n: every tp, pp and cp rank counts the same tokens (a cp rank's loss is its rows' mean,
+    # the count: every tp, pp and cp rank counts the same (a cp rank's loss is its rows' mean,
     # composer.parallel.context); the loss comes from the last stage only
     same = dims.tp * dims.cp
-    extra = torch.tensor([float(stop), float(n) / (same * dims.pp)], dtype=torch.float64,
-                         device=dims.device)
-    stats = torch.cat([torch.stack([ce_sum / same, aux / (same * dims.dp),
-                                    mtp / (same * dims.dp)]), extra])
+    names = sorted(sums.metrics)
+    extra = [float(stop), sums.count / (same * dims.pp), sums.processed / (same * dims.pp)]
+    for name in names:  # a ratio of two sums: the ranks holding the same numbers cancel out
+        extra += [float(sums.metrics[name][0]), float(sums.metrics[name][1])]
+    stats = torch.cat([torch.stack([sums.loss.double() / same, sums.aux / (same * dims.dp),
+                                    sums.mtp / (same * dims.dp)]),
+                       torch.tensor(extra, dtype=torch.float64, device=dims.device)])
     if dist.is_initialized():
         dist.all_reduce(stats)
-    loss, aux_mean, mtp_mean, stops, tokens = stats.tolist()
-    return loss / max(tokens, 1.0), aux_mean, mtp_mean, stops > 0, round(tokens)
+    values = stats.tolist()
+    loss, aux_mean, mtp_mean, stops, count, processed = values[:6]
+    metrics = {n: values[6 + 2 * i] / values[7 + 2 * i] if values[7 + 2 * i] else None
+               for i, n in enumerate(names)}
+    if sums.maxima:
+        top = sorted(sums.maxima)
+        peak = torch.tensor([float(sums.maxima[n]) for n in top], dtype=torch.float64,
+                            device=dims.device)
+        if dist.is_initialized():
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        metrics.update(zip(top, peak.tolist(), strict=True))
+    return (loss / max(count, 1.0), aux_mean, mtp_mean, stops > 0, count, round(processed),
+            metrics)
 
 
 @dataclass
@@ -291,8 +206,12 @@ class StepStats:
     mtp_loss: float = 0.0
     """The weighted multi-token-prediction term (``(w / D) * sum_k ce_k``), mean over
     micro-batches and data-parallel ranks; ``loss`` is the main cross-entropy alone."""
-    targets: int = 0
-    """The global batch's predicted tokens (the loss's denominator)."""
+    targets: float = 0
+    """The global batch's count: the loss's denominator (predicted tokens, pairs, ...)."""
+    processed: int = 0
+    """The global batch's tokens run through the model."""
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    """The objective's metrics (:class:`~composer.train.objectives.StepSums`)."""
 
     @property
     def finite(self) -> bool:
@@ -304,7 +223,8 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
     r = run.recipe
     lr = run.schedule(step)
     run.optimizers.set_lr(lr)
-    ce_sum, aux, mtp, n = accumulate(run)
+    run.objective.before_step(run, step)
+    sums = accumulate(run)
     finish_grads(run.model, run.dims)
     pipeline = getattr(run.model, "pipeline", None)
     tied: tuple[str, ...] = ()
@@ -312,9 +232,10 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
         pipeline.sync_tied()
         tied = ("embed.weight",) if embed_on_last(run.model) else ()
     norm_t = grad_norm(run.model, run.dims.device, run.dims.pp, tied)
-    loss, aux_mean, mtp_mean, stop, targets = _reduce_stats(run, ce_sum, aux, mtp, n,
-                                                            stop_requested)
-    stats = StepStats(lr, loss, aux_mean, float(norm_t), stop, mtp_mean, targets)
+    loss, aux_mean, mtp_mean, stop, targets, processed, metrics = _reduce_stats(
+        run, sums, stop_requested)
+    stats = StepStats(lr, loss, aux_mean, float(norm_t), stop, mtp_mean, targets, processed,
+                      metrics)
     if stats.finite:
         if r.grad_clip > 0:
             clip_grads(run.model, norm_t, r.grad_clip)
@@ -323,10 +244,9 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
         run.skipped += 1
     finish_moe_step(run.model, run.dims, stepped=stats.finite)  # aux-loss-free balancing
     run.optimizers.zero_grad()
-    run.consumed += r.global_batch_size
-    rows_tokens = r.global_batch_size * (run.seq_len - 1)  # predicted tokens, as the loss's
-    run.rows_tokens += rows_tokens
-    run.tokens += targets if run.objective.counts_targets else rows_tokens  # sft: supervised
+    run.consumed += run.objective.consumed_per_step(r)
+    run.rows_tokens += processed
+    run.tokens += round(targets) if run.objective.counts_targets else processed  # sft: supervised
     return stats
 
 
@@ -344,7 +264,8 @@ def _row(run: Run, step: int, s: StepStats, tokens_per_s: float,
         row["aux_loss"] = s.aux_loss
     if s.mtp_loss:
         row["mtp_loss"] = s.mtp_loss
-    row.update(run.objective.row_metrics(s.targets))
+    row.update(run.objective.row_metrics(round(s.targets)))
+    row.update(s.metrics)
     return row
 
 
@@ -356,8 +277,14 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
     peak = peak_flops(run.dims.device, run.precision, r.peak_tflops)
     consecutive = 0
     start = t_log = time.perf_counter()
-    tokens_at_log = run.rows_tokens
+    tokens_at_log = tokens_at_start = run.rows_tokens
+    can_validate = run.valid is not None or not run.objective.needs_valid_data
     try:
+        if run.objective.eval_at_start and can_validate and r.eval_every and \
+                run.start_step == 0 and last_step > 0:
+            row = {"step": 0, **run.objective.validate(run)}
+            summary.rows.append(row)
+            run.log.log(row)
         for step in range(run.start_step + 1, last_step + 1):
             if r.timeout_s:  # the watchdog: every thread's stack, then exit 1
                 faulthandler.dump_traceback_later(r.timeout_s, exit=True)
@@ -365,7 +292,7 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
             consecutive = 0 if s.finite else consecutive + 1
             summary.steps, summary.step = summary.steps + 1, step
             summary.losses.append(s.loss)
-            evaluating = bool(run.valid is not None and r.eval_every and
+            evaluating = bool(can_validate and r.eval_every and
                               (step % r.eval_every == 0 or step == last_step))
             if step % r.log_every == 0 or step == last_step or not s.finite or evaluating:
                 now = time.perf_counter()
@@ -373,7 +300,7 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
                            (run.rows_tokens - tokens_at_log) / max(now - t_log, 1e-9),
                            peak)
                 if evaluating:
-                    row["val_loss"] = validate(run)
+                    row.update(run.objective.validate(run))
                 t_log, tokens_at_log = time.perf_counter(), run.rows_tokens
                 summary.rows.append(row)
                 run.log.log(row)
@@ -406,9 +333,13 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
     summary.tokens = run.tokens
     summary.skipped = run.skipped
     if summary.steps:
-        summary.tokens_per_s = summary.steps * r.global_batch_size * (run.seq_len - 1) / \
-            summary.wall_s
+        summary.tokens_per_s = (run.rows_tokens - tokens_at_start) / summary.wall_s
     return summary
+
+
+__all__ = ["Run", "Summary", "TrainingHalted", "accumulate", "autocast", "dp_total",
+           "lm_accumulate", "seed_everything", "take_step", "train_loop", "validate"]
+"""The step helpers of :mod:`composer.train.lm` are re-exported for the objectives."""
 
 
 def seed_everything(seed: int) -> None:

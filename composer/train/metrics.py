@@ -109,6 +109,11 @@ class MetricsLog:
                 thing.close()
 
 
+HEADLINE = ("reward_accuracy", "reward_margin", "reward_mean", "accuracy")
+"""Objective metrics shown on the console line when a row has them (every metric is in
+``metrics.jsonl``)."""
+
+
 def format_row(row: dict[str, Any]) -> str:
     def num(key: str, fmt: str) -> str:
         value = row.get(key)
@@ -118,8 +123,12 @@ def format_row(row: dict[str, Any]) -> str:
             f"grad_norm {num('grad_norm', '.3f')}  tok/s {num('tokens_per_s', ',.0f')}")
     if row.get("mfu") is not None:
         text += f"  mfu {row['mfu']:.1%}"
-    if row.get("val_loss") is not None:
-        text += f"  val_loss {row['val_loss']:.4f}"
+    for key in HEADLINE:  # the objectives' own (dpo, grpo)
+        if row.get(key) is not None:
+            text += f"  {key} {row[key]:.4f}"
+    for key, value in row.items():
+        if key.startswith("val_") and isinstance(value, float):
+            text += f"  {key} {value:.4f}"
     if row.get("skipped"):
         text += f"  skipped {row['skipped']}"
     return text

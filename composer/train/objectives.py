@@ -1,5 +1,15 @@
 """Training objectives: what a row's labels are, what the loss counts, what data the objective
-reads. One loop (:mod:`composer.train.loop`) runs them all (docs/finetuning.md).
+reads. One loop (:mod:`composer.train.loop`) runs them all (docs/finetuning.md,
+docs/post-training.md).
+
+The interface (:class:`Pretrain` is the base of every objective): ``adjust`` and ``check`` the
+recipe, ``open_data``, ``prepare`` once the model is built (a reference model, an environment),
+then per step ``before_step`` (GRPO's rollouts) and ``accumulate``: forward and backward of this
+rank's share of the global batch, returning :class:`StepSums`, whose sums the loop reduces over
+every rank in one all-reduce (each logged value is a global sum over a global count);
+``validate`` gives the ``val_*`` values. ``dpo`` (:mod:`composer.train.dpo`) and ``grpo``
+(:mod:`composer.train.grpo`) register themselves when imported (:func:`register_objective`);
+:func:`get_objective` imports them on demand.
 
 - ``pretrain`` (the default): next-token prediction on every token; the ids are the labels.
 - ``sft``: supervised fine-tuning on masked conversations (:mod:`composer.data.sft`): the labels
@@ -13,15 +23,44 @@ reads. One loop (:mod:`composer.train.loop`) runs them all (docs/finetuning.md).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from composer.config import ConfigError, ModelConfig
 from composer.train.data import IGNORE_INDEX, Batches, Micro, blend_batches
 from composer.train.recipe import Recipe
+
+if TYPE_CHECKING:
+    from composer.train.loop import Run
+
+
+@dataclass
+class StepSums:
+    """One rank's share of a step, as sums the loop reduces over every rank (one all-reduce;
+    the tp, cp and pp ranks that hold the same numbers are divided out)."""
+
+    loss: torch.Tensor
+    """This rank's sum of loss terms (fp64, detached): the logged loss is the global sum over
+    the global ``count``."""
+    count: float
+    """This rank's share of the loss's denominator (predicted tokens, pairs, ...)."""
+    aux: torch.Tensor
+    """The mean MoE load-balancing loss over this rank's micro-batches (fp64)."""
+    mtp: torch.Tensor
+    """The mean multi-token-prediction loss (fp64; zero without MTP)."""
+    metrics: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """``name -> (sum, count)`` of this rank: logged as the global sum over the global count
+    (every rank gives the same names)."""
+    maxima: dict[str, float] = field(default_factory=dict)
+    """``name -> value`` of this rank: logged as the largest over the ranks."""
+    processed: int = 0
+    """Tokens this rank ran through the model (``tokens_per_s``, ``mfu``)."""
 
 
 def n_targets(micro: Micro, isolated: bool) -> int:
@@ -41,7 +80,11 @@ class Pretrain:
 
     name = "pretrain"
     counts_targets = False
-    """Whether ``run.tokens`` counts the global valid targets (else the rows' tokens)."""
+    """Whether ``run.tokens`` counts the global ``StepSums.count`` (else the rows' tokens)."""
+    eval_at_start = False
+    """Log a validation row at step 0, before any update (with ``--eval-every``)."""
+    needs_valid_data = True
+    """``--eval-every`` needs validation batches (GRPO evaluates on its environment)."""
 
     def adjust(self, recipe: Recipe) -> Recipe:
         return recipe
@@ -53,6 +96,29 @@ class Pretrain:
         from composer.train.engine import open_data
 
         return open_data(recipe, cfg)
+
+    def prepare(self, run: Run) -> None:
+        """Once the model is built, before the first step."""
+
+    def before_step(self, run: Run, step: int) -> None:
+        """Before each step's :meth:`accumulate`."""
+
+    def accumulate(self, run: Run) -> StepSums:
+        """Forward and backward over this rank's share of the next global batch; gradients
+        scaled so that their average over data-parallel ranks is that of the global loss."""
+        from composer.train.loop import lm_accumulate
+
+        return lm_accumulate(run)
+
+    def validate(self, run: Run) -> dict[str, float]:
+        """The ``val_*`` values of an evaluation (every rank calls it)."""
+        from composer.train.loop import validate
+
+        return {"val_loss": validate(run)}
+
+    def consumed_per_step(self, recipe: Recipe) -> int:
+        """Samples consumed per step (the data position saved in checkpoints)."""
+        return recipe.global_batch_size
 
     def row_metrics(self, targets: int) -> dict[str, Any]:
         return {}
@@ -81,12 +147,22 @@ class SFT(Pretrain):
         return {"supervised_tokens": targets}
 
 
-OBJECTIVES = {o.name: o for o in (Pretrain(), SFT())}
+OBJECTIVES: dict[str, Pretrain] = {o.name: o for o in (Pretrain(), SFT())}
+_MODULES = {"dpo": "composer.train.dpo", "grpo": "composer.train.grpo"}
+"""Objectives that register themselves when their module is imported."""
+
+
+def register_objective(objective: Pretrain) -> Pretrain:
+    OBJECTIVES[objective.name] = objective
+    return objective
 
 
 def get_objective(name: str) -> Pretrain:
+    if name not in OBJECTIVES and name in _MODULES:
+        importlib.import_module(_MODULES[name])
     if name not in OBJECTIVES:
-        raise ConfigError(f"--objective {name!r}: expected one of {', '.join(OBJECTIVES)}")
+        names = dict.fromkeys([*OBJECTIVES, *_MODULES])
+        raise ConfigError(f"--objective {name!r}: expected one of {', '.join(names)}")
     return OBJECTIVES[name]
 
 

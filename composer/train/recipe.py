@@ -45,9 +45,10 @@ class Recipe:
     origin: Any = setting(None, cli=False)
     """What the run was first trained from (``model`` of its first invocation; a resumed run's
     ``model`` is the run itself): what ``export --adapter`` names as the base."""
-    objective: Literal["pretrain", "sft"] = setting(
-        "pretrain", "pretrain (default: every token predicted) or sft (the masked tokens of "
-        "chat data from `composer data prepare --format chat`)")
+    objective: Literal["pretrain", "sft", "dpo", "grpo"] = setting(
+        "pretrain", "pretrain (default: every token predicted), sft (the masked tokens of chat "
+        "data from `composer data prepare --format chat`), dpo (preference pairs from "
+        "`--format preference`) or grpo (reinforcement learning on --env's rewards)")
     tokens: str | None = setting(
         None, "a .npy array of token ids (1-D or 2-D), or `synthetic` (built in)")
     data: Any = setting(
@@ -71,6 +72,43 @@ class Recipe:
         "(default: every projection but routed experts) or `experts`", nargs="+")
     adapter: str | None = setting(
         None, "a PEFT LoRA adapter folder to load onto the model (and train further)")
+    dpo_beta: float = setting(0.1, "dpo: the KL strength beta of the DPO loss (default 0.1)")
+    env: str | None = setting(
+        None, "grpo: the reward environment, a built-in task (arith, countdown) or "
+        "module:function, a callable (prompt, completion, meta) -> float")
+    env_arg: list[str] = setting(
+        factory=list, help="grpo: a KEY=VALUE knob of --env (repeatable), e.g. digits=2",
+        action="append", metavar="KEY=VALUE")
+    tokenizer: str | None = setting(
+        None, "grpo: the tokenizer folder of prompts and completions (default: the built-in "
+        "task's own, else SOURCE's)")
+    prompts_per_step: int = setting(8, "grpo: prompts per rollout (default 8)")
+    group_size: int = setting(8, "grpo: completions sampled per prompt (default 8)")
+    rollout_temperature: float = setting(1.0, "grpo: sampling temperature (default 1.0)")
+    rollout_top_p: float = setting(1.0, "grpo: nucleus sampling threshold (default 1.0: off)")
+    max_new_tokens: int = setting(32, "grpo: the longest completion in tokens (default 32)")
+    scale_rewards: Literal["group", "batch", "none"] = setting(
+        "group", "grpo: divide advantages by the group's reward std (group, default), the "
+        "batch's (batch), or not at all (none: Dr. GRPO)")
+    clip_low: float = setting(0.2, "grpo: the ratio's lower clip epsilon (default 0.2)")
+    clip_high: float = setting(0.2, "grpo: the ratio's upper clip epsilon (default 0.2; DAPO "
+                               "0.28)")
+    kl_coef: float = setting(0.0, "grpo: weight of the k3 KL penalty to the reference "
+                             "(default 0: no reference model)")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = setting(
+        "token-mean", "grpo: token-mean (default, DAPO), seq-mean-token-mean (GRPO) or "
+        "seq-mean-token-sum-norm (Dr. GRPO)")
+    updates_per_rollout: int = setting(
+        1, "grpo: optimizer steps on one rollout batch (default 1: strictly on-policy)")
+    filter_zero_std: bool = setting(
+        False, "grpo: drop groups whose rewards are all equal (DAPO dynamic sampling)")
+    mask_truncated: bool = setting(
+        False, "grpo: completions cut at --max-new-tokens get no loss (DAPO)")
+    overlong_buffer: int = setting(
+        0, "grpo: the last L tokens before --max-new-tokens are penalised linearly (DAPO "
+        "soft overlong punishment; default 0: off)")
+    overlong_penalty: float = setting(
+        1.0, "grpo: the overlong penalty at --max-new-tokens (default 1.0)")
     eval_every: int = setting(0, "evaluate on the validation split every N steps (val_loss)")
     eval_iters: int = setting(10, "global batches per evaluation (default 10)")
     seq_len: int | None = setting(

@@ -1,0 +1,142 @@
+"""Next-token prediction's step (the ``pretrain`` and ``sft`` objectives): each micro-batch's
+forward and backward, weighted so that the step's gradient is that of the mean cross-entropy
+over every predicted token of the global batch (:mod:`composer.train.loop` explains the
+weights), and the validation loss. The helpers (:func:`autocast`, :func:`dp_total`) serve the
+other objectives too."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from composer.parallel.data import reshard
+from composer.train.data import Micro
+from composer.train.objectives import StepSums, n_targets, stand_in_labels
+
+if TYPE_CHECKING:
+    from composer.train.loop import Run
+
+
+def autocast(run: Run):
+    if run.precision in ("bf16", "fp8"):
+        return torch.autocast(run.dims.device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def _tensors(run: Run, micro: list[Micro]
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The micro-batches' ids (stacked), under document isolation their doc ids, and their own
+    labels when they have some (masked samples; None: the ids are the labels), on the
+    device."""
+    device = run.dims.device
+    ids = torch.from_numpy(np.concatenate([mb.ids for mb in micro])).long()
+    ids = ids.to(device, non_blocking=True)
+    run.batch_device = ids.device
+    docs = labels = None
+    if run.recipe.document_isolation and micro[0].doc_ids is not None:
+        docs = torch.from_numpy(np.concatenate([mb.doc_ids for mb in micro]))
+        docs = docs.to(device, non_blocking=True)
+    if micro[0].labels is not None:
+        labels = torch.from_numpy(np.concatenate([mb.labels for mb in micro])).long()
+        labels = labels.to(device, non_blocking=True)
+    return ids, docs, labels
+
+
+def _forward(run: Run, micro: Micro):
+    ids, docs, labels = _tensors(run, [micro])
+    kwargs = {} if docs is None else {"doc_ids": docs}
+    with autocast(run):
+        return run.model(ids, ids if labels is None else labels, **kwargs)
+
+
+def dp_total(run: Run, n_local: float) -> torch.Tensor:
+    """``n_local`` summed over the data-parallel ranks (fp64, on the device)."""
+    total = torch.tensor(float(n_local), dtype=torch.float64, device=run.dims.device)
+    if run.dims.dp > 1:
+        dist.all_reduce(total, group=run.dims.dp_mesh.get_group())
+    return total
+
+
+def lm_accumulate(run: Run) -> StepSums:
+    """Next-token prediction (pretrain, sft): forward and backward over this rank's
+    micro-batches of the next global batch; the summed token cross-entropy, the mean aux loss,
+    the mean (weighted) multi-token-prediction loss and the predicted tokens (this rank's)."""
+    dims = run.dims
+    isolated = run.recipe.document_isolation
+    micro = run.batches.local(run.consumed, dims.dp, dims.dp_rank(), run.micro_batch)
+    counts = [n_targets(mb, isolated) for mb in micro]
+    if isolated or micro[0].labels is not None:  # a count that varies: one small all-reduce
+        n_global = dp_total(run, sum(counts))
+    else:
+        n_global = float(run.recipe.global_batch_size * (run.seq_len - 1))
+    pipeline = getattr(run.model, "pipeline", None)
+    if pipeline is not None:  # the schedule runs the micro-batches (composer.parallel.pipeline)
+        ids, docs, labels = _tensors(run, micro)
+        with autocast(run):
+            ce_sum, aux, mtp = pipeline.train_step(ids, docs,
+                                                   dims.grad_replicas / float(n_global), labels)
+        return StepSums(ce_sum, float(sum(counts)), aux, mtp, processed=_rows_tokens(micro))
+    ce_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
+    aux_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
+    mtp_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
+    for mb, n in zip(micro, counts, strict=True):
+        stand_in = None if n or mb.labels is None else stand_in_labels(mb, isolated)
+        out = _forward(run, mb if stand_in is None else stand_in)
+        # loss = ce + aux + mtp: the main cross-entropy is weighted by its tokens, the
+        # per-micro-batch means (load balancing, multi-token prediction) averaged
+        extra = out.aux_loss + out.mtp_loss
+        if stand_in is not None:  # no supervised target: a finite mean, weighted 0
+            ce = (out.loss - extra) * 0.0
+        else:
+            ce = out.loss - extra if n else out.aux_loss * 0.0  # no target: NaN mean
+        term = ce * (n * dims.dp / n_global) + extra / len(micro)
+        if term.requires_grad:  # a dense model's micro-batch without a target has no graph
+            term.backward()
+        ce_sum += ce.detach().double() * n
+        aux_sum += out.aux_loss.detach().double()
+        mtp_sum += out.mtp_loss.detach().double()
+    return StepSums(ce_sum, float(sum(counts)), aux_sum / len(micro), mtp_sum / len(micro),
+                    processed=_rows_tokens(micro))
+
+
+def _rows_tokens(micro: list[Micro]) -> int:
+    """Predicted positions of the rows (``T - 1`` each): what ``tokens_per_s`` measures."""
+    return sum(mb.ids.shape[0] * (mb.ids.shape[1] - 1) for mb in micro)
+
+
+def _eval_ce(run: Run, micro: Micro) -> torch.Tensor:
+    """A micro-batch's mean cross-entropy (fp64), through the pipeline when there is one."""
+    pipeline = getattr(run.model, "pipeline", None)
+    if pipeline is None:
+        out = _forward(run, micro)
+        return (out.loss - out.aux_loss - out.mtp_loss).double()
+    ids, docs, labels = _tensors(run, [micro])
+    with autocast(run):
+        return pipeline.loss(ids, docs, labels)[0]
+
+
+@torch.no_grad()
+def validate(run: Run) -> float:
+    """Mean loss over ``eval_iters`` global batches of the validation data (the same ones at
+    every evaluation)."""
+    dims, r = run.dims, run.recipe
+    run.model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=dims.device)
+    for it in range(r.eval_iters):
+        for mb in run.valid.local(it * r.global_batch_size, dims.dp, dims.dp_rank(),
+                                  run.micro_batch):
+            n = n_targets(mb, r.document_isolation)
+            if n:
+                ce = _eval_ce(run, mb)
+                totals[0] += ce * n
+                totals[1] += n
+    run.model.train()
+    reshard(run.model)  # evaluation left the FSDP roots' own weights gathered
+    totals /= dims.tp * dims.pp * dims.cp  # these ranks hold the same numbers
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    return float(totals[0] / totals[1])
