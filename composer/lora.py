@@ -19,14 +19,18 @@ space: per weight, ``<experts>.lora.<weight>.A [E, r, in]`` and ``.B [E, out, r]
 forward pre-hook on the experts module shadows the weight with ``W + (alpha/r) B @ A`` for the
 forward. Dropout does not apply there (there is no input to drop).
 
+:func:`disabled` turns every adapter off for a while (the hooks add nothing, the experts read their
+base weights): the base model without a copy, e.g. DPO's and GRPO's reference under LoRA.
+
 Blocks never import this; the parallel layer applies it (``composer/parallel/lora.py``), after
 tensor / expert parallelism and before FSDP, so that adapters are sharded like their bases.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +99,8 @@ class LoRA(nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.d_in, self.rank, self.scaling, self.dropout = d_in, rank, float(scaling), dropout
+        self.off = False
+        """Set by :func:`disabled`: the adapter adds nothing."""
         self.A = nn.Linear(d_in, rank, bias=False, device=device, dtype=dtype)
         if isinstance(d_out, Mapping):  # the parts of a fused base (SplitLinear)
             with torch.device(device or "cpu"):
@@ -130,6 +136,8 @@ class ExpertLoRA(nn.Module):
         super().__init__()
         n, d_out, d_in = shape
         self.d_in, self.rank, self.scaling = d_in, rank, float(scaling)
+        self.off = False
+        """Set by :func:`disabled`: the weight reads as its base."""
         self.A = nn.Parameter(torch.empty(n, rank, d_in, device=device, dtype=dtype))
         self.B = nn.Parameter(torch.empty(n, d_out, rank, device=device, dtype=dtype))
 
@@ -143,7 +151,7 @@ class ExpertLoRA(nn.Module):
 
 
 def _add_lora(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    return out + module.lora(args[0])
+    return out if module.lora.off else out + module.lora(args[0])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -153,13 +161,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _shadow_experts(module: nn.Module, args: tuple) -> None:
     # after any local-view hook (registered earlier): the weight this forward reads, plus delta
     for name, adapter in module.lora.named_children():
+        if adapter.off:  # the base weight as it is (a local view, if any, stays in place)
+            continue
         w = module.__dict__.get(name, module._parameters[name])
         module.__dict__[name] = _local(w) + adapter.delta(_local(adapter.A), _local(adapter.B))
 
 
 def _unshadow_experts(module: nn.Module, args: tuple, out: object) -> None:
-    for name, _ in module.lora.named_children():
-        module.__dict__.pop(name, None)
+    for name, adapter in module.lora.named_children():
+        if not adapter.off:
+            module.__dict__.pop(name, None)
 
 
 # ---------------------------------------------------------------- attaching
@@ -278,6 +289,23 @@ def add_lora(model: nn.Module, cfg: LoRAConfig, ranks: Mapping[str, int] | None 
 def adapter_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, adapter)`` of every :class:`LoRA` and :class:`ExpertLoRA` in ``model``."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRA | ExpertLoRA)]
+
+
+@contextlib.contextmanager
+def disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block, every adapter of ``model`` (projections' and routed experts') adds
+    nothing: the model computes what its base does, with no copy of the weights. Each adapter's
+    earlier state is restored on exit (nesting is fine). Applies to every layout: the flag is on
+    the adapter modules, which sharding keeps."""
+    adapters = [m for _, m in adapter_modules(model)]
+    before = [m.off for m in adapters]
+    for m in adapters:
+        m.off = True
+    try:
+        yield
+    finally:
+        for m, off in zip(adapters, before, strict=True):
+            m.off = off
 
 
 def adapter_names(model: nn.Module) -> set[str]:

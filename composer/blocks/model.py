@@ -22,6 +22,11 @@ and ``ModelOutput.loss = ce + aux_loss + mtp_loss`` (``ce``: the main next-token
 ``aux_loss``: the MoE load-balancing losses of every layer, MTP layers included, ``mtp_loss``:
 ``(w / D) * sum_k ce_k``). Without labels, and in decoding, the MTP modules never run.
 
+Scoring (:mod:`composer.blocks.logprobs`): ``token_logprobs`` gives each position's log-probability
+(and entropy) of a given next-token target, the head run chunk by chunk as for the loss; what
+preference optimisation and RL objectives need. :func:`completion_targets` builds the targets that
+score only a completion.
+
 Decoding (:mod:`composer.blocks.cache`, :func:`composer.generate`): ``new_cache`` allocates each
 layer's state, ``forward_cached`` runs new tokens against it and returns their logits.
 """
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.cache import InferenceCache, Step
+from composer.blocks.logprobs import TokenLogprobs, linear_token_logprobs, logits_scale
 from composer.blocks.loss import IGNORE_INDEX, linear_cross_entropy
 from composer.blocks.mtp import MTPDepth, MultiTokenPrediction
 from composer.blocks.norm import RMSNorm
@@ -54,6 +60,16 @@ def mask_doc_boundaries(labels_BT: torch.Tensor, doc_ids_BT: torch.Tensor) -> to
     """Unshifted labels with each document's first label ignored: after the shift it would be
     the target of the previous document's last token."""
     return labels_BT.masked_fill(doc_starts(doc_ids_BT), IGNORE_INDEX)
+
+
+def completion_targets(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Next-token targets that score only the tokens ``mask`` marks (1: a completion token):
+    ``targets[:, t] = ids[:, t + 1]`` where ``mask[:, t + 1]``, else ``IGNORE_INDEX``; the last
+    column predicts nothing."""
+    if mask_BT.shape != ids_BT.shape:
+        raise ValueError(f"mask must be shaped like ids {tuple(ids_BT.shape)}, got "
+                         f"{tuple(mask_BT.shape)}")
+    return shift_labels(ids_BT.masked_fill(~mask_BT.bool(), IGNORE_INDEX))
 
 
 @dataclass
@@ -108,6 +124,15 @@ class Readout(nn.Module):
                                ignore_index=IGNORE_INDEX)
         return loss, logits_BTV
 
+    def token_logprobs(self, h_BTD: torch.Tensor, weight_VD: torch.Tensor,
+                       targets_BT: torch.Tensor, temperature: float = 1.0,
+                       entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(logp, entropy | None)``, each ``(B, T)``, of ``targets`` under
+        ``softmax(logits / temperature)`` (:func:`composer.blocks.logprobs.linear_token_logprobs`:
+        chunked, never the whole logits)."""
+        return linear_token_logprobs(h_BTD, weight_VD, targets_BT,
+                                     logits_scale(self.logits_scaling, temperature), entropy)
+
 
 def embed_tokens(embed: nn.Module, cfg: ModelConfig, input_ids: torch.Tensor) -> torch.Tensor:
     """The embedding of ``input_ids`` (``(B, T)``), times ``embedding_multiplier`` (the model's
@@ -135,6 +160,12 @@ def _set_zero_centered(model: nn.Module, flag: bool) -> None:
             module.zero_centered = flag
             with torch.no_grad():
                 module.reset_parameters()
+
+
+def _check_doc_ids(input_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> None:
+    if doc_ids is not None and (doc_ids.shape != input_ids.shape or doc_ids.is_floating_point()):
+        raise ValueError(f"doc_ids must be integers shaped like input_ids "
+                         f"{tuple(input_ids.shape)}, got {doc_ids.dtype} {tuple(doc_ids.shape)}")
 
 
 class HybridModel(nn.Module):
@@ -214,11 +245,7 @@ class HybridModel(nn.Module):
         if targets is not None and self.mtp is not None and not self.mtp.rows.reads_whole_rows:
             raise ValueError("targets cannot drive multi-token prediction (it shifts the labels "
                              "itself); give labels")
-        if doc_ids is not None:
-            if doc_ids.shape != input_ids.shape or doc_ids.is_floating_point():
-                raise ValueError(f"doc_ids must be integers shaped like input_ids "
-                                 f"{tuple(input_ids.shape)}, got {doc_ids.dtype} "
-                                 f"{tuple(doc_ids.shape)}")
+        _check_doc_ids(input_ids, doc_ids)
         h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids)
         if labels is not None:
             targets = self.targets_for(labels, doc_ids)
@@ -230,6 +257,32 @@ class HybridModel(nn.Module):
         aux = self.aux_loss(loss)  # after the MTP depths: their MoE layers count too
         return ModelOutput(loss=loss + aux + mtp, logits=logits, aux_loss=aux, mtp_loss=mtp,
                            mtp_losses=mtp_losses)
+
+    def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, *,
+                       doc_ids: torch.Tensor | None = None, temperature: float = 1.0,
+                       entropy: bool = False) -> TokenLogprobs:
+        """Each position's log-probability of its next-token target under
+        ``softmax(logits / temperature)`` (temperature 0: the logits' own, as greedy decoding
+        reports it), and with ``entropy`` the distribution's entropy; 0 where the target is
+        ``IGNORE_INDEX``. ``targets`` ``(B, T)`` is already shifted (position t's target:
+        :func:`completion_targets`); ``doc_ids`` isolates documents as in ``forward`` (a target
+        across a boundary is the caller's to ignore). The trunk runs once; multi-token
+        prediction does not. The head runs chunk by chunk, its backward recomputing each chunk
+        (:mod:`composer.blocks.logprobs`); the readout owns the math so that the vocabulary-
+        parallel one can stand in."""
+        _check_doc_ids(input_ids, doc_ids)
+        if targets.shape != input_ids.shape or targets.is_floating_point():
+            raise ValueError(f"targets must be integers shaped like input_ids "
+                             f"{tuple(input_ids.shape)}, got {targets.dtype} "
+                             f"{tuple(targets.shape)}")
+        bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= self.config.vocab_size))
+        if bool(bad.any()):
+            raise ValueError(f"target {int(targets[bad][0])} is outside the vocabulary "
+                             f"[0, {self.config.vocab_size}) (IGNORE_INDEX is {IGNORE_INDEX})")
+        h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids)
+        logp, ent = self.readout.token_logprobs(h_BTD, self.output_weight(), targets,
+                                                temperature, entropy)
+        return TokenLogprobs(logp, ent, self.aux_loss(logp))
 
     def mtp_loss(self, h_BTD: torch.Tensor, input_ids: torch.Tensor,
                  labels: torch.Tensor | None, *,

@@ -9,6 +9,6 @@ Mamba-2 and gated-delta-net layers (the cache layout is documented in
 command-line front door.
 """
 
-from composer.inference.decode import generate
+from composer.inference.decode import Generated, generate
 
-__all__ = ["generate"]
+__all__ = ["Generated", "generate"]

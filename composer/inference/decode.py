@@ -18,15 +18,32 @@ Batches of prompts of different lengths are left-padded with ``attention_mask`` 
 tokens): each row's positions, attention and recurrent states are those of its prompt alone.
 A row that emits an ``eos_token_id`` is finished: later positions hold ``pad_token_id`` (default:
 the first eos id), and generation stops when every row is finished.
+
+``return_logprobs=True`` also gives each new token's log-probability under the distribution it
+was drawn from (after temperature, before top-k / top-p: what a policy-gradient objective divides
+by), computed from the same logits; the training path gives the same numbers
+(``HybridModel.token_logprobs`` on the whole sequence, padding as an earlier document) up to
+fp32 rounding (tests/inference/test_consistency.py).
+
+``sync_group`` (data-parallel rollouts on a sharded model): every rank of the group takes the
+same number of decoding steps, so the collectives inside each step (FSDP's gathers, tensor
+parallelism's reductions) stay matched; a rank whose rows are all finished keeps stepping with
+padding until every rank is (one all-reduce of a flag per step). Each rank still returns only the
+columns its own rows needed, so its output is what it would generate alone. Every rank of the
+group must pass the same ``max_new_tokens`` and eos ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 
+from composer.blocks.cache import InferenceCache
 from composer.blocks.model import HybridModel
 
 
@@ -93,17 +110,44 @@ def _eos_ids(eos_token_id: int | Sequence[int] | None, device: torch.device) -> 
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
+@dataclass
+class Generated:
+    """What ``generate(..., return_logprobs=True)`` returns."""
+
+    ids: torch.Tensor
+    """``(B, T + n)`` token ids, as ``generate`` returns them otherwise."""
+    logprobs: torch.Tensor
+    """``(B, n)`` (>= fp32): each new token's log-probability under the distribution it was
+    drawn from, after temperature and before top-k / top-p (``log_softmax(z / temperature)``,
+    ``log_softmax(z)`` when greedy); 0 after the row's eos."""
+    finished: torch.Tensor
+    """``(B,)`` bool: the row emitted an eos."""
+
+
+def _all_done(done_B: torch.Tensor, sync_group: dist.ProcessGroup | None) -> bool:
+    """Whether every row is finished, on every rank of ``sync_group`` (one all-reduce)."""
+    if sync_group is None:
+        return bool(done_B.all())
+    busy = (~done_B).any().to(torch.int32).reshape(1)
+    dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=sync_group)
+    return not bool(busy)
+
+
 def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *,
              attention_mask: torch.Tensor | None = None, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
              seed: int | None = None, on_token: Callable[[torch.Tensor], None] | None = None,
-             use_cache: bool = True, vocab_limit: int | None = None) -> torch.Tensor:
+             use_cache: bool = True, vocab_limit: int | None = None,
+             return_logprobs: bool = False,
+             sync_group: dist.ProcessGroup | None = None) -> torch.Tensor | Generated:
     """Continue each row of ``input_ids`` ``(B, T)`` by up to ``max_new_tokens`` tokens;
     returns ``(B, T + n)`` token ids, ``n <= max_new_tokens`` (fewer when every row ended with
-    an eos). ``on_token`` gets each new column ``(B,)`` as it is produced (streaming). See the
-    module docstring for sampling, padding and eos. ``vocab_limit``: only ids below it are
-    generated (a vocabulary padded past its tokenizer's)."""
+    an eos), or with ``return_logprobs`` a :class:`Generated` (the ids, each new token's
+    log-probability, which rows finished). ``on_token`` gets each new column ``(B,)`` as it is
+    produced (streaming). See the module docstring for sampling, padding, eos and
+    ``sync_group``. ``vocab_limit``: only ids below it are generated (a vocabulary padded past
+    its tokenizer's; the log-probabilities are then over those ids)."""
     _check(input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p,
            model.config.vocab_size)
     if vocab_limit is not None and not 1 <= vocab_limit <= model.config.vocab_size:
@@ -124,10 +168,11 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
     model.eval()
     try:
         with torch.inference_mode():
-            columns = []
+            columns, logps = [], []
             done_B = torch.zeros(b, dtype=torch.bool, device=device)
+            n_local = 0  # columns this rank's rows need (fewer than the steps under sync)
             if use_cache:
-                cache = model.new_cache(b, ids_BT.shape[1] + max_new_tokens)
+                cache = new_cache(model, b, ids_BT.shape[1] + max_new_tokens)
                 logits_BV = model.forward_cached(ids_BT, cache, attention_mask=mask_BT)
             else:
                 logits_BV = _full_forward(model, ids_BT, mask_BT)
@@ -136,12 +181,16 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
                     logits_BV = logits_BV[:, :vocab_limit]
                 token_B = next_token(logits_BV, temperature, top_k, top_p, generator)
                 token_B = token_B.masked_fill(done_B, pad)
+                if not len(eos_E) or not bool(done_B.all()):
+                    n_local = step + 1
+                if return_logprobs:
+                    logps.append(_sampled_logp(logits_BV, token_B, temperature, done_B))
                 columns.append(token_B)
-                if on_token is not None:
+                if on_token is not None and step < n_local:
                     on_token(token_B)
                 if len(eos_E):
                     done_B = done_B | torch.isin(token_B, eos_E)
-                    if bool(done_B.all()):
+                    if _all_done(done_B, sync_group):
                         break
                 if step + 1 == max_new_tokens:
                     break
@@ -152,9 +201,56 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
                     mask_so_far = None if mask_BT is None else F.pad(mask_BT, (0, len(columns)),
                                                                      value=True)
                     logits_BV = _full_forward(model, ids_so_far, mask_so_far)
-            return torch.cat([ids_BT, torch.stack(columns, 1)], 1)
+            ids = torch.cat([ids_BT, torch.stack(columns[:n_local], 1)], 1)
+            if not return_logprobs:
+                return ids
+            return Generated(ids, torch.stack(logps[:n_local], 1), done_B)
     finally:
         model.train(was_training)
+
+
+def _tp_local_shape(p: DTensor) -> torch.Size:
+    """The shape of ``p`` on this tensor-parallel rank: its global shape cut along the ``tp``
+    mesh dimension only (torch.chunk semantics, as DTensor splits), whatever else shards it
+    (FSDP's dp shards are gathered before any forward)."""
+    shape = list(p.shape)
+    for mesh_dim, (name, placement) in enumerate(zip(p.device_mesh.mesh_dim_names or (),
+                                                     p.placements, strict=True)):
+        if name == "tp" and isinstance(placement, Shard):
+            n, size = shape[placement.dim], p.device_mesh.size(mesh_dim)
+            chunk = -(-n // size)
+            rank = p.device_mesh.get_local_rank(mesh_dim)
+            shape[placement.dim] = max(0, min(chunk, n - rank * chunk))
+    return torch.Size(shape)
+
+
+def new_cache(model: HybridModel, batch: int, max_len: int) -> InferenceCache:
+    """``model.new_cache``, on a sharded model too. Each mixer sizes its state from its weights
+    (a tensor-parallel rank holds a slice of the heads and caches only those), and outside a
+    forward those are DTensors of global shape; while the cache is made, each reads as an
+    empty meta tensor of its shape on this tp rank (only shapes are read)."""
+    sharded = [(m, name, p) for m in model.modules() for name, p in m._parameters.items()
+               if isinstance(p, DTensor)]
+    if not sharded:
+        return model.new_cache(batch, max_len)
+    weight = model.embed.weight
+    for module, name, p in sharded:
+        module.__dict__[name] = torch.empty(_tp_local_shape(p), dtype=p.dtype, device="meta")
+    try:
+        return model.new_cache(batch, max_len, device=weight.device, dtype=weight.dtype)
+    finally:
+        for module, name, _ in sharded:
+            module.__dict__.pop(name, None)
+
+
+def _sampled_logp(logits_BV: torch.Tensor, token_B: torch.Tensor, temperature: float,
+                  done_B: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(z / temperature)[token]`` per row (>= fp32), 0 for finished rows."""
+    z_BV = logits_BV.to(torch.promote_types(logits_BV.dtype, torch.float32))
+    if temperature > 0:
+        z_BV = z_BV / temperature
+    logp_B = z_BV.log_softmax(-1).gather(1, token_B[:, None])[:, 0]
+    return logp_B.masked_fill(done_B, 0.0)
 
 
 def _full_forward(model: HybridModel, ids_BT: torch.Tensor,

@@ -104,9 +104,17 @@ def _width(conv: nn.Module) -> int:
 
 def _conv_params(conv: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's ``(C, 1, K)`` weight and bias of a ``SplitCausalConv1d`` or ``nn.Conv1d``."""
-    if hasattr(conv, "fused_weight"):
-        return conv.fused_weight(), conv.fused_bias()
-    return conv.weight, conv.bias
+    if hasattr(conv, "fused_weight"):  # each part's shard: a cat of DTensors would gather them
+        weight = torch.cat([_local(w) for w in conv.weights()])
+        biases = [_local(b) for b in conv.biases()]
+        return weight, torch.cat(biases) if biases else None
+    return _local(conv.weight), None if conv.bias is None else _local(conv.bias)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel rank's shard of a weight read outside its module's forward (where it
+    is a DTensor; inside, the module's local view already is the shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def conv_silu(x_BTC: torch.Tensor, conv: nn.Module,

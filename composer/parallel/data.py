@@ -24,7 +24,12 @@ import ctypes
 import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import Shard
 
 from composer.blocks.model import named_layers
@@ -102,6 +107,17 @@ def map_gathered_buffers() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, GATHER_MMAP_BYTES))
 
 
+FORWARD_METHODS = ("token_logprobs", "forward_cached")
+"""Methods of the root that run the model like ``forward`` (scoring, cached decoding): FSDP2
+gathers the root's weights around them too (``register_fsdp_forward_method``)."""
+
+
+def _register_forward_methods(root: nn.Module) -> None:
+    for name in FORWARD_METHODS:
+        if hasattr(root, name):  # a pipeline stage has neither
+            register_fsdp_forward_method(root, name)
+
+
 def apply_fsdp(model: nn.Module, dims: ParallelDims,
                roots: list[nn.Module] | None = None) -> None:
     """Each layer its own FSDP2 unit, then the root(s) (``model``, or a pipeline rank's stages:
@@ -119,6 +135,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims,
             fully_shard(layer, mesh=dims.fsdp_mesh, ignored_params=_experts_apart(layer, dims),
                         mp_policy=mp)
         fully_shard(root, mesh=dims.fsdp_mesh, mp_policy=mp)
+        _register_forward_methods(root)
         for i, layer in enumerate(layers):
             # a layer gathers its own experts (their units sit inside it) and the next layer
             ahead = experts[i] + ([layers[i + 1]] if i + 1 < len(layers) else [])
@@ -136,6 +153,7 @@ def apply_replicate(model: nn.Module, dims: ParallelDims,
             replicate(layer, mesh=dims.fsdp_mesh, ignored_params=_experts_apart(layer, dims),
                       mp_policy=mp)
         replicate(root, mesh=dims.fsdp_mesh, mp_policy=mp)
+        _register_forward_methods(root)
 
 
 def reshard(model: nn.Module) -> None:

@@ -2,7 +2,9 @@
 head's rows are split over ``tp`` (unevenly when the vocabulary does not divide it: DTensor's
 chunking); the loss is computed chunk by chunk from the local logits without gathering them
 (never ``[tokens, V/tp]`` at once), and the logits, when asked for, are gathered with padding
-that exists only inside the gather. Set in place of the model's ``embed`` and ``readout`` by
+that exists only inside the gather. Per-token log-probs (``token_logprobs``) reduce the row max,
+the sum of ``exp`` and the target logit over the split in their forward only
+(:mod:`composer.blocks.logprobs`). Set in place of the model's ``embed`` and ``readout`` by
 :func:`composer.parallel.tensor.apply_tp`: each holds what it replaces (the embedding's very
 Parameter, the readout's scaling) and the :class:`~composer.parallel.tensor.TPContext`.
 """
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from composer.blocks.logprobs import linear_token_logprobs, logits_scale
 from composer.blocks.loss import CHUNK_ELEMENTS, IGNORE_INDEX
 from composer.blocks.model import Readout, shift_labels
 from composer.parallel.comm import all_gather
@@ -194,3 +197,23 @@ class VocabParallelReadout(Readout):
         loss = linear_cross_entropy(h.flatten(0, 1), w, targets_BT.flatten(),
                                     vocab, tp, scale=1.0 / self.logits_scaling)
         return loss, logits
+
+    def token_logprobs(self, h_BTD, weight_VD, targets_BT, temperature=1.0, entropy=False):
+        """``(logp, entropy | None)`` over the split vocabulary, replicated on every tp rank. The
+        chunked forward all-reduces each chunk's row max, then its sums (``exp``, target logit,
+        ``exp * z``); the backward is local (this rank's rows of ``dz``), and the gradient of the
+        hidden states, a partial sum here, is summed over tp by ``tp.enter``'s backward: equal
+        to one process's. A rank holding no rows of the vocabulary contributes nothing."""
+        tp = self.tp
+        group = tp.group
+
+        def reduce(t: torch.Tensor, op: str) -> None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                            group=group)
+
+        h = tp.enter(h_BTD)
+        w = weight_VD.to_local() if isinstance(weight_VD, DTensor) else weight_VD
+        start = sum(vocab_sizes(weight_VD.shape[0], tp.size)[: tp.rank])
+        return linear_token_logprobs(h, w, targets_BT,
+                                     logits_scale(self.logits_scaling, temperature), entropy,
+                                     start=start, reduce=reduce)
