@@ -234,3 +234,37 @@ def _cfg():
     from composer.train.recipe import Recipe
 
     return _model_config(Recipe(model=MODEL))[0]
+
+
+@pytest.mark.slow
+def test_a_run_from_an_adapter_copies_the_adapted_start(data, tmp_path) -> None:
+    """``--adapter DIR``: the start is base + that adapter, so the reference is a copy holding
+    both (the base alone, adapters off, would not give ln 2 at step 0)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from composer.cli import main
+    from composer.convert import from_hf
+    from composer.lora import disabled
+
+    hf = tmp_path / "hf"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=259, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)).save_pretrained(hf)
+    from_hf(hf, tmp_path / "ours")
+    values = {k: v for k, v in dpo_values(data, lora_rank=4, lr=3e-2).items() if k != "model"}
+    values["model"] = str(tmp_path / "ours")
+    train_case({**values, "save": str(tmp_path / "lora")})
+    assert main(["export", str(tmp_path / "lora"), str(tmp_path / "adapter"), "--adapter"]) == 0
+    run, last = _run({**values, "lora_rank": 0, "adapter": str(tmp_path / "adapter")})
+    ref = run.ref_model
+    assert ref.copies and ref.model is not run.model
+    mb = run.batches.local(0, 1, 0, 8)[0]
+    ids = torch.from_numpy(mb.ids)
+    from composer.blocks.model import completion_targets
+
+    targets = completion_targets(ids, torch.from_numpy(mb.mask))
+    with torch.no_grad(), disabled(run.model):
+        base = run.model.token_logprobs(ids, targets).logp
+    assert not torch.allclose(base, ref.token_logprobs(ids, targets))  # the adapter matters
+    summary = _step0_and_train(run, last)["summary"]
+    assert abs(summary.losses[0] - math.log(2)) <= 1e-12
