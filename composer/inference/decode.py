@@ -163,50 +163,75 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
     generator = None
     if seed is not None and temperature > 0:
         generator = torch.Generator(device).manual_seed(seed)
-    b = ids_BT.shape[0]
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
-            columns, logps = [], []
-            done_B = torch.zeros(b, dtype=torch.bool, device=device)
-            n_local = 0  # columns this rank's rows need (fewer than the steps under sync)
-            if use_cache:
-                cache = new_cache(model, b, ids_BT.shape[1] + max_new_tokens)
-                logits_BV = model.forward_cached(ids_BT, cache, attention_mask=mask_BT)
-            else:
-                logits_BV = _full_forward(model, ids_BT, mask_BT)
-            for step in range(max_new_tokens):
-                if vocab_limit is not None:  # a slice keeps ids as they are: rows 0..limit-1
-                    logits_BV = logits_BV[:, :vocab_limit]
-                token_B = next_token(logits_BV, temperature, top_k, top_p, generator)
-                token_B = token_B.masked_fill(done_B, pad)
-                if not len(eos_E) or not bool(done_B.all()):
-                    n_local = step + 1
-                if return_logprobs:
-                    logps.append(_sampled_logp(logits_BV, token_B, temperature, done_B))
-                columns.append(token_B)
-                if on_token is not None and step < n_local:
-                    on_token(token_B)
-                if len(eos_E):
-                    done_B = done_B | torch.isin(token_B, eos_E)
-                    if _all_done(done_B, sync_group):
-                        break
-                if step + 1 == max_new_tokens:
-                    break
-                if use_cache:
-                    logits_BV = model.forward_cached(token_B[:, None], cache)
-                else:
-                    ids_so_far = torch.cat([ids_BT, torch.stack(columns, 1)], 1)
-                    mask_so_far = None if mask_BT is None else F.pad(mask_BT, (0, len(columns)),
-                                                                     value=True)
-                    logits_BV = _full_forward(model, ids_so_far, mask_so_far)
-            ids = torch.cat([ids_BT, torch.stack(columns[:n_local], 1)], 1)
-            if not return_logprobs:
-                return ids
-            return Generated(ids, torch.stack(logps[:n_local], 1), done_B)
+        with _no_grad(model):
+            columns, logps, done_B = _decode(
+                model, ids_BT, mask_BT, max_new_tokens, use_cache,
+                lambda z_BV: next_token(z_BV, temperature, top_k, top_p, generator),
+                vocab_limit, eos_E, pad, on_token,
+                (lambda z_BV, t_B, d_B: _sampled_logp(z_BV, t_B, temperature, d_B))
+                if return_logprobs else None, sync_group)
     finally:
         model.train(was_training)
+    # made here, outside inference mode: a caller may train on them (a tensor made under
+    # inference mode cannot be saved for backward)
+    ids = torch.cat([ids_BT, *(c[:, None] for c in columns)], 1)
+    if not return_logprobs:
+        return ids
+    return Generated(ids, torch.stack(logps, 1), done_B.clone())
+
+
+def _decode(model, ids_BT, mask_BT, max_new_tokens, use_cache, pick, vocab_limit, eos_E, pad,
+            on_token, score, sync_group):
+    """The prefill and decoding steps: the new columns ``(B,)`` this rank's rows need, their
+    log-probs (with ``score``) and which rows finished."""
+    columns, logps = [], []
+    done_B = torch.zeros(ids_BT.shape[0], dtype=torch.bool, device=ids_BT.device)
+    n_local = 0  # columns this rank's rows need (fewer than the steps under sync_group)
+    if use_cache:
+        cache = new_cache(model, ids_BT.shape[0], ids_BT.shape[1] + max_new_tokens)
+        logits_BV = model.forward_cached(ids_BT, cache, attention_mask=mask_BT)
+    else:
+        logits_BV = _full_forward(model, ids_BT, mask_BT)
+    for step in range(max_new_tokens):
+        if vocab_limit is not None:  # a slice keeps ids as they are: rows 0..limit-1
+            logits_BV = logits_BV[:, :vocab_limit]
+        token_B = pick(logits_BV).masked_fill(done_B, pad)
+        if not len(eos_E) or not bool(done_B.all()):
+            n_local = step + 1
+        if score is not None:
+            logps.append(score(logits_BV, token_B, done_B))
+        columns.append(token_B)
+        if on_token is not None and step < n_local:
+            on_token(token_B)
+        if len(eos_E):
+            done_B = done_B | torch.isin(token_B, eos_E)
+            if _all_done(done_B, sync_group):
+                break
+        if step + 1 == max_new_tokens:
+            break
+        if use_cache:
+            logits_BV = model.forward_cached(token_B[:, None], cache)
+        else:
+            ids_so_far = torch.cat([ids_BT, torch.stack(columns, 1)], 1)
+            mask_so_far = None if mask_BT is None else F.pad(mask_BT, (0, len(columns)),
+                                                             value=True)
+            logits_BV = _full_forward(model, ids_so_far, mask_so_far)
+    return columns[:n_local], logps[:n_local], done_B
+
+
+def _sharded(model: HybridModel) -> list[tuple[torch.nn.Module, str, DTensor]]:
+    return [(m, name, p) for m in model.modules() for name, p in m._parameters.items()
+            if isinstance(p, DTensor)]
+
+
+def _no_grad(model: HybridModel):
+    """``inference_mode``, but ``no_grad`` for a sharded model: FSDP2 allocates its gathered
+    weights' buffers on the first gather and reuses them, and buffers made under inference mode
+    could not be written by a later training step."""
+    return torch.no_grad() if _sharded(model) else torch.inference_mode()
 
 
 def _tp_local_shape(p: DTensor) -> torch.Size:
@@ -224,20 +249,29 @@ def _tp_local_shape(p: DTensor) -> torch.Size:
     return torch.Size(shape)
 
 
+def _compute_dtype(model: HybridModel) -> torch.dtype:
+    """The dtype the forward computes in: a mixed-precision FSDP2 model's compute copies' (its
+    weights are fp32 masters), else its weights'."""
+    fsdp_state = getattr(model, "_get_fsdp_state", None)
+    policy = getattr(fsdp_state(), "_mp_policy", None) if fsdp_state is not None else None
+    if policy is not None and policy.param_dtype is not None:
+        return policy.param_dtype
+    return model.embed.weight.dtype
+
+
 def new_cache(model: HybridModel, batch: int, max_len: int) -> InferenceCache:
     """``model.new_cache``, on a sharded model too. Each mixer sizes its state from its weights
     (a tensor-parallel rank holds a slice of the heads and caches only those), and outside a
     forward those are DTensors of global shape; while the cache is made, each reads as an
     empty meta tensor of its shape on this tp rank (only shapes are read)."""
-    sharded = [(m, name, p) for m in model.modules() for name, p in m._parameters.items()
-               if isinstance(p, DTensor)]
+    sharded = _sharded(model)
     if not sharded:
         return model.new_cache(batch, max_len)
-    weight = model.embed.weight
+    device, dtype = model.embed.weight.device, _compute_dtype(model)
     for module, name, p in sharded:
         module.__dict__[name] = torch.empty(_tp_local_shape(p), dtype=p.dtype, device="meta")
     try:
-        return model.new_cache(batch, max_len, device=weight.device, dtype=weight.dtype)
+        return model.new_cache(batch, max_len, device=device, dtype=dtype)
     finally:
         for module, name, _ in sharded:
             module.__dict__.pop(name, None)

@@ -79,9 +79,15 @@ def shard_experts(layer: nn.Module, dims: ParallelDims,
 
 
 def mixed_precision(dims: ParallelDims) -> MixedPrecisionPolicy:
-    """bf16 compute copies of the fp32 masters, gradients reduced in fp32 (or all fp32)."""
+    """bf16 compute copies of the fp32 masters, gradients reduced in fp32 (or all fp32).
+
+    Forward inputs are not cast: they already arrive in the compute dtype (token ids, the
+    bf16 embedding's output, each layer's), and the cast would copy every floating tensor of
+    the arguments, dataclasses included: a decoding step's cache states, which the layers
+    update in place (``forward_cached``), would be updated in the copies."""
     if dims.precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False)
     return MixedPrecisionPolicy()
 
 
