@@ -184,13 +184,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from composer.data.prepare import prepare
 
-    if args.format == "chat":
+    if args.format in ("chat", "preference"):
         return _data_prepare_chat(args)
     chat_only = [f"--{k.replace('_', '-')}" for k in ("chat_template", "mask", "seq_len",
                                                       "truncate") if getattr(args, k)]
     chat_only += ["--skip-bad-rows"] if args.skip_bad_rows else []
     if chat_only:
-        raise UsageError(f"{chat_only[0]} needs --format chat")
+        raise UsageError(f"{chat_only[0]} needs --format chat or preference")
     bar = _progress_bar(0, "prepare")
     try:
         stats = prepare(args.inputs, args.out, args.tokenizer, json_key=args.json_key,
@@ -213,16 +213,26 @@ def _data_prepare_chat(args: argparse.Namespace) -> int:
     if args.append_eod or args.json_key != "text":
         raise UsageError("--append-eod and --json-key are for --format text (a chat row's "
                          "template ends its turns)")
+    preference = args.format == "preference"
+    if preference and args.mask:
+        raise UsageError("--mask is for --format chat (a preference pair's mask is its "
+                         "completion: chosen, rejected)")
     bar = _progress_bar(0, "prepare")
     try:
         stats = prepare_chat(args.inputs, args.out, args.tokenizer, args.chat_template,
-                             args.mask or "assistant", args.skip_bad_rows, args.workers,
-                             args.seq_len, args.truncate or "right", progress=bar.update,
-                             force=args.force)
+                             "completion" if preference else args.mask or "assistant",
+                             args.skip_bad_rows, args.workers, args.seq_len,
+                             args.truncate or "right", progress=bar.update, force=args.force,
+                             kind=args.format)
     finally:
         bar.close()
     if args.json:
         print(json.dumps(stats))
+    elif preference:
+        print(f"wrote {args.out}: {stats['pairs']:,} pairs ({stats['documents']:,} "
+              f"conversations), {stats['tokens']:,} tokens, {stats['supervised_tokens']:,} "
+              f"supervised, {stats['skipped_rows']:,} bad rows skipped, "
+              f"{stats['truncated']:,} sides truncated")
     else:
         print(f"wrote {args.out}: {stats['documents']:,} conversations, {stats['tokens']:,} "
               f"tokens, {stats['supervised_tokens']:,} supervised (--mask {stats['mask']}), "
@@ -408,19 +418,22 @@ def make_parser(argv: Sequence[str] | None = None) -> Parser:
     dp.add_argument("--append-eod", action="store_true", help="end each document with EOD")
     dp.add_argument("--workers", type=int, default=1, help="tokenising processes")
     dp.add_argument("--force", action="store_true", help="replace an existing PREFIX")
-    dp.add_argument("--format", choices=("text", "chat"), default="text",
+    dp.add_argument("--format", choices=("text", "chat", "preference"), default="text",
                     help="text (default): a document per row; chat: conversations rendered "
-                         "with the chat template, with a loss mask")
-    dp.add_argument("--chat-template", metavar="FILE", help="chat: a Jinja template that "
-                    "overrides the tokenizer's (saved in PREFIX.tokenizer/)")
+                         "with the chat template, with a loss mask; preference: "
+                         "{prompt, chosen, rejected} rows, two masked conversations each (DPO)")
+    dp.add_argument("--chat-template", metavar="FILE", help="chat, preference: a Jinja "
+                    "template that overrides the tokenizer's (saved in PREFIX.tokenizer/)")
     dp.add_argument("--mask", choices=("assistant", "last-turn", "completion", "none"),
                     help="chat: the supervised tokens (default assistant: every assistant turn)")
     dp.add_argument("--skip-bad-rows", action="store_true",
-                    help="chat: count and skip bad rows instead of stopping at the first")
-    dp.add_argument("--seq-len", type=int, help="chat: the longest conversation, in tokens")
+                    help="chat, preference: count and skip bad rows instead of stopping at the "
+                         "first")
+    dp.add_argument("--seq-len", type=int, help="chat, preference: the longest conversation, "
+                    "in tokens")
     dp.add_argument("--truncate", choices=("right", "left", "error"),
-                    help="chat, with --seq-len: keep the first (right, default) or the last "
-                         "(left) tokens of a longer conversation, or refuse it (error)")
+                    help="chat, preference, with --seq-len: keep the first (right, default) or "
+                         "the last (left) tokens of a longer conversation, or refuse it (error)")
     dp.add_argument("--json", action="store_true", help="one line of JSON on stdout")
     dp.set_defaults(func=cmd_data_prepare)
     di = data_sub.add_parser("inspect", help="documents, sequences, tokens of a dataset")

@@ -1,5 +1,6 @@
-"""Chat files to a masked dataset (``composer data prepare --format chat``), and reading one
-back (``composer data inspect`` of a chat dataset, ``--row I``).
+"""Chat files to a masked dataset (``composer data prepare --format chat``; ``--format
+preference``: pairs of conversations, :mod:`composer.data.preference`), and reading one back
+(``composer data inspect`` of a chat dataset, ``--row I``).
 
 Inputs are ``.jsonl`` / ``.jsonl.gz`` (one row per line, :mod:`composer.data.chat` says which
 rows) and ``.parquet`` (one row per table row, its columns the row's keys; needs pyarrow). The
@@ -43,6 +44,7 @@ from composer.data.chat import (
 )
 from composer.data.indexed import DataError, IndexedDataset, optimal_dtype
 from composer.data.masked import MASK_SUFFIX, META_SUFFIX, MaskedDataset, MaskedWriter, is_masked
+from composer.data.preference import KIND, encode_pair
 from composer.data.prepare import _check_inputs, _encoded, _jsonl_items, _remove
 from composer.data.tokenizer import (
     ByteTokenizer,
@@ -64,18 +66,22 @@ class Settings:
     mode: str
     seq_len: int | None
     truncate: str
+    kind: str = "chat"
+    """``chat`` (a document per row) or ``preference`` (two per row: chosen, rejected)."""
 
 
 @dataclass
 class Chunk:
-    """A chunk's kept rows back to back (tokens in the output dtype, mask uint8), their
-    lengths, the bad rows as (file:line, reason) and how many rows were truncated."""
+    """A chunk's kept documents back to back (tokens in the output dtype, mask uint8), their
+    lengths, the bad rows as (file:line, reason), how many documents were truncated and how
+    many rows were kept (a preference row is two documents)."""
 
     tokens: np.ndarray
     masks: np.ndarray
     lengths: np.ndarray
     bad: list[tuple[str, str]]
     truncated: int
+    rows: int
 
 
 class _Encoder:
@@ -84,38 +90,45 @@ class _Encoder:
     def __init__(self, settings: Settings, dtype: str, tok: HFTokenizer | None = None) -> None:
         self.settings, self.dtype = settings, np.dtype(dtype)
         tok = load_tokenizer(settings.tokenizer) if tok is None else tok
-        self.chat = ChatEncoder(tok, settings.template, settings.mode)
+        mode = "completion" if settings.kind == KIND else settings.mode
+        self.chat = ChatEncoder(tok, settings.template, mode)
 
-    def row(self, payload: Any) -> tuple[np.ndarray, np.ndarray, bool]:
+    def row(self, payload: Any) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+        """A row's documents (ids, mask) and how many of them were truncated."""
         if isinstance(payload, bytes):
             try:
                 payload = json.loads(payload)
             except ValueError as e:
                 raise RowError(f"invalid JSON ({e})") from None
+        s = self.settings
+        if s.kind == KIND:
+            chosen, rejected, cut = encode_pair(self.chat, payload, s.seq_len, s.truncate)
+            return [chosen, rejected], cut
         ids, mask = self.chat.encode(*parse_row(payload))
-        s, cut = self.settings, False
+        cut = 0
         if s.seq_len is not None and len(ids) > s.seq_len:
             ids, mask = truncate(ids, mask, s.seq_len, s.truncate)
-            cut = True
+            cut = 1
             if not mask.any():
                 raise RowError(f"no supervised token in the {s.seq_len} tokens --truncate "
                                f"{s.truncate} keeps")
-        return ids, mask, cut
+        return [(ids, mask)], cut
 
     def __call__(self, chunk: list[Item]) -> Chunk:
-        ids_list, masks, bad, truncated = [], [], [], 0
+        ids_list, masks, bad, truncated, rows = [], [], [], 0, 0
         for where, payload in chunk:
             try:
-                ids, mask, cut = self.row(payload)
+                docs, cut = self.row(payload)
             except RowError as e:
                 bad.append((where, str(e)))
                 continue
-            ids_list.append(ids)
-            masks.append(mask)
+            ids_list += [ids for ids, _ in docs]
+            masks += [mask for _, mask in docs]
             truncated += cut
+            rows += 1
         lengths = np.array([len(x) for x in ids_list], dtype=np.int64)
         return Chunk(_cat(ids_list, self.dtype), _cat(masks, np.dtype(np.uint8)), lengths, bad,
-                     truncated)
+                     truncated, rows)
 
 
 def _cat(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
@@ -164,15 +177,15 @@ def _parquet_rows(path: str) -> Iterator[Item]:
         raise DataError(f"input {path}: no rows")
 
 
-def _items(sources: list[tuple[str, str]]) -> Iterator[Item]:
+def _items(sources: list[tuple[str, str]], what: str = "chat") -> Iterator[Item]:
     for path, kind in sources:
         if kind in (".jsonl", ".jsonl.gz"):
             yield from _jsonl_items(path, gz=kind == ".jsonl.gz")
         elif kind == ".parquet":
             yield from _parquet_rows(path)
         else:
-            raise DataError(f"input {path}: --format chat reads .jsonl, .jsonl.gz and .parquet "
-                            f"rows, not {kind}")
+            raise DataError(f"input {path}: --format {what} reads .jsonl, .jsonl.gz and "
+                            f".parquet rows, not {kind}")
 
 
 def _write(writer: MaskedWriter, chunks: Iterator[Chunk], skip_bad_rows: bool,
@@ -186,7 +199,7 @@ def _write(writer: MaskedWriter, chunks: Iterator[Chunk], skip_bad_rows: bool,
         ends = np.cumsum(chunk.lengths)
         for lo, hi in zip((ends - chunk.lengths).tolist(), ends.tolist(), strict=True):
             writer.add_document(chunk.tokens[lo:hi], chunk.masks[lo:hi])
-        n = len(chunk.lengths) + len(chunk.bad)
+        n = chunk.rows + len(chunk.bad)
         counts["rows"] += n
         counts["skipped_rows"] += len(chunk.bad)
         counts["truncated"] += chunk.truncated
@@ -225,7 +238,8 @@ def _template(path: str | None) -> str | None:
 
 def _meta(settings: Settings, counts: dict[str, int], documents: int) -> dict[str, Any]:
     """What ``PREFIX.chat.json`` records: how the data was made, and its counts."""
-    return {"format": "chat", "mask": settings.mode, "documents": documents,
+    pairs = {"kind": KIND, "pairs": documents // 2} if settings.kind == KIND else {}
+    return {"format": settings.kind, **pairs, "mask": settings.mode, "documents": documents,
             "tokens": counts["tokens"], "supervised_tokens": counts["supervised"],
             "rows": counts["rows"], "skipped_rows": counts["skipped_rows"],
             "truncated": counts["truncated"], "seq_len": settings.seq_len,
@@ -237,11 +251,17 @@ def prepare_chat(inputs: list[str], out_prefix: str, tokenizer: str,
                  chat_template: str | None = None, mask: str = "assistant",
                  skip_bad_rows: bool = False, workers: int = 1, seq_len: int | None = None,
                  truncate_side: str = "right", progress: Callable[[int], Any] | None = None,
-                 force: bool = False) -> dict[str, Any]:
+                 force: bool = False, kind: str = "chat") -> dict[str, Any]:
     """Render, tokenise and mask the chat rows of ``inputs`` into ``out_prefix`` (see the
     module docstring); ``progress`` is called with the rows done since its last call.
-    Returns the counts."""
+    ``kind="preference"``: preference rows, two documents each, the completion masked
+    (:mod:`composer.data.preference`; ``mask`` must be ``completion``). Returns the counts."""
     start = time.perf_counter()
+    if kind not in ("chat", KIND):
+        raise DataError(f"kind {kind!r}: expected chat or {KIND}")
+    if kind == KIND and mask != "completion":
+        raise DataError(f"--format {KIND} masks the completion (chosen, rejected), not "
+                        f"--mask {mask}")
     _check_options(mask, truncate_side, seq_len, workers)
     sources = _check_inputs(inputs)
     existing = [p for p in _outputs(out_prefix) if p.exists()]
@@ -250,9 +270,9 @@ def prepare_chat(inputs: list[str], out_prefix: str, tokenizer: str,
     template = _template(chat_template)
     tok = load_tokenizer(tokenizer)
     if isinstance(tok, ByteTokenizer):
-        raise DataError("--format chat needs a tokenizer with a chat template; the byte "
+        raise DataError(f"--format {kind} needs a tokenizer with a chat template; the byte "
                         "tokenizer has none")
-    settings = Settings(str(tok.folder), template, mask, seq_len, truncate_side)
+    settings = Settings(str(tok.folder), template, mask, seq_len, truncate_side, kind)
     dtype = np.dtype(optimal_dtype(tok.vocab_size)).name
     encoder = _Encoder(settings, dtype, tok)  # a template that does not compile fails here
     folder = Path(os.path.abspath(out_prefix)).parent
@@ -267,10 +287,11 @@ def prepare_chat(inputs: list[str], out_prefix: str, tokenizer: str,
             Path(tmp_tok, "chat_template.jinja").write_text(template, encoding="utf-8")
         with MaskedWriter(out_prefix, dtype) as writer, \
                 _pool(settings, dtype, workers) as pool:
-            chunks = _encoded(_items(sources), encoder, pool, workers, _encode_in_worker)
+            chunks = _encoded(_items(sources, kind), encoder, pool, workers, _encode_in_worker)
             counts = _write(writer, chunks, skip_bad_rows, progress)
             if writer.n_documents == 0:
-                raise DataError(f"no conversations: all {counts['rows']:,} rows were bad "
+                raise DataError(f"no {'pairs' if kind == KIND else 'conversations'}: all "
+                                f"{counts['rows']:,} rows were bad "
                                 "(nothing written)")
             meta = {**_meta(settings, counts, writer.n_documents), "tokenizer": tok.name,
                     "inputs": [str(p) for p in inputs]}
@@ -293,11 +314,13 @@ def prepare_chat(inputs: list[str], out_prefix: str, tokenizer: str,
 
 
 def inspect_chat(prefix: str) -> dict[str, Any]:
-    """A chat dataset's counts (``documents``, ``tokens``, ``supervised_tokens``) and what
-    made it (``PREFIX.chat.json``)."""
+    """A chat dataset's counts (``documents``, ``tokens``, ``supervised_tokens``; a dataset of
+    preference pairs also ``pairs``) and what made it (``PREFIX.chat.json``)."""
     ds = MaskedDataset(prefix)
     tokens = ds.tokens
-    return {"format": "chat", "documents": ds.n_documents, "tokens": tokens.n_tokens,
+    pairs = {"kind": KIND, "pairs": ds.n_documents // 2} if ds.meta.get("kind") == KIND else {}
+    return {"format": ds.meta.get("format", "chat"), **pairs, "documents": ds.n_documents,
+            "tokens": tokens.n_tokens,
             "supervised_tokens": ds.supervised_tokens(), "n_documents": ds.n_documents,
             "n_sequences": tokens.n_sequences, "n_tokens": tokens.n_tokens,
             "dtype": tokens.dtype.name, "tokenizer": describe_tokenizer(f"{prefix}.tokenizer"),

@@ -10,6 +10,10 @@ On disk, for a dataset ``PREFIX``:
     PREFIX.tokenizer/                  the tokenizer (and chat template) the tokens were made with
     PREFIX.chat.json                   what made it: format, mask mode, counts (``meta``)
 
+A dataset of preference pairs (``--format preference``, :mod:`composer.data.preference`) is the
+same format with its documents in pairs: ``2i`` is pair ``i``'s prompt + chosen, ``2i + 1`` its
+prompt + rejected, and ``meta["kind"] == "preference"``.
+
 ``mask[t] == 1`` means token ``t`` is a supervised *target*: the loss includes the prediction of
 token ``t`` from the tokens before it. So a training label is ``ids[t]`` where the mask is 1 and
 ignored (``-100``) where it is 0, before the usual shift
