@@ -1,9 +1,10 @@
 """GRPO on two gloo ranks equals one process for a fixed seed: at dp=2 (each rank generating
-half the prompts; also with ``--scale-rewards batch`` and ``seq-mean-token-mean``, which need
-the whole rollout's statistics) and at tp=2, the rollouts' rewards and advantages, the losses and
-the weights after two steps (the second rollout is sampled by the updated weights), in fp32; and
-a reward function failing on rank 1 stops both ranks with its message. All cases run in one
-pair of spawned ranks."""
+half the prompts; also with ``--scale-rewards batch`` and ``seq-mean-token-mean``, which need the
+whole rollout's statistics, and with ``--kl-coef``'s sharded reference) and at tp=2: the
+rollouts' rewards and advantages, the losses, gradient norms, the weights after two steps (the
+second rollout is sampled by the updated weights) and the greedy evaluation, in fp32. A reward
+function failing on rank 1 stops both ranks with its message; a prompt count that dp does not
+divide is refused. All cases run in one pair of spawned ranks."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from tests.train.test_grpo import grpo_values, reward_env
 pytestmark = pytest.mark.slow  # every test here spawns ranks
 
 LAYOUTS = {"dp2": {"dp": 2, "micro_batch_size": 4}, "tp2": {"tp": 2},
-           "dp2-batch": {"dp": 2, "scale_rewards": "batch", "loss_agg": "seq-mean-token-mean"}}
-"""Layouts, and with the batch's reward std and the per-sequence mean the options whose global
-statistics the ranks must share."""
-OPTIONS = ("scale_rewards", "loss_agg")
+           "dp2-batch": {"dp": 2, "scale_rewards": "batch", "loss_agg": "seq-mean-token-mean"},
+           "dp2-kl": {"dp": 2, "kl_coef": 0.1}}
+"""Layouts; with the batch's reward std and the per-sequence mean, options whose global
+statistics the ranks must share; with the KL term, a sharded reference copy."""
+OPTIONS = ("scale_rewards", "loss_agg", "kl_coef")
 TOLERANCE = 1e-5
 """fp32: the layouts sum the same terms in other orders (another batch split, a split
 vocabulary and split heads), a relative change of ~1e-7 per step; Adam's normalisation moves a

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -203,7 +204,11 @@ def reward_env(folder: Path, function: str, bad: str | None = None) -> dict:
     rows = [{"prompt": "1+2="}, {"prompt": "3+3=", "level": True}, {"prompt": "2*4="},
             {"prompt": "9-5="}]
     rows = [{**r, "bad": True} if r["prompt"] == bad else r for r in rows]
-    (folder / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    path = folder / "prompts.jsonl"
+    if not path.is_file() or path.read_text() != text:  # spawned ranks call it too
+        (folder / f"prompts.{os.getpid()}").write_text(text)
+        os.replace(folder / f"prompts.{os.getpid()}", path)  # a reader sees a whole file
     return {"env": f"tests.train.test_grpo:{function}", "tokenizer": str(TASKS_TOKENIZER),
             "env_arg": [f"prompts={folder / 'prompts.jsonl'}"]}
 
