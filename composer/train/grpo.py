@@ -21,7 +21,11 @@ included), ``accuracy`` (tasks that judge correctness), ``response_length_mean``
 ``truncated_fraction``; over the trained tokens ``entropy``, ``clip_fraction`` and (with a
 reference) ``kl``; ``logprob_mismatch`` (the largest ``exp(|logp_generate - logp_train|)`` over
 the rollout's tokens, at its first update, when the weights are those that sampled it);
-``rollout_s`` (0 on steps that reuse a rollout) and ``train_s``. Evaluation
+``rollout_s`` (0 on steps that reuse a rollout) and ``train_s``; ``tokens_per_s`` counts the
+tokens of the training forwards (prompts and padding included, generation not). Strictly
+on-policy (``rho = 1``) and without a KL term, the logged ``loss`` is minus the weighted mean
+advantage, about 0 by construction (each group's advantages sum to 0); its gradient is not.
+Evaluation
 (``--eval-every``, and at step 0) decodes a fixed set of ``eval_iters * prompts_per_step``
 eval-split prompts greedily: ``val_accuracy`` and ``val_reward``.
 
