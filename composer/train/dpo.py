@@ -20,6 +20,9 @@ scored, and a causal model never reads it into the positions before it). ``--seq
 given, caps a side: a longer one is cut as ``--truncate`` says (``right``, the default, keeps its
 first ``--seq-len`` tokens, so the prompt and the start of the answer; ``left`` its last;
 ``error`` refuses it), as SFT cuts a conversation; how many pairs were cut is printed once.
+Padding does run through the model: an MoE layer routes it like any token (it counts in the
+micro-batch's load-balancing loss, and with a ``capacity_factor`` it takes capacity), so with
+either the update depends on how pairs are grouped into micro-batches, as it does for SFT.
 
 The step's loss is the mean of ``L`` over the global batch's pairs: each micro-batch's backward
 is of ``sum(L) * grad_replicas / G`` (plus the mean MoE aux loss), so that the gradient averaged

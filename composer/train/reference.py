@@ -87,7 +87,7 @@ def build_copy(run: Run) -> HybridModel:
     from composer.train.engine import _fp8, _model_config
 
     recipe = run.recipe
-    origin = dataclasses.replace(recipe, model=recipe.origin)
+    origin = dataclasses.replace(recipe, model=recipe.origin or recipe.model)
     cfg, tensors = _model_config(origin)
     if cfg.canonical() != run.model.config.canonical():
         if tensors is not None:

@@ -1,8 +1,9 @@
 """The DPO objective on two gloo ranks equals one process: the losses, gradient norms, reward
 metrics, weights after two steps and the validation metrics at tp=2, dp=2 (FSDP: the reference
 copy sharded like the policy; the global-pair normalisation) and ep=2, and LoRA at dp=2 (the
-reference is the policy with its adapters off), all with fp64 masters. All cases run in one pair
-of spawned ranks."""
+reference is the policy with its adapters off), all with fp64 masters; the reference copy's
+parameters are laid out (types, placements, local shapes) as the policy's at tp=2 and dp=2. All
+cases run in one pair of spawned ranks."""
 
 from __future__ import annotations
 
@@ -36,9 +37,33 @@ def _values(data: str, layout: dict) -> dict:
     return dpo_values(data, **layout, **EVAL)
 
 
+def _shards(data: str, layout: dict) -> tuple[list, list]:
+    """How the policy's and the reference copy's parameters are laid out on this rank."""
+    from composer.train.engine import resolve, setup
+
+    recipe, resume = resolve(None, None, _values(data, layout))
+    run, _ = setup(recipe, resume, quiet=True)
+    run.log.close()
+
+    def layout_of(model) -> list:
+        return [(k, type(p).__name__, str(getattr(p, "placements", None)), tuple(p.shape))
+                for k, p in model.named_parameters()]
+
+    return layout_of(run.model), layout_of(run.ref_model.model)
+
+
 def in_ranks(data: str) -> dict:
-    return {name: _summary(train_case(_values(data, layout), fp64=True))
-            for name, layout in LAYOUTS.items()}
+    out = {name: _summary(train_case(_values(data, layout), fp64=True))
+           for name, layout in LAYOUTS.items()}
+    out["shards"] = {name: _shards(data, LAYOUTS[name]) for name in ("tp2", "dp2")}
+    return out
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_the_reference_copy_is_sharded_like_the_policy(ranks, layout: str) -> None:
+    policy, reference = ranks[1]["shards"][layout]
+    assert policy == reference
+    assert any(kind == "DTensor" for _, kind, _, _ in reference)
 
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,6 @@ def _step0_and_train(run, last: int) -> dict:
         run.log.close()
 
 
-@pytest.mark.slow
 def test_full_copy_step0_is_ln2_and_the_reference_stays(data, monkeypatch) -> None:
     calls = _counting_builds(monkeypatch)
     run, last = _run(dpo_values(data, split="80,20,0", eval_every=2, eval_iters=1))
@@ -133,7 +132,6 @@ def test_full_copy_step0_is_ln2_and_the_reference_stays(data, monkeypatch) -> No
     assert any(not torch.equal(v, run.model.state_dict()[k]) for k, v in start.items())
 
 
-@pytest.mark.slow
 def test_lora_keeps_no_copy_and_step0_is_ln2(data, monkeypatch) -> None:
     calls = _counting_builds(monkeypatch)
     run, last = _run(dpo_values(data, lora_rank=4, steps=3))
@@ -156,7 +154,6 @@ def test_lora_keeps_no_copy_and_step0_is_ln2(data, monkeypatch) -> None:
     assert not torch.equal(policy, before)  # the adapters did
 
 
-@pytest.mark.slow
 def test_micro_batch_does_not_change_the_gradient(data) -> None:
     ref = step_grads(dpo_values(data, micro_batch_size=8))
     got = step_grads(dpo_values(data, micro_batch_size=2))
@@ -166,7 +163,6 @@ def test_micro_batch_does_not_change_the_gradient(data) -> None:
 STEPS = 20
 
 
-@pytest.mark.slow
 def test_learns_a_synthetic_preference(tmp_path) -> None:
     """Reward accuracy on the training batches, and on held-out pairs, above 0.9."""
     data = preference_data(tmp_path, 400)
@@ -179,7 +175,6 @@ def test_learns_a_synthetic_preference(tmp_path) -> None:
     assert out["rows"][-1]["val_reward_accuracy"] > 0.9
 
 
-@pytest.mark.slow
 def test_resume_rebuilds_the_reference_and_is_exact(data, tmp_path) -> None:
     straight = train_case(dpo_values(data, steps=4, save=str(tmp_path / "a")))
     train_case(dpo_values(data, steps=4, exit_at_step=2, save=str(tmp_path / "b")))
