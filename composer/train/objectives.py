@@ -198,6 +198,9 @@ def open_sft_data(recipe: Recipe, cfg: ModelConfig) -> tuple[Batches, Batches | 
     parts: list[list[SFTSamples]] = [[], []]
     for _, prefix in blend:
         ds = MaskedDataset(prefix)
+        if ds.meta.get("kind") == "preference":
+            raise ConfigError(f"--objective sft: {prefix} is a preference set (pairs of chosen "
+                              "and rejected answers): train it with --objective dpo")
         ranges = split_documents(ds.n_documents, recipe.split)
         for which in (0, 1):
             if len(ranges[which]) or which == 0:

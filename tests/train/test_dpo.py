@@ -263,3 +263,12 @@ def test_a_run_from_an_adapter_copies_the_adapted_start(data, tmp_path) -> None:
     assert not torch.allclose(base, ref.token_logprobs(ids, targets))  # the adapter matters
     summary = _step0_and_train(run, last)["summary"]
     assert abs(summary.losses[0] - math.log(2)) <= 1e-12
+
+
+def test_sft_refuses_a_preference_set(data) -> None:
+    """Both sides of each pair would be trained as targets: refused with the objective to use."""
+    from composer.train.engine import resolve, setup
+
+    recipe, resume = resolve(None, None, {**dpo_values(data), "objective": "sft", "seq_len": 64})
+    with pytest.raises(ConfigError, match="is a preference set .* --objective dpo"):
+        setup(recipe, resume, quiet=True)
