@@ -217,11 +217,22 @@ def first_error(dims: Any, message: str | None, failed: bool) -> str | None:
 
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     """The prompt's token ids (the tokenizer's post-processor applied, as generation encodes a
-    prompt); a one-line :class:`RewardError` naming the prompt when it cannot be encoded.
-    Every rank encodes every prompt of a rollout, so all of them stop on the same error."""
+    prompt; a prompt with ``meta["messages"]`` rendered with the tokenizer's chat template and
+    its generation prompt); a one-line :class:`RewardError` naming the prompt when it cannot be
+    encoded. Every rank encodes every prompt of a rollout, so all of them stop on the same
+    error."""
     try:
-        ids = tokenizer.encode_prompt(prompt.text) if hasattr(tokenizer, "encode_prompt") \
-            else tokenizer.encode(prompt.text)
+        messages = prompt.meta.get("messages")
+        if messages is not None:  # a chat prompt: the template holds the special tokens
+            if not hasattr(tokenizer, "apply_chat_template"):
+                raise ValueError(f"a chat prompt (messages), and the tokenizer "
+                                 f"{type(tokenizer).__name__} has no chat template")
+            ids = tokenizer.encode(tokenizer.apply_chat_template(messages,
+                                                                 add_generation_prompt=True))
+        elif hasattr(tokenizer, "encode_prompt"):
+            ids = tokenizer.encode_prompt(prompt.text)
+        else:
+            ids = tokenizer.encode(prompt.text)
     except ValueError as exc:
         raise RewardError(f"prompt {prompt.index}: {exc}") from None
     if not ids:

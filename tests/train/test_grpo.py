@@ -324,3 +324,43 @@ def test_grpo_debug_recipe_learns(tmp_path: Path) -> None:
     accuracy = [(r["step"], r["val_accuracy"]) for r in summary.rows if "val_accuracy" in r]
     assert accuracy[0][0] == 0 and accuracy[0][1] <= 0.15, accuracy
     assert accuracy[-1][1] >= 0.30, accuracy
+
+
+def test_chat_prompts_from_an_exported_model(tmp_path: Path) -> None:
+    """``grpo-from-sft``'s path: a portable checkpoint with its chat tokenizer as SOURCE, the
+    ``arith`` task in its chat style: prompts rendered with the template's generation prompt,
+    completions ended at its end-of-turn token and scored on their last integer."""
+    import composer
+    from composer.data.chatset import TOKENIZER
+    from composer.data.tokenizer import TOKENIZER_DIR, load_tokenizer, save_tokenizer
+    from composer.train.engine import resolve, setup
+    from composer.train.grpo_rollout import encode_prompt
+    from composer.train.loop import train_loop
+    from composer.train.rl.envs import make_env
+
+    env = make_env("arith", ["style=chat", "digits=1", "ops=+"])
+    prompt = env.prompts(1, seed=0)[0]
+    assert env.tokenizer is None and prompt.text.startswith("What is ")
+    answer = prompt.meta["answer"]
+    assert env.score(prompt, f"{prompt.text[8:-1]} = {answer}.").correct
+    assert not env.score(prompt, f"{answer} + 1 = {answer + 1}").correct
+    tok = load_tokenizer(str(TOKENIZER))
+    ids = encode_prompt(tok, prompt)
+    assert tok.decode(ids).startswith("<|im_start|>user\nWhat is ") and \
+        tok.decode(ids).endswith("<|im_start|>assistant\n")
+    cfg = composer.ModelConfig.from_dict({"pattern": "*-", "d_model": 32, "vocab_size": 259,
+                                          "attention": {"n_heads": 2}, "mlp": {"d_ff": 64}})
+    source = tmp_path / "sft-model"
+    composer.save(composer.build_model(cfg, seed=0), source)
+    save_tokenizer(tok, source / TOKENIZER_DIR)
+    recipe, resume = resolve(str(source), "grpo-from-sft", {
+        "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4,
+        "eval_every": 2, "eval_iters": 1, "log_every": 1, "device": "cpu",
+        "precision": "fp32"})
+    run, last = setup(recipe, resume, quiet=True)
+    try:
+        rows = train_loop(run, last, quiet=True).rows
+    finally:
+        run.log.close()
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert 0.0 <= rows[-1]["accuracy"] <= 1.0 and rows[-1]["response_length_mean"] <= 4

@@ -147,6 +147,14 @@ def operators_knob(allowed: str) -> Callable[[str], str]:
     return parse
 
 
+def choice_knob(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return text
+    return parse
+
+
 def path_knob(text: str) -> str:
     if not text:
         raise ValueError("expected a file name")

@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 from composer.data.indexed import DataError
 from composer.train.rl.envs import (
@@ -42,6 +43,7 @@ from composer.train.rl.envs import (
     RewardError,
     Score,
     boolean_knob,
+    choice_knob,
     fraction_knob,
     in_split,
     integer_knob,
@@ -216,6 +218,7 @@ ARITH_KNOBS = {
     "balanced": Knob(False, boolean_knob),
     "negative": Knob(False, boolean_knob),
     "holdout": Knob(0.0, fraction_knob(0.0, 1.0)),
+    "style": Knob("plain", choice_knob("plain", "chat")),
 }
 """``arith``'s knobs. ``digits``: of each operand (1: 0-9; d > 1: exactly d digits). ``ops``:
 the operators drawn from. ``terms``: operands per expression. ``min_answer``/``max_answer``:
@@ -223,7 +226,12 @@ expressions whose answer falls outside are drawn again (default min 0, or unboun
 ``negative``; max unbounded; ``none`` says unbounded). ``balanced``: draw the answer uniformly
 among those reachable, then an expression with that answer uniformly, so that a constant guess
 scores about 1/(number of answers). ``negative``: allow answers below 0. ``holdout``: the
-fraction of prompt texts kept for eval only."""
+fraction of prompt texts kept for eval only. ``style``: ``plain`` (``"3+4="`` in the tasks
+tokenizer, the answer the completion's leading integer) or ``chat`` (a user message
+``"What is 3 + 4?"`` in ``meta["messages"]``, rendered with the chat template of the model's own
+tokenizer, the environment bringing none: for a model fine-tuned on chat data, e.g. the built-in
+chat set's arithmetic; the answer is the completion's last integer, so ``"3 + 4 = 7."``
+counts)."""
 
 
 Table = tuple[dict[int, list[str]], list[tuple[str, int]]]
@@ -251,7 +259,7 @@ class Arith(Env):
 
     def __init__(self, args: list[str]) -> None:
         self.args = k = parse_knobs("arith", args, ARITH_KNOBS)
-        self.tokenizer = tasks_tokenizer()
+        self.tokenizer = tasks_tokenizer() if k["style"] == "plain" else None
         if k["min_answer"] is None:
             k["min_answer"] = None if k["negative"] else 0
         if not k["negative"] and k["min_answer"] < 0:
@@ -323,12 +331,20 @@ class Arith(Env):
         out = []
         for index in range(n):
             text, answer = self._draw(rng, split)
-            out.append(Prompt(index, text, {"answer": answer, "expression": text[:-1]}))
+            meta: dict[str, Any] = {"answer": answer, "expression": text[:-1]}
+            if self.args["style"] == "chat":
+                text = "What is " + re.sub(r"(?<=[0-9])([-+*])", r" \1 ", text[:-1]) + "?"
+                meta["messages"] = [{"role": "user", "content": text}]
+            out.append(Prompt(index, text, meta))
         return out
 
     def score(self, prompt: Prompt, completion: str) -> Score:
-        match = re.match(r" *(-?[0-9]+)", completion)
-        correct = match is not None and match.group(1) == str(prompt.meta["answer"])
+        if self.args["style"] == "chat":
+            numbers = re.findall(r"-?[0-9]+", completion)
+            correct = bool(numbers) and numbers[-1] == str(prompt.meta["answer"])
+        else:
+            match = re.match(r" *(-?[0-9]+)", completion)
+            correct = match is not None and match.group(1) == str(prompt.meta["answer"])
         return Score(1.0 if correct else 0.0, correct)
 
 
