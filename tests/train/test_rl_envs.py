@@ -223,7 +223,8 @@ def test_env_and_knob_errors() -> None:
     one_line_error("math", [], r"^unknown env 'math' \(built-in: arith, countdown; or "
                                r"MODULE:FUNCTION")
     one_line_error("arith", ["digit=2"], r"^env arith: unknown --env-arg 'digit' \(valid: "
-                   r"digits, ops, terms, min_answer, max_answer, balanced, negative, holdout\)$")
+                   r"digits, ops, terms, min_answer, max_answer, balanced, negative, holdout, "
+                   r"style\)$")
     one_line_error("countdown", ["target=3"], r"^env countdown: unknown --env-arg 'target' "
                    r"\(valid: numbers, min_number, max_number, min_target, max_target, ops, ")
     one_line_error("arith", ["digits"], r"^env arith: --env-arg 'digits' is not KEY=VALUE$")
@@ -235,7 +236,8 @@ def test_env_and_knob_errors() -> None:
            "ops=++": r"ops=\+\+: expected some of",
            "balanced=maybe": r"balanced=maybe: expected true or false$",
            "max_answer=ten": r"max_answer=ten: expected an integer or none$",
-           "holdout=1": r"holdout=1: expected a number in \[0, 1\)$"}
+           "holdout=1": r"holdout=1: expected a number in \[0, 1\)$",
+           "style=fancy": r"style=fancy: expected one of plain, chat$"}
     for arg, pattern in bad.items():
         one_line_error("arith", [arg], r"^env arith: --env-arg " + pattern)
     one_line_error("arith", ["min_answer=-2"], r"^env arith: min_answer=-2 needs negative=true$")
