@@ -26,7 +26,7 @@ from composer.train.grpo_rollout import (
 )
 from composer.train.recipe import Recipe
 from composer.train.rl.envs import RewardError
-from composer.train.rl.tasks import EOS, TASKS_TOKENIZER
+from composer.train.rl.vocab import EOS, TASKS_TOKENIZER
 
 MODEL = {"pattern": "M*-", "set": {"vocab_size": 22, "d_model": 32, "attention.n_heads": 2,
                                    "attention.n_kv_heads": 2, "mamba.n_heads": 2,

@@ -18,12 +18,12 @@ import pytest
 from composer.data.tokenizer import load_tokenizer, save_tokenizer
 from composer.train.rl import RewardError, make_env
 from composer.train.rl.envs import Prompt
-from composer.train.rl.tasks import (
+from composer.train.rl.tasks import evaluate_expression
+from composer.train.rl.vocab import (
     CHARS,
     EOS,
     PAD,
     TASKS_TOKENIZER,
-    evaluate_expression,
     tasks_tokenizer,
     write_tokenizer,
 )

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from composer.train.rl.tasks import TasksTokenizer
+    from composer.train.rl.vocab import TasksTokenizer
 
 SPLITS = ("train", "eval")
 
