@@ -29,8 +29,9 @@ Evaluation
 (``--eval-every``, and at step 0) decodes a fixed set of ``eval_iters * prompts_per_step``
 eval-split prompts greedily: ``val_accuracy`` and ``val_reward``.
 
-The tokenizer is ``--tokenizer``, else the built-in task's own, else SOURCE's (``tokenizer/``
-or ``hf/`` of a checkpoint, a Hugging Face folder itself); it is kept in ``SAVE/tokenizer`` so
+The tokenizer is ``--tokenizer``, else SOURCE's (``tokenizer/`` or ``hf/`` of a checkpoint, a
+Hugging Face folder itself: the vocabulary the model was trained with), else the built-in
+task's own (a model trained from a preset or pattern); it is kept in ``SAVE/tokenizer`` so
 ``composer generate SAVE`` speaks the same vocabulary.
 """
 
@@ -68,20 +69,20 @@ SOURCE_TOKENIZER_DIRS = ("tokenizer", "hf")
 
 
 def find_tokenizer(recipe: Recipe, env: Env) -> Any:
-    """``--tokenizer``, else the environment's, else SOURCE's (module docstring)."""
+    """``--tokenizer``, else SOURCE's, else the environment's (module docstring)."""
     from composer.data.tokenizer import load_tokenizer
     from composer.train.recipe import model_source
 
     if recipe.tokenizer is not None:
         return load_tokenizer(recipe.tokenizer)
-    if env.tokenizer is not None:
-        return env.tokenizer
     name = model_source(recipe.model)[0] if recipe.model is not None else None
     if name is not None and Path(name).is_dir():
         for folder in (*(Path(name) / d for d in SOURCE_TOKENIZER_DIRS), Path(name)):
             if (folder / "tokenizer.json").is_file() or \
                     (folder / "tokenizer_config.json").is_file():
                 return load_tokenizer(str(folder))
+    if env.tokenizer is not None:
+        return env.tokenizer
     raise ConfigError(f"--env {recipe.env}: no tokenizer (the environment brings none and "
                       f"SOURCE {name or 'a preset'} has no tokenizer/); give --tokenizer")
 
@@ -117,6 +118,9 @@ class GRPO(Pretrain):
         if r.parallel.pp > 1 or r.parallel.cp > 1:
             raise ConfigError("--objective grpo under --pp or --cp is not built yet (each rank "
                               "generates with the whole model)")
+        if "/" in str(cfg.pattern):
+            raise ConfigError("--objective grpo with multi-token prediction is not built yet "
+                              "(the policy's log-probs never run the MTP depths)")
         for flag, ok in (("--prompts-per-step must be >= 1", r.prompts_per_step >= 1),
                          ("--group-size must be >= 2 (advantages compare a prompt's "
                           "completions)", r.group_size >= 2),

@@ -269,7 +269,10 @@ def test_bad_reward_function_is_one_line_and_saves_nothing(tmp_path: Path, capsy
                     "module:function"),
     ({"model": {**MODEL, "set": {**MODEL["set"], "vocab_size": 20}}},
      "the model's vocabulary (20) is smaller than the tokenizer's (22): --set vocab_size=22 "
-     "(or more)")])
+     "(or more)"),
+    ({"model": {**MODEL, "pattern": "M*-/*-"}}, "--objective grpo with multi-token prediction "
+                                                "is not built yet (the policy's log-probs never "
+                                                "run the MTP depths)")])
 def test_refusals(change: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         start({**grpo_values(), **change})
@@ -364,3 +367,20 @@ def test_chat_prompts_from_an_exported_model(tmp_path: Path) -> None:
         run.log.close()
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert 0.0 <= rows[-1]["accuracy"] <= 1.0 and rows[-1]["response_length_mean"] <= 4
+
+
+def test_source_tokenizer_wins_over_the_tasks(tmp_path: Path) -> None:
+    """A model trained with its own vocabulary keeps it: SOURCE's tokenizer beats a built-in
+    task's; ``--tokenizer`` beats both; a preset has none, so the task's is used."""
+    from composer.data.chatset import TOKENIZER
+    from composer.data.tokenizer import TOKENIZER_DIR, load_tokenizer, save_tokenizer
+    from composer.train.grpo import find_tokenizer
+    from composer.train.rl.envs import make_env
+
+    env = make_env("arith", ARITH)
+    source = tmp_path / "model"
+    save_tokenizer(load_tokenizer(str(TOKENIZER)), source / TOKENIZER_DIR)
+    assert find_tokenizer(Recipe(model=str(source)), env).vocab_size == 259
+    assert find_tokenizer(Recipe(model=str(source), tokenizer=str(TASKS_TOKENIZER)),
+                          env).vocab_size == 22
+    assert find_tokenizer(Recipe(model=MODEL), env) is env.tokenizer
