@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from composer.cli import main
 from composer.data.chat import ChatEncoder, parse_row
 from composer.data.chatset import TOKENIZER
 from composer.data.indexed import DataError
 from composer.data.masked import MaskedDataset
 from composer.data.preference import PreferencePairs, is_preference
 from composer.data.tokenizer import load_tokenizer
+from tests.data.test_cli_chat import jsonl, run
 
 SYSTEM = {"role": "system", "content": "Answer in one word."}
 ROWS = [{"prompt": "What is two plus two?", "chosen": "Four.", "rejected": "Five."},
@@ -26,17 +26,6 @@ ROWS = [{"prompt": "What is two plus two?", "chosen": "Four.", "rejected": "Five
          "chosen": {"role": "assistant", "content": "Blue."},
          "rejected": [{"role": "assistant", "content": "Seven."}]},
         {"prompt": "Spell cat.", "chosen": "c a t", "rejected": "d o g"}] * 2
-
-
-def jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def run(capsys, *args) -> tuple[int, str, str]:
-    code = main(["data", *map(str, args)])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def as_chat(row: dict, side: str) -> tuple[np.ndarray, np.ndarray]:
