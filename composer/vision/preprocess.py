@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ except ImportError as exc:  # Pillow is the `vision` extra
                       "pip install 'composer-lm[vision]'") from exc
 
 MAX_ASPECT = 200  # smart_resize refuses a longer side over 200 times the shorter one
-ImageInput = Union[Image.Image, str, os.PathLike, torch.Tensor]  # noqa: UP007 (a runtime alias)
+ImageInput = Image.Image | str | os.PathLike | torch.Tensor
 
 # transformers' Qwen2VLImageProcessor class defaults, which fill what a config file leaves out
 _HF_DEFAULTS: dict[str, Any] = {
@@ -82,6 +82,10 @@ class ImageSettings:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"image settings: {name} must be a positive integer, "
                                   f"got {value!r}")
+        for name in ("min_pixels", "max_pixels"):
+            if not isinstance(getattr(self, name), int):
+                raise ConfigError(f"image settings: {name} must be an integer, "
+                                  f"got {getattr(self, name)!r}")
         if not 0 <= self.min_pixels <= self.max_pixels:
             raise ConfigError(f"image settings: need 0 <= min_pixels <= max_pixels, got "
                               f"{self.min_pixels} and {self.max_pixels}")
@@ -118,6 +122,9 @@ class ImageSettings:
                               f"converts to RGB, resizes, rescales and normalises)")
         get = {**_HF_DEFAULTS, **config}.get
         size = config.get("size") or {}
+        if not isinstance(size, Mapping):
+            raise ConfigError(f"{where}: size must be an object with shortest_edge and "
+                              f"longest_edge, got {size!r}")
         min_pixels = get("min_pixels") if "min_pixels" in config else size.get(
             "shortest_edge", size.get("min_pixels", _HF_DEFAULTS["min_pixels"]))
         max_pixels = get("max_pixels") if "max_pixels" in config else size.get(
@@ -293,10 +300,14 @@ def preprocess_images(images: ImageInput | Sequence[ImageInput],
       pixels 0-255; a floating tensor holds 0-1 and is read as the pixels ``round(255 x)``
       (so ``k / 255`` is pixel k). The pixels become a PIL image and take the PIL path: PIL's
       bicubic is the reference and converting is the plain way to equal it, so a tensor equals
-      the PIL image of its pixels (and transformers given the same uint8 tensor, C = 1 or 3).
+      the PIL image of its pixels, and transformers given the same uint8 tensor.
 
     Bad images raise :class:`ImageError` (a ``ValueError``), one line naming the file or index.
     """
+    known = [f.name for f in dataclasses.fields(ImageSettings)]
+    if unknown := sorted(set(overrides) - set(known)):
+        raise ConfigError(f"image settings: no setting {', '.join(unknown)} (there are "
+                          f"{', '.join(known)})")
     s = dataclasses.replace(settings or ImageSettings(), **overrides)
     if isinstance(images, (str, os.PathLike, Image.Image, torch.Tensor)):
         images = [images]

@@ -111,10 +111,19 @@ def test_files(tmp_path: Path) -> None:
     assert not torch.equal(rgba[0], hf(QWEN35, [str(paths["RGBA"])])[0])
 
 
-@pytest.mark.parametrize("channels", [1, 3, 4])
-def test_tensors(channels: int) -> None:
-    rng = np.random.default_rng(channels)
-    pixels = torch.from_numpy(rng.integers(0, 256, (channels, 77, 130), dtype=np.uint8))
+def every_alpha() -> torch.Tensor:
+    """(4, 256, 256) uint8: every (colour, alpha) pair, at a size that is not resized (SMALL)."""
+    level = torch.arange(256, dtype=torch.uint8)
+    colour, alpha = level[:, None].expand(256, 256), level[None, :].expand(256, 256)
+    return torch.stack([colour, alpha, 255 - colour, alpha])
+
+
+@pytest.mark.parametrize("channels", [1, 3, 4, "every alpha"])
+def test_tensors(channels: int | str) -> None:
+    rng = np.random.default_rng(0)
+    pixels = every_alpha() if channels == "every alpha" else torch.from_numpy(
+        rng.integers(0, 256, (channels, 77, 130), dtype=np.uint8))
+    channels = pixels.shape[0]
     ours = preprocess_images([pixels], ImageSettings.from_hf(SMALL))
     assert_equal(ours, hf(SMALL, [pixels]))  # transformers given the same tensor
     hwc = pixels.permute(1, 2, 0).numpy()
@@ -164,12 +173,16 @@ def test_settings_errors(tmp_path: Path) -> None:
          "0 <= min_pixels <= max_pixels, got 10 and 5"),
         ({"image_mean": [0.5, 0.5]}, "image processor config: mean must be 3 numbers (R, G, B), "
          "got [0.5, 0.5]"),
+        ({"size": 65536}, "image processor config: size must be an object with shortest_edge "
+         "and longest_edge, got 65536"),
         (tmp_path, f"{tmp_path}: no preprocessor_config.json or processor_config.json"),
     ]
     for source, message in cases:
         with pytest.raises(ConfigError) as info:
             ImageSettings.from_hf(source)
         assert str(info.value) == message
+    with pytest.raises(ConfigError, match="image settings: no setting patch, pixels "):
+        preprocess_images([picture(8, 8)], patch=16, pixels=3)
 
 
 def test_bad_images(tmp_path: Path) -> None:
