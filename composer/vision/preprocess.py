@@ -125,9 +125,9 @@ class ImageSettings:
         if not isinstance(size, Mapping):
             raise ConfigError(f"{where}: size must be an object with shortest_edge and "
                               f"longest_edge, got {size!r}")
-        min_pixels = get("min_pixels") if "min_pixels" in config else size.get(
+        min_pixels = config["min_pixels"] if config.get("min_pixels") is not None else size.get(
             "shortest_edge", size.get("min_pixels", _HF_DEFAULTS["min_pixels"]))
-        max_pixels = get("max_pixels") if "max_pixels" in config else size.get(
+        max_pixels = config["max_pixels"] if config.get("max_pixels") is not None else size.get(
             "longest_edge", size.get("max_pixels", _HF_DEFAULTS["max_pixels"]))
         try:
             return cls(patch_size=get("patch_size"), temporal_patch_size=get("temporal_patch_size"),
