@@ -55,15 +55,7 @@ from torch import nn
 
 from composer.blocks.attention import apply_rope, rope_frequencies
 from composer.blocks.mlp import ACTIVATIONS, is_gated
-from composer.blocks.plan import (
-    ONES,
-    ZEROS,
-    Divisible,
-    Init,
-    Normal,
-    ParallelPlan,
-    init_module,
-)
+from composer.blocks.plan import ONES, ZEROS, Divisible, Init, Normal, ParallelPlan, init_module
 from composer.blocks.protocol import TimeMixingOp
 from composer.blocks.split import SplitLinear
 from composer.config import ConfigError, positive
@@ -193,9 +185,6 @@ class LayerNorm(nn.Module):
     def init_rules(self) -> dict[str, Init]:
         return {"weight": ONES, "bias": ZEROS}
 
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        init_module(self, generator)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(x.dtype, torch.float32)
         h = F.layer_norm(x.to(dtype), x.shape[-1:], self.weight.to(dtype),
@@ -299,6 +288,21 @@ class VisionMLP(nn.Module):
     @staticmethod
     def flops_per_token(v: VisionConfig, seq_len: int) -> int:
         return 4 * v.d_model * v.d_ff
+
+
+def tower_flops(v: VisionConfig, grids: list[tuple[int, int, int]]) -> int:
+    """Forward FLOPs of the tower on images of ``(t, h, w)`` patches (a multiply-add is 2):
+    the patch embedding, each layer's ``flops_per_token`` at its frame's length, the merger's
+    two projections (norms, activations, rotary and the position resampling are negligible)."""
+    d_cat = v.d_model * v.merge_size**2
+    total = 0
+    for t, h, w in grids:
+        n, s = t * h * w, h * w
+        total += 2 * n * v.d_patch * v.d_model
+        total += v.depth * n * (VisionAttention.flops_per_token(v, s)
+                                + VisionMLP.flops_per_token(v, s))
+        total += 2 * (n // v.merge_size**2) * d_cat * (d_cat + v.d_out)
+    return total
 
 
 class VisionLayer(nn.Module):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from composer.config import ConfigError
-from composer.vision.tower import VisionConfig, VisionTower, validate_vision
+from composer.vision.tower import VisionConfig, VisionTower, tower_flops, validate_vision
 from composer.vision.tower_ref import vision_tower_ref
 from tests.helpers import randomize, rel_err
 
@@ -137,6 +137,17 @@ def test_reference_twin_fp64_values_and_gradients(pair):
     assert all(w.grad.abs().max() > 0 for w in weights.values())
 
 
+def test_flops_equal_torch_count(pair):
+    """``tower_flops`` against torch's own count of the forward's matmuls and attention."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _, tower = pair
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        tower(pixels(TWO), torch.tensor(TWO))
+    assert tower_flops(V, [tuple(g) for g in TWO]) == counter.get_total_flops()
+
+
 def test_bad_input_is_one_line(pair):
     _, tower = pair
     with pytest.raises(ValueError, match=r"^grid_thw describes 24 patches but pixel_values "
@@ -148,3 +159,27 @@ def test_bad_input_is_one_line(pair):
     with pytest.raises(ConfigError, match=r"^vision.n_position_embeddings \(15\) must be a "
                                           r"square"):
         validate_vision(VisionConfig(n_position_embeddings=15))
+
+
+def test_plans_name_real_weights(pair):
+    """Every declared plan names the tower's own linears and parameters (applied later by
+    composer/parallel): column, row and per-part row splits."""
+    import fnmatch
+
+    from composer.blocks.protocol import plan_of
+
+    _, tower = pair
+    declared = {}
+    for path, module in tower.named_modules():
+        plan = plan_of(module)
+        if plan is None:
+            continue
+        names = [n for n, _ in module.named_parameters()]
+        for sub in plan.colwise + plan.rowwise:
+            assert isinstance(module.get_submodule(sub), torch.nn.Linear), (path, sub)
+        for glob in plan.shard:
+            assert fnmatch.filter(names, glob), (path, glob)
+        declared[path] = (plan.colwise, plan.rowwise, tuple(plan.shard))
+    attn, mlp = ((), ("o_proj",), ("qkv_proj.*",)), (("up_proj",), ("down_proj",), ())
+    assert declared == {"layers.0.mixer": attn, "layers.1.mixer": mlp, "layers.2.mixer": attn,
+                        "layers.3.mixer": mlp, "merger.mlp": mlp}
