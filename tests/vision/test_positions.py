@@ -78,13 +78,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("with_mask", [True, False])
+@pytest.mark.parametrize(("case", "with_mask"), [
+    (case, with_mask) for case in CASES for with_mask in (True, False)
+    if with_mask or len(CASES[case]) == 1])  # a left-padded batch needs its mask
 def test_positions_equal_get_rope_index(hf, case, with_mask):
     ids, mask, grids = _batch(hf, CASES[case])
     if not with_mask:
-        if bool((mask == 0).any()):
-            pytest.skip("padding needs its mask")
+        assert not bool((mask == 0).any())
         mask = None
     pos, deltas = mrope_positions(ids, grids, mask, **_ids(hf))
     want_pos, want_deltas = _hf_rope_index(hf, ids, grids, mask)
