@@ -11,6 +11,7 @@ from composer.convert.mixtral import MixtralAdapter
 from composer.convert.nemotron_h import NemotronHAdapter
 from composer.convert.olmo_hybrid import OlmoHybridAdapter
 from composer.convert.qwen3 import Qwen3Adapter, Qwen3MoeAdapter
+from composer.convert.qwen3_5_vl import Qwen3_5MoeVLAdapter, Qwen3_5VLAdapter
 from composer.convert.qwen3_next import Qwen3_5Adapter, Qwen3_5MoeAdapter, Qwen3NextAdapter
 
 ADAPTERS: list[Adapter] = [
@@ -31,4 +32,7 @@ ADAPTERS: list[Adapter] = [
     Qwen3NextAdapter(),
     Qwen3_5Adapter(),
     Qwen3_5MoeAdapter(),
+    # The Hub's Qwen3.5 checkpoints: the text model above plus the vision tower.
+    Qwen3_5VLAdapter(),
+    Qwen3_5MoeVLAdapter(),
 ]
