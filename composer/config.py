@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,96 @@ class MTPConfig:
 
 
 @dataclass
+class VisionConfig:
+    """The ``vision:`` section: the vision tower's sizes (transformers' names in brackets) and
+    the placeholder token ids (:mod:`composer.vision.tower`); ``ModelConfig.vision`` is None for
+    a text-only model."""
+
+    depth: int = 2
+    """Blocks (``depth``); the tower's pattern is ``"B-" * depth``: ``2 * depth`` layers."""
+    d_model: int = 64
+    """Tower width (``hidden_size``)."""
+    n_heads: int = 4
+    """Attention heads (``num_heads``); the head width ``d_model / n_heads`` divides by 4."""
+    d_ff: int = 128
+    """MLP width (``intermediate_size``)."""
+    activation: str = "gelu_tanh"
+    """The MLP's activation (``hidden_act``; ``gelu_pytorch_tanh`` is ``gelu_tanh``)."""
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+    merge_size: int = 2
+    """Side of the square block of patches the merger folds into one token
+    (``spatial_merge_size``)."""
+    d_out: int = 256
+    """The merger's output width, the language model's ``d_model`` (``out_hidden_size``)."""
+    n_position_embeddings: int = 256
+    """Learned positions (``num_position_embeddings``), a square ``G x G`` grid."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    image_token_id: int | None = None
+    """The ``<|image_pad|>`` placeholder id (``image_token_id``; 248056 in Qwen3.5): the
+    prompt carries ``t * h * w / merge^2`` of them per image, replaced by its features."""
+    vision_start_token_id: int | None = None
+    """``<|vision_start|>`` (``vision_start_token_id``), right before each placeholder run."""
+    vision_end_token_id: int | None = None
+    """``<|vision_end|>`` (``vision_end_token_id``), right after it (prompt building only)."""
+
+    @property
+    def pattern(self) -> str:
+        """``B`` bidirectional attention, ``-`` MLP, one pair per block."""
+        return "B-" * self.depth
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def d_patch(self) -> int:
+        """Width of one ``pixel_values`` row, ``C * Tp * P * P``."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def grid_side(self) -> int:
+        return math.isqrt(self.n_position_embeddings)
+
+
+def validate_vision(v: VisionConfig, cfg: ModelConfig | None = None) -> None:
+    """One-line :class:`ConfigError` for an inconsistent section (with ``cfg``: also against
+    the language model: ``d_out == d_model``, the token ids given and in the vocabulary)."""
+    positive(v, "vision.", ("depth", "d_model", "n_heads", "d_ff", "patch_size",
+                            "temporal_patch_size", "in_channels", "merge_size", "d_out",
+                            "n_position_embeddings", "rope_theta", "norm_eps"))
+    if v.d_model % v.n_heads or (v.d_model // v.n_heads) % 4:
+        raise ConfigError(f"vision.d_model ({v.d_model}) must be vision.n_heads ({v.n_heads}) "
+                          "heads whose width divides by 4 (2-D rotary: row and column halves)")
+    if v.grid_side**2 != v.n_position_embeddings:
+        raise ConfigError(f"vision.n_position_embeddings ({v.n_position_embeddings}) must be a "
+                          "square (a G x G grid of learned positions)")
+    mlp = importlib.import_module("composer.blocks.mlp")  # by name: the blocks sit above
+    if v.activation not in mlp.ACTIVATIONS or mlp.is_gated(v.activation):
+        raise ConfigError(f"vision.activation {v.activation!r} must be a plain activation: "
+                          f"{', '.join(a for a in mlp.ACTIVATIONS if not mlp.is_gated(a))}")
+
+
+    if cfg is None:
+        return
+    if v.d_out != cfg.d_model:
+        raise ConfigError(f"vision.d_out ({v.d_out}) must equal d_model ({cfg.d_model}): the "
+                          "merger's output replaces token embeddings")
+    for name in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+        value = getattr(v, name)
+        if name != "vision_end_token_id" and value is None:
+            raise ConfigError(f"vision.{name} must be given (a token id in [0, "
+                              f"{cfg.vocab_size}))")
+        if value is not None and not 0 <= value < cfg.vocab_size:
+            raise ConfigError(f"vision.{name} ({value}) must be in [0, {cfg.vocab_size})")
+    if v.image_token_id == v.vision_start_token_id:
+        raise ConfigError("vision.image_token_id and vision.vision_start_token_id must differ")
+
+
+@dataclass
 class _ModelFields:
     """The fields of :class:`ModelConfig` (its own ``__init__`` adds the section keywords)."""
 
@@ -67,6 +158,8 @@ class _ModelFields:
     pre-norm, ``x + mixer(norm(x))``. Empty (the default) means all pre-norm."""
     mtp: MTPConfig | None = field(default_factory=MTPConfig)
     """Read only when the pattern has multi-token-prediction parts (``"main/mtp"``)."""
+    vision: VisionConfig | None = None
+    """The vision tower of a vision-language model (:class:`VisionConfig`); None for text."""
     sections: dict[str, Any] = field(default_factory=dict, repr=False)
     """Each layer kind's section by name (``attention``, ``mamba``, ... and registered kinds'),
     also reachable as attributes (``cfg.mamba``) and given as keywords
@@ -328,6 +421,8 @@ def validate(cfg: ModelConfig) -> None:
                           "'mtp' section, which is None")
     if cfg.mtp is not None:
         _validate_mtp(cfg.mtp, cfg)
+    if cfg.vision is not None:
+        validate_vision(cfg.vision, cfg)
     for name, section in table.items():
         value = cfg.section(name)
         if value is not None and section.validate is not None:

@@ -37,6 +37,7 @@ from torch import nn
 
 from composer.blocks.cache import KVState, Step, StepContext, attention_mask
 from composer.blocks.kind import LayerKind
+from composer.blocks.mrope import mrope_rows
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import (
     ZEROS,
@@ -89,6 +90,14 @@ class AttentionConfig:
     output_gate: bool = False
     """A sigmoid gate on the attention output before ``o_proj`` (Qwen3-Next, Qwen3.5): ``q_proj``
     is twice as wide, per head ``[q_h; g_h]``, and ``o = o * sigmoid(g)`` channel by channel."""
+    mrope_section: list[int] | None = None
+    """M-RoPE (vision-language models, :mod:`composer.blocks.mrope`): how many of the
+    ``d_rot / 2`` rotary frequencies read each position row ``[t, h, w]`` (Qwen3.5:
+    ``[11, 11, 10]`` with ``rotary_fraction`` 0.25 of 256-wide heads); None: 1-D RoPE. Text-only
+    input (three equal rows) gives exactly the 1-D tables."""
+    mrope_interleaved: bool = True
+    """Qwen3.5's interleaved sections (frequency ``i`` reads row ``i % 3`` within the sections);
+    False: Qwen2-VL's contiguous blocks."""
 
 
 def validate_attention(a: AttentionConfig, cfg: ModelConfig) -> None:
@@ -106,6 +115,13 @@ def validate_attention(a: AttentionConfig, cfg: ModelConfig) -> None:
     if not 0.0 < a.rotary_fraction <= 1.0 or rotary % 2:
         raise ConfigError(f"attention.rotary_fraction ({a.rotary_fraction}) must be in (0, 1] "
                           f"and rotate an even number of the {d_head} head channels")
+    if a.mrope_section is not None:
+        if a.position != "rope":
+            raise ConfigError("attention.mrope_section needs attention.position 'rope'")
+        try:
+            mrope_rows(rotary // 2, a.mrope_section, a.mrope_interleaved)
+        except ValueError as exc:
+            raise ConfigError(f"attention.{exc}") from None
 
 
 def d_head_of(cfg: ModelConfig) -> int:

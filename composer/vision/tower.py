@@ -46,7 +46,6 @@ one frame, M merged tokens (``N / m^2``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -54,77 +53,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.attention import apply_rope, rope_frequencies
-from composer.blocks.mlp import ACTIVATIONS, is_gated
+from composer.blocks.mlp import ACTIVATIONS
 from composer.blocks.plan import ONES, ZEROS, Divisible, Init, Normal, ParallelPlan, init_module
 from composer.blocks.protocol import TimeMixingOp
 from composer.blocks.split import SplitLinear
-from composer.config import ConfigError, positive
+from composer.config import VisionConfig, validate_vision
 from composer.kernels import sdpa_context
 
 # ---------------------------------------------------------------- the config section
 
 
-@dataclass
-class VisionConfig:
-    """The ``vision:`` section: the tower's sizes (transformers' names in brackets)."""
-
-    depth: int = 2
-    """Blocks (``depth``); the tower's pattern is ``"B-" * depth``: ``2 * depth`` layers."""
-    d_model: int = 64
-    """Tower width (``hidden_size``)."""
-    n_heads: int = 4
-    """Attention heads (``num_heads``); the head width ``d_model / n_heads`` divides by 4."""
-    d_ff: int = 128
-    """MLP width (``intermediate_size``)."""
-    activation: str = "gelu_tanh"
-    """The MLP's activation (``hidden_act``; ``gelu_pytorch_tanh`` is ``gelu_tanh``)."""
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    in_channels: int = 3
-    merge_size: int = 2
-    """Side of the square block of patches the merger folds into one token
-    (``spatial_merge_size``)."""
-    d_out: int = 256
-    """The merger's output width, the language model's ``d_model`` (``out_hidden_size``)."""
-    n_position_embeddings: int = 256
-    """Learned positions (``num_position_embeddings``), a square ``G x G`` grid."""
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-
-    @property
-    def pattern(self) -> str:
-        """``B`` bidirectional attention, ``-`` MLP, one pair per block."""
-        return "B-" * self.depth
-
-    @property
-    def d_head(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def d_patch(self) -> int:
-        """Width of one ``pixel_values`` row, ``C * Tp * P * P``."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    @property
-    def grid_side(self) -> int:
-        return math.isqrt(self.n_position_embeddings)
-
-
-def validate_vision(v: VisionConfig) -> None:
-    """One-line :class:`ConfigError` for an inconsistent section."""
-    positive(v, "vision.", ("depth", "d_model", "n_heads", "d_ff", "patch_size",
-                            "temporal_patch_size", "in_channels", "merge_size", "d_out",
-                            "n_position_embeddings", "rope_theta", "norm_eps"))
-    if v.d_model % v.n_heads or (v.d_model // v.n_heads) % 4:
-        raise ConfigError(f"vision.d_model ({v.d_model}) must be vision.n_heads ({v.n_heads}) "
-                          "heads whose width divides by 4 (2-D rotary: row and column halves)")
-    if v.grid_side**2 != v.n_position_embeddings:
-        raise ConfigError(f"vision.n_position_embeddings ({v.n_position_embeddings}) must be a "
-                          "square (a G x G grid of learned positions)")
-    if v.activation not in ACTIVATIONS or is_gated(v.activation):
-        raise ConfigError(f"vision.activation {v.activation!r} must be a plain activation: "
-                          f"{', '.join(a for a in ACTIVATIONS if not is_gated(a))}")
+# VisionConfig and validate_vision live in composer.config (the model config's ``vision:``
+# section, importable without torch); re-exported here.
 
 
 # ---------------------------------------------------------------- where each patch sits
