@@ -16,6 +16,22 @@ Numbers from the HF ``config.json`` of each id:
   40 layers of width 2048, 16 / 2 heads of 256, GDN 16 / 32 heads of 128, 256 experts of 512
   (top-8) and a 512-wide shared expert, vocabulary 248320, untied.
 
+The vision-language forms (``VL_PRESETS``; the Hub checkpoints of these ids are
+``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``): the text model
+above plus the tower of ``vision_config``. Its numbers are transformers 5.24's
+``Qwen3_5VisionConfig`` / ``Qwen3_5MoeVisionConfig`` defaults, the classes' documented
+configuration of ``Qwen/Qwen3.5-27B`` / ``Qwen/Qwen3.5-35B-A3B`` (``@auto_docstring(checkpoint=
+...)``): depth 27, width 1152, 16 heads, MLP 4304 (GELU-tanh), patches 16 x 16 x 2 frames,
+merge 2 x 2, 2304 (48 x 48) learned positions; ``out_hidden_size`` is the text width (5120,
+2048; the merger's output replaces token embeddings, so the published configs must say so; the
+class default 3584 is another model's). Placeholder ids: ``Qwen3_5Config`` defaults
+(``image_token_id`` 248056, ``vision_start_token_id`` 248053, ``vision_end_token_id`` 248054).
+M-RoPE: ``mrope_section`` [11, 11, 10] interleaved over the 32 rotary frequencies (64 of 256
+head dims), the value ``modeling_qwen3_5``'s rotary embedding falls back to
+(``rope_parameters.get("mrope_section", [11, 11, 10])``). Not yet in ``PRESETS``: they join it
+when the model holds the tower (until then a built model is the text model; the counts are
+checked, text plus tower, in tests/convert/test_qwen3_5_vl.py).
+
 All ship one multi-token-prediction layer (``mtp.*``) that transformers does not build; these
 presets leave it out (append ``/*E``, ``/*-`` for Qwen3.5 dense, to build it); a converted
 checkpoint whose config declares it gets it (:mod:`composer.convert.qwen3_next`).
@@ -23,7 +39,9 @@ checkpoint whose config declares it gets it (:mod:`composer.convert.qwen3_next`)
 
 from __future__ import annotations
 
-from composer.config import ModelConfig
+import dataclasses
+
+from composer.config import ModelConfig, VisionConfig
 from composer.zoo import Preset
 from composer.zoo.sections import AttentionConfig, GDNConfig, MLPConfig, MoEConfig
 
@@ -83,4 +101,47 @@ PRESETS = [
            "Qwen3.5-MoE layout, tiny sizes",
            lambda: qwen3_next(4, 64, n_heads=4, n_kv_heads=2, d_head=16, gdn_heads=(2, 4),
                               d_head_gdn=8, vocab_size=512, moe=(8, 2, 32, 48))),
+]
+
+
+def vl(text: ModelConfig, vision: VisionConfig, mrope_section: list[int]) -> ModelConfig:
+    """``text`` with the tower ``vision`` and interleaved M-RoPE ``mrope_section``."""
+    attention = dataclasses.replace(text.attention, mrope_section=mrope_section,
+                                    mrope_interleaved=True)
+    return dataclasses.replace(text, vision=vision, attention=attention)
+
+
+def qwen3_5_tower(d_out: int) -> VisionConfig:
+    """The published Qwen3.5 tower (see the module docstring), projecting to ``d_out``."""
+    return VisionConfig(depth=27, d_model=1152, n_heads=16, d_ff=4304, activation="gelu_tanh",
+                        patch_size=16, temporal_patch_size=2, in_channels=3, merge_size=2,
+                        d_out=d_out, n_position_embeddings=2304, image_token_id=248056,
+                        vision_start_token_id=248053, vision_end_token_id=248054)
+
+
+def debug_tower(d_out: int) -> VisionConfig:
+    return VisionConfig(depth=2, d_model=32, n_heads=2, d_ff=48, patch_size=4,
+                        temporal_patch_size=2, merge_size=2, d_out=d_out,
+                        n_position_embeddings=16, image_token_id=508, vision_start_token_id=505,
+                        vision_end_token_id=506)
+
+
+_BY_NAME = {p.name: p for p in PRESETS}
+MROPE = [11, 11, 10]
+VL_PRESETS = [
+    Preset("qwen3.5-27b-vl", "qwen3.5-vl", "Qwen/Qwen3.5-27B",
+           "text_config as qwen3.5-27b; vision_config: transformers 5.24 Qwen3_5VisionConfig "
+           "defaults (documented as Qwen/Qwen3.5-27B), out_hidden_size 5120",
+           lambda: vl(_BY_NAME["qwen3.5-27b"].config(), qwen3_5_tower(5120), MROPE)),
+    Preset("qwen3.5-35b-a3b-vl", "qwen3.5-moe-vl", "Qwen/Qwen3.5-35B-A3B",
+           "text_config as qwen3.5-35b-a3b; vision_config: transformers 5.24 "
+           "Qwen3_5MoeVisionConfig defaults (documented as Qwen/Qwen3.5-35B-A3B), "
+           "out_hidden_size 2048",
+           lambda: vl(_BY_NAME["qwen3.5-35b-a3b"].config(), qwen3_5_tower(2048), MROPE)),
+    Preset("qwen3.5-vl-debug", "qwen3.5-vl", "(tiny random config)",
+           "Qwen3.5-VL layout (qwen3.5-debug plus a 2-block tower), tiny sizes",
+           lambda: vl(_BY_NAME["qwen3.5-debug"].config(), debug_tower(64), [1, 1, 0])),
+    Preset("qwen3.5-moe-vl-debug", "qwen3.5-moe-vl", "(tiny random config)",
+           "Qwen3.5-MoE-VL layout (qwen3.5-moe-debug plus a 2-block tower), tiny sizes",
+           lambda: vl(_BY_NAME["qwen3.5-moe-debug"].config(), debug_tower(64), [1, 1, 0])),
 ]

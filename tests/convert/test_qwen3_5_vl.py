@@ -203,3 +203,75 @@ def test_bad_tower_tensors_are_one_line_errors_leaving_nothing(converted, tmp_pa
     assert words in str(exc.value) and "\n" not in str(exc.value)
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["bad"]
+
+
+# ---------------------------------------------------------------- presets: counts and configs
+
+_VISION_PUBLISHED = dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                         hidden_act="gelu_pytorch_tanh", patch_size=16, temporal_patch_size=2,
+                         spatial_merge_size=2, num_position_embeddings=2304)
+"""vision_config of Qwen/Qwen3.5-27B and -35B-A3B as transformers 5.24 documents them (its
+Qwen3_5VisionConfig / Qwen3_5MoeVisionConfig defaults), written out independently of the zoo."""
+
+
+def _published(name: str) -> tuple[str, dict]:
+    from tests.zoo.test_presets import PUBLISHED
+
+    text_name, width = {"qwen3.5-27b-vl": ("qwen3.5-27b", 5120),
+                        "qwen3.5-35b-a3b-vl": ("qwen3.5-35b-a3b", 2048)}[name]
+    cls, text = PUBLISHED[text_name]
+    moe = cls.__name__.startswith("Qwen3_5Moe")
+    return ("Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration",
+            dict(text_config=text, vision_config=dict(_VISION_PUBLISHED, out_hidden_size=width),
+                 image_token_id=248056, vision_start_token_id=248053,
+                 vision_end_token_id=248054))
+
+
+def _hf_count(arch: str, kwargs: dict) -> int:
+    import transformers as tf
+
+    config_cls = tf.Qwen3_5MoeConfig if "Moe" in arch else tf.Qwen3_5Config
+    with torch.device("meta"):
+        model = getattr(tf, arch)(config_cls(**kwargs))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _our_count(cfg) -> int:
+    """The model's parameters, plus the tower's while the model does not hold it yet."""
+    from composer.convert.qwen3_5_vl import tower_in_model
+
+    model = composer.build_model(cfg, device="meta")
+    n = sum(p.numel() for p in model.parameters())
+    if not tower_in_model(cfg):
+        with torch.device("meta"):
+            n += sum(p.numel() for p in VisionTower(cfg.vision).parameters())
+    return n
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-27b-vl", "qwen3.5-35b-a3b-vl"])
+def test_published_vl_preset_count_equals_transformers(name):
+    from composer.zoo.qwen3_next import VL_PRESETS
+
+    cfg = {p.name: p for p in VL_PRESETS}[name].config().validate()
+    arch, kwargs = _published(name)
+    assert _our_count(cfg) == _hf_count(arch, kwargs)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-vl-debug", "qwen3.5-moe-vl-debug",
+                                  "qwen3.5-27b-vl", "qwen3.5-35b-a3b-vl"])
+def test_vl_preset_config_round_trips_and_counts(name):
+    """Each VL preset as a fresh config.json (no source to keep fields from): transformers'
+    class of it has our count, and reading it back gives the preset again."""
+    from composer.config import config_diff
+    from composer.zoo.qwen3_next import VL_PRESETS
+
+    preset = {p.name: p for p in VL_PRESETS}[name]
+    cfg = preset.config().validate()
+    adapter = adapter_for_architecture({"qwen3.5-vl": "Qwen3_5ForConditionalGeneration",
+                                        "qwen3.5-moe-vl": "Qwen3_5MoeForConditionalGeneration"}
+                                       [preset.family])
+    hf = adapter.config_to_hf(cfg, {})
+    assert hf["text_config"]["rope_parameters"]["mrope_section"] == cfg.attention.mrope_section
+    assert not config_diff(cfg.canonical(), adapter.config_from_hf(hf).canonical())
+    kwargs = {k: v for k, v in hf.items() if k not in ("architectures", "model_type")}
+    assert _our_count(cfg) == _hf_count(hf["architectures"][0], kwargs)

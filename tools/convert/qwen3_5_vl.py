@@ -15,9 +15,11 @@ Tensors: ``model.language_model.*`` are the text model's ``model.*`` (the text l
 table :data:`VISION_SPELLINGS` (one entry per naming in use; Qwen2.5-VL's ``visual.*`` and Gemma
 3 / LLaVA's ``vision_tower.vision_model.*`` are further entries, not new code).
 
-Until the model config has its ``vision:`` section (the tower inside the model at ``visual.*``),
+The config gets its ``vision:`` section (:class:`~composer.config.VisionConfig`, with the token
+ids) and ``attention.mrope_section``. Until the model holds the tower at ``visual.*``,
 the tower's tensors are kept aside byte for byte (:meth:`Adapter.aside`; written back unchanged
-by ``to-hf``), after a strict check against ``vision_config`` (:func:`check_vision_tensors`):
+by ``to-hf``), after a strict check against ``vision_config`` (:func:`check_vision_tensors`;
+:func:`tower_in_model` says which holds):
 a stray, missing or mis-shaped ``model.visual.*`` tensor is a one-line error before anything is
 written.
 """
@@ -28,11 +30,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from composer.config import ConfigError, ModelConfig
+from composer.config import ConfigError, ModelConfig, VisionConfig, validate_vision
 from composer.convert.plan import Link
 from composer.convert.qwen3_next import Qwen3_5Adapter, Qwen3_5MoeAdapter
 from composer.portable import CheckpointError
-from composer.vision.tower import VisionConfig, validate_vision
 
 # ---------------------------------------------------------------- the tower's key map
 
@@ -144,9 +145,12 @@ def _side(value: Any, name: str) -> int:
     return int(value)
 
 
-def vision_from_hf(vc: dict[str, Any] | None) -> VisionConfig:
+def vision_from_hf(vc: dict[str, Any] | None, ids: dict[str, int] | None = None
+                   ) -> VisionConfig:
     """``vision_config`` (transformers' names, its defaults for missing fields) as our
-    :class:`VisionConfig`; validated."""
+    :class:`VisionConfig`, with the placeholder token ids ``ids`` (the top level's
+    ``image_token_id``, ...); validated on its own (against the text model by the config)."""
+    ids = ids or {}
     h = {**VISION_DEFAULTS, **{k: v for k, v in (vc or {}).items() if v is not None}}
     act = h["hidden_act"]
     if act not in HF_ACT:
@@ -162,7 +166,9 @@ def vision_from_hf(vc: dict[str, Any] | None) -> VisionConfig:
         d_out=int(h["out_hidden_size"]),
         n_position_embeddings=int(h["num_position_embeddings"]),
         rope_theta=float(rope.get("rope_theta", 10000.0)), norm_eps=VISION_EPS,
-        init_std=float(h["initializer_range"]))
+        init_std=float(h["initializer_range"]),
+        **{k: ids[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id")
+           if k in ids})
     try:
         validate_vision(v)
     except ConfigError as exc:
@@ -199,7 +205,22 @@ def vl_fields(hf: dict[str, Any]) -> dict[str, Any]:
     ids = {k: int(hf.get(k, d) if hf.get(k) is not None else d) for k, d in TOKEN_IDS.items()}
     return dict(**ids, mrope_section=rope.get("mrope_section"),
                 mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
-                vision=vision_from_hf(hf.get("vision_config")))
+                vision=vision_from_hf(hf.get("vision_config"), ids))
+
+
+_TOWER_IN_MODEL: list[bool] = []
+
+
+def tower_in_model(cfg: ModelConfig) -> bool:
+    """Whether the model built from a config with a ``vision:`` section holds the tower at
+    ``visual.*`` (the model wiring landed); probed once on the meta device. Until then the
+    tower's tensors are kept aside (see the module docstring)."""
+    if not _TOWER_IN_MODEL:
+        from composer.build.builder import build_model
+
+        meta = build_model(cfg, device="meta")
+        _TOWER_IN_MODEL.append(any(k.startswith(OURS) for k in meta.state_dict()))
+    return _TOWER_IN_MODEL[0]
 
 
 # ---------------------------------------------------------------- the adapters
@@ -228,52 +249,61 @@ class _VLMixin:
             raise ConfigError(f"config.json: vision_config.out_hidden_size "
                               f"({fields['vision'].d_out}) must be the text hidden_size "
                               f"({cfg.d_model}): the merger's output replaces token embeddings")
-        self._vision = fields["vision"]  # the tower checked by source_layout (see the docstring)
-        if hasattr(cfg, "vision"):  # the vision: section exists
-            cfg = dataclasses.replace(cfg, vision=fields["vision"])
-        return cfg
+        attention = cfg.attention
+        if attention is not None and fields["mrope_section"] is not None:
+            attention = dataclasses.replace(attention, mrope_section=list(fields["mrope_section"]),
+                                            mrope_interleaved=fields["mrope_interleaved"])
+        return dataclasses.replace(cfg, vision=fields["vision"], attention=attention)
 
     def config_to_hf(self, cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
+        if cfg.vision is None:
+            raise ConfigError("this model has no vision tower (no vision: section): it cannot "
+                              f"be written as {self.architectures[0]}")  # type: ignore[attr-defined]
         text_base = dict(base.get("text_config") or {})
         text = super().config_to_hf(cfg, text_base)  # type: ignore[misc]
         text.pop("architectures", None)
         text["model_type"] = self.text_model_type
+        a = cfg.attention
+        if a is not None and a.mrope_section is not None:
+            text["rope_parameters"].update(mrope_section=list(a.mrope_section),
+                                           mrope_interleaved=a.mrope_interleaved)
         out = dict(base)
         out.update(architectures=[self.architectures[0]],  # type: ignore[attr-defined]
                    model_type=self.model_type, text_config=text,
                    tie_word_embeddings=text["tie_word_embeddings"])
         if "tie_word_embeddings" not in text_base:
             text.pop("tie_word_embeddings")
-        vision = getattr(cfg, "vision", None)
-        if vision is not None:
-            out["vision_config"] = vision_to_hf(vision, base.get("vision_config") or {})
-        elif "vision_config" not in base:
-            raise ConfigError("this model has no vision tower: it cannot be written as "
-                              f"{self.architectures[0]}")  # type: ignore[attr-defined]
-        for key, default in TOKEN_IDS.items():
-            out.setdefault(key, default)
+        v = cfg.vision
+        out["vision_config"] = vision_to_hf(v, base.get("vision_config") or {})
+        for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+            if getattr(v, key) is not None:
+                out[key] = getattr(v, key)
+        out.setdefault("video_token_id", TOKEN_IDS["video_token_id"])
         for key in ("dtype", "torch_dtype"):
             out.pop(key, None)
         return out
 
     def source_layout(self, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]
                       ) -> dict[str, Any]:
-        vision = getattr(cfg, "vision", None) or getattr(self, "_vision", None)
-        if vision is not None and getattr(cfg, "vision", None) is None:
-            check_vision_tensors(vision, shapes, "the checkpoint's vision tower", self.spelling)
+        if cfg.vision is not None and not tower_in_model(cfg):  # the links check it otherwise
+            check_vision_tensors(cfg.vision, shapes, "the checkpoint's vision tower",
+                                 self.spelling)
         return super().source_layout(cfg, shapes)  # type: ignore[misc]
 
     def aside(self, name: str, hf: dict[str, Any]) -> bool:
+        """The tower's tensors while our model has no tower (never once it has: then they are
+        linked, and a linked tensor is never kept aside)."""
         prefix = VISION_SPELLINGS[self.spelling].prefix
-        return name.startswith(prefix) or super().aside(name, hf)  # type: ignore[misc]
+        linked = bool(_TOWER_IN_MODEL and _TOWER_IN_MODEL[0])  # probed by links() before this
+        return (name.startswith(prefix) and not linked) or \
+            super().aside(name, hf)  # type: ignore[misc]
 
     def links(self, cfg: ModelConfig, fused_experts: bool) -> list[Link]:
         links = [dataclasses.replace(link, hf=TEXT + link.hf.removeprefix("model."))
                  if link.hf.startswith("model.") else link
                  for link in super().links(cfg, fused_experts)]  # type: ignore[misc]
-        vision = getattr(cfg, "vision", None)
-        if vision is not None:
-            links += vision_links(vision, self.spelling)
+        if cfg.vision is not None and tower_in_model(cfg):
+            links += vision_links(cfg.vision, self.spelling)
         return links
 
 
