@@ -191,6 +191,53 @@ def test_left_padded_batch_prefill_and_steps(pair):
                 assert rel_err(b[r:r + 1], a) < TOL
 
 
+def padded_batch():
+    """Batch 2, left-padded: row 0 one image, row 1 two; (ids, mask, pixel_values, grids)."""
+    rows = [(ONE, [3, 5]), (TWO, [2, 3, 4])]
+    prompts = [prompt(g, t, seed=5 + i)[0] for i, (g, t) in enumerate(rows)]
+    n = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(n - len(p), dtype=torch.long), p])
+                       for p in prompts])
+    mask = torch.stack([torch.arange(n) >= n - len(p) for p in prompts]).long()
+    pv = torch.cat([pixels(ONE, seed=11), pixels(TWO, seed=12)])
+    return ids, mask, pv, torch.tensor(ONE + TWO)
+
+
+def greedy(model, ids, mask, pv, thw, n_new):
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + n_new)
+    logits = model.forward_cached(ids, cache, attention_mask=mask, pixel_values=pv,
+                                  image_grid_thw=thw)
+    out = []
+    for _ in range(n_new):
+        out.append(logits.argmax(-1, keepdim=True))
+        logits = model.forward_cached(out[-1], cache)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("batch", [1, 2], ids=["batch1", "batch2_left_padded"])
+def test_prefill_and_greedy_tokens_equal_transformers(pair, batch):
+    """The prefill's logits on real slots, and greedy tokens against ``transformers.generate``
+    (left padding: each row's M-RoPE offset after its own prompt)."""
+    hf, ours, _ = pair
+    if batch == 1:
+        ids, pv, thw = prompt(TWO, [2, 3, 4]), pixels(TWO), torch.tensor(TWO)
+        mask = torch.ones_like(ids)
+    else:
+        ids, mask, pv, thw = padded_batch()
+    types = (ids == IMG).int()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, attention_mask=mask, pixel_values=pv, image_grid_thw=thw,
+                    mm_token_type_ids=types).logits
+        got = ours.forward_cached(ids, ours.new_cache(*ids.shape), attention_mask=mask,
+                                  pixel_values=pv, image_grid_thw=thw, last_only=False)
+        real = mask.bool()
+        assert rel_err(got[real], theirs[real]) < TOL
+        want = hf.generate(input_ids=ids, attention_mask=mask, pixel_values=pv,
+                           image_grid_thw=thw, mm_token_type_ids=types, max_new_tokens=5,
+                           do_sample=False)[:, ids.shape[1]:]
+        assert torch.equal(greedy(ours, ids, mask, pv, thw, 5), want)
+
+
 def test_config_validation():
     bad = dataclasses.replace(V, d_out=32)
     cfg = composer.ModelConfig(pattern="*-", d_model=40, vocab_size=97, vision=bad)
