@@ -37,7 +37,7 @@ from torch import nn
 
 from composer.blocks.cache import KVState, Step, StepContext, attention_mask
 from composer.blocks.kind import LayerKind
-from composer.blocks.mrope import mrope_rows
+from composer.blocks.mrope import mrope_cos_sin, mrope_rows
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import (
     ZEROS,
@@ -183,9 +183,23 @@ class Rotary:
     parameters: the table of the last length is kept while the length, device and dtype
     repeat (a training run asks for one length)."""
 
-    def __init__(self, inv_freq: torch.Tensor, gain: float = 1.0) -> None:
+    def __init__(self, inv_freq: torch.Tensor, gain: float = 1.0,
+                 mrope_section: list[int] | None = None, mrope_interleaved: bool = True) -> None:
         self.inv_freq, self.gain = inv_freq, gain
         self._table: tuple | None = None
+        self.mrope_section, self.mrope_interleaved = mrope_section, mrope_interleaved
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        """M-RoPE ``cos``/``sin`` ``[B, 1, T, d_rot]`` of the current forward, set by the
+        model around a call with images (:meth:`HybridModel.mrope_tables`), shared by the
+        layers; None otherwise."""
+
+    def mrope(self, pos_3BT: torch.Tensor, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """M-RoPE tables at the three position rows ``pos_3BT`` (``mrope_section`` set)."""
+        assert self.mrope_section is not None
+        cos, sin = mrope_cos_sin(pos_3BT, self.inv_freq, self.mrope_section,
+                                 interleaved=self.mrope_interleaved, dtype=dtype)
+        return self._gain(cos), self._gain(sin)
 
     def table(self, t: int, device: torch.device,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +220,12 @@ class Rotary:
         """The tables of one call on ``like`` ``[B, H, T, E]``: the decoding step's positions,
         or positions restarting at each document, or ``0 .. T - 1``."""
         if step is not None:
+            pos_3BT = step.ctx.pos_3BT
+            if pos_3BT is not None and self.mrope_section is not None:
+                return self.mrope(pos_3BT, like.dtype)
             return self.at(step.ctx.pos_BT, like.dtype)
+        if self.tables is not None:
+            return self.tables[0].to(like.dtype), self.tables[1].to(like.dtype)
         if doc_ids is not None:
             return self.at(doc_positions(doc_ids), like.dtype)
         return self.table(like.shape[2], like.device, like.dtype)
@@ -289,7 +308,9 @@ class Attention(nn.Module):
         self.rotary: Rotary | None = None
         if a.position == "rope":
             d_rot = int(self.d_head * a.rotary_fraction)
-            self.rotary = Rotary(rope_frequencies(d_rot, a.rope_theta, a.rope_scaling))
+            self.rotary = Rotary(rope_frequencies(d_rot, a.rope_theta, a.rope_scaling),
+                                 mrope_section=a.mrope_section,
+                                 mrope_interleaved=a.mrope_interleaved)
         self.core = CausalAttention()
 
     def init_rules(self) -> dict[str, Init]:

@@ -88,6 +88,9 @@ class StepContext:
     """A first call with padding: 0 for padding, 1 for the prompt (isolation); else None."""
     padded: bool = False
     """Some slot of the cache holds padding (set by the first call)."""
+    pos_3BT: torch.Tensor | None = None
+    """M-RoPE's three position rows ``[3, B, T]`` (a prompt with images, and every later
+    call: ``pos_BT + delta`` on each row); None: 1-D positions ``pos_BT``."""
 
     @property
     def end(self) -> int:
@@ -125,6 +128,10 @@ class InferenceCache:
     """The prompt had padding (some slots are not real tokens)."""
     next_pos_B: torch.Tensor = field(default=None)  # type: ignore[assignment]
     """Position of each row's next token (its real tokens so far)."""
+    rope_deltas_B1: torch.Tensor | None = None
+    """M-RoPE's offset of each row after a prompt with images (``max position + 1 - real
+    tokens``, :func:`composer.blocks.mrope.mrope_positions`): the later tokens sit at
+    ``pos_BT + delta`` on all three rows. None for a text-only prompt (1-D positions)."""
 
     def __post_init__(self) -> None:
         if self.next_pos_B is None:
@@ -145,7 +152,8 @@ class InferenceCache:
             self.real_BS[:, start:end] = True
             self.next_pos_B = self.next_pos_B + n_new
             self.length = end
-            return StepContext(start, pos_BT, self.real_BS[:, :end], None, self.padded)
+            return StepContext(start, pos_BT, self.real_BS[:, :end], None, self.padded,
+                               self._pos_3BT(pos_BT))
         else:
             real_BT = real_BT.to(device=device, dtype=torch.bool)
             if not bool(real_BT.all()):
@@ -161,7 +169,13 @@ class InferenceCache:
         self.real_BS[:, start:end] = real_BT
         self.next_pos_B = self.next_pos_B + real_BT.long().sum(1)
         self.length = end
-        return StepContext(start, pos_BT, self.real_BS[:, :end], doc_ids, self.padded)
+        return StepContext(start, pos_BT, self.real_BS[:, :end], doc_ids, self.padded,
+                           self._pos_3BT(pos_BT))
+
+    def _pos_3BT(self, pos_BT: torch.Tensor) -> torch.Tensor | None:
+        if self.rope_deltas_B1 is None:
+            return None
+        return (pos_BT + self.rope_deltas_B1.to(pos_BT.device)).expand(3, -1, -1)
 
 
 def attention_mask(ctx: StepContext) -> torch.Tensor | None:

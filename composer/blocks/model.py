@@ -29,10 +29,20 @@ score only a completion.
 
 Decoding (:mod:`composer.blocks.cache`, :func:`composer.generate`): ``new_cache`` allocates each
 layer's state, ``forward_cached`` runs new tokens against it and returns their logits.
+
+Vision-language models (``ModelConfig.vision``; Qwen3.5-VL): ``visual`` is the vision tower
+(:class:`composer.vision.tower.VisionTower`, built by the builder and handed over like the
+layers). With ``pixel_values`` and ``image_grid_thw`` the tower's features replace the
+embeddings of the ``<|image_pad|>`` placeholders, image after image (the count must match: a
+one-line error otherwise), and with ``attention.mrope_section`` the attention layers rotate by
+the three M-RoPE position rows (:mod:`composer.blocks.mrope`), computed once per forward and
+shared by the layers; a decoding cache keeps each row's offset for the tokens after the prompt.
+Without images the model is the text model it was (1-D RoPE).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +53,7 @@ from torch import nn
 from composer.blocks.cache import InferenceCache, Step
 from composer.blocks.logprobs import TokenLogprobs, linear_token_logprobs, logits_scale
 from composer.blocks.loss import IGNORE_INDEX, linear_cross_entropy
+from composer.blocks.mrope import mrope_positions
 from composer.blocks.mtp import MTPDepth, MultiTokenPrediction
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Init, Normal
@@ -174,7 +185,8 @@ class HybridModel(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layers: Mapping[int, nn.Module],
-                 mtp_layers: Sequence[Mapping[int, nn.Module]] = ()) -> None:
+                 mtp_layers: Sequence[Mapping[int, nn.Module]] = (),
+                 visual: nn.Module | None = None) -> None:
         super().__init__()
         self.config = cfg
         # _weight skips nn.Embedding's own init (the builder initialises); on the meta device
@@ -189,6 +201,10 @@ class HybridModel(nn.Module):
             if mtp_layers else None
         _set_zero_centered(self, cfg.norm_zero_centered)
         self.readout = Readout(cfg.logits_scaling)
+        if visual is not None:
+            self.visual = visual  # after the norms: the tower's LayerNorms are not RMSNorms
+        elif cfg.vision is not None:
+            raise ValueError("the config has a vision section: give the tower (visual=...)")
 
     def named_layers(self) -> list[tuple[str, nn.Module]]:
         return named_layers(self)
@@ -206,6 +222,66 @@ class HybridModel(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return embed_tokens(self.embed, self.config, input_ids)
 
+    def embed_inputs(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                     image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        """The token embeddings, with the images' features (the tower's output on
+        ``pixel_values`` ``[N, C*Tp*P*P]``, ``image_grid_thw`` ``[n, 3]``) in place of the
+        ``<|image_pad|>`` placeholders, in order."""
+        x_BTD = self.embed_tokens(input_ids)
+        if pixel_values is None and image_grid_thw is None:
+            return x_BTD
+        v = self.config.vision
+        if v is None:
+            raise ValueError("images given to a text-only model (its config has no vision "
+                             "section)")
+        if pixel_values is None or image_grid_thw is None:
+            raise ValueError("give pixel_values and image_grid_thw together")
+        feats_MD = self.visual(pixel_values, image_grid_thw)
+        mask_BT = input_ids == v.image_token_id
+        n_tokens = int(mask_BT.sum())
+        if n_tokens != feats_MD.shape[0]:
+            raise ValueError(f"{n_tokens} <|image_pad|> tokens in the prompt but the "
+                             f"{image_grid_thw.shape[0]} image(s) give {feats_MD.shape[0]} "
+                             "features (t*h*w / merge^2 each)")
+        return x_BTD.masked_scatter(mask_BT[..., None], feats_MD.to(x_BTD.dtype))
+
+    def mrope_inputs(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
+                     attention_mask: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """M-RoPE positions ``[3, B, T]`` and offsets ``[B, 1]`` of a prompt with images
+        (:func:`composer.blocks.mrope.mrope_positions`); None without images or without
+        ``attention.mrope_section`` (1-D positions)."""
+        a, v = self.config.attention, self.config.vision
+        if image_grid_thw is None or v is None or a is None or a.mrope_section is None:
+            return None
+        return mrope_positions(input_ids, image_grid_thw, attention_mask,
+                               image_token_id=v.image_token_id,
+                               vision_start_token_id=v.vision_start_token_id,
+                               spatial_merge_size=v.merge_size)
+
+    def _rotaries(self) -> list:
+        return [r for layer in self.layers.values()
+                if (r := getattr(layer.mixer, "rotary", None)) is not None
+                and getattr(r, "mrope_section", None) is not None]
+
+    @contextlib.contextmanager
+    def mrope_tables(self, pos_3BT: torch.Tensor | None, dtype: torch.dtype):
+        """Within the block, every M-RoPE attention layer rotates by the tables of ``pos_3BT``
+        (computed once, shared by layers with the same frequencies); nothing with None."""
+        rotaries = self._rotaries() if pos_3BT is not None else []
+        made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        try:
+            for r in rotaries:
+                key = (tuple(r.inv_freq.tolist()), tuple(r.mrope_section), r.mrope_interleaved,
+                       r.gain)
+                if key not in made:
+                    made[key] = r.mrope(pos_3BT, dtype)
+                r.tables = made[key]
+            yield
+        finally:
+            for r in rotaries:
+                r.tables = None
+
     def run_layers(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
                    keys: Sequence[str] | None = None,
                    after: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
@@ -220,8 +296,18 @@ class HybridModel(nn.Module):
         return x_BTD
 
     def hidden_states(self, input_ids: torch.Tensor, *,
-                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.final_norm(self.run_layers(self.embed_tokens(input_ids), doc_ids=doc_ids))
+                      doc_ids: torch.Tensor | None = None,
+                      pixel_values: torch.Tensor | None = None,
+                      image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        if image_grid_thw is None and pixel_values is None:
+            return self.final_norm(self.run_layers(self.embed_tokens(input_ids),
+                                                   doc_ids=doc_ids))
+        if doc_ids is not None:
+            raise ValueError("images with packed documents (doc_ids) are not supported yet")
+        x_BTD = self.embed_inputs(input_ids, pixel_values, image_grid_thw)
+        mrope = self.mrope_inputs(input_ids, image_grid_thw)
+        with self.mrope_tables(None if mrope is None else mrope[0], x_BTD.dtype):
+            return self.final_norm(self.run_layers(x_BTD))
 
     @staticmethod
     def targets_for(labels: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
@@ -230,7 +316,8 @@ class HybridModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 doc_ids: torch.Tensor | None = None, return_logits: bool = False,
-                targets: torch.Tensor | None = None) -> torch.Tensor | ModelOutput:
+                targets: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None) -> torch.Tensor | ModelOutput:
         """Logits ``(B, T, vocab)`` for ``input_ids`` ``(B, T)``; with ``labels`` (``(B, T)``,
         aligned with the inputs) a :class:`ModelOutput`. ``doc_ids`` (``(B, T)`` integers, equal
         within a document, non-decreasing along a row) isolates packed documents.
@@ -239,14 +326,19 @@ class HybridModel(nn.Module):
         and masked at document boundaries (context parallelism gives each rank chunks of the
         sequence, so a chunk's last target is the first token of another rank's chunk). Multi-
         token prediction, whose shifted inputs need the whole rows, then needs an MTP module
-        that reads them elsewhere (``mtp.rows.reads_whole_rows``: context parallelism's)."""
+        that reads them elsewhere (``mtp.rows.reads_whole_rows``: context parallelism's).
+
+        ``pixel_values`` ``[N, C*Tp*P*P]`` and ``image_grid_thw`` ``[n, 3]`` (from
+        :func:`composer.vision.preprocess.preprocess_images`): the images of the prompts'
+        placeholder runs, in order (a vision-language model)."""
         if targets is not None and labels is not None:
             raise ValueError("give labels or targets, not both")
         if targets is not None and self.mtp is not None and not self.mtp.rows.reads_whole_rows:
             raise ValueError("targets cannot drive multi-token prediction (it shifts the labels "
                              "itself); give labels")
         _check_doc_ids(input_ids, doc_ids)
-        h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids)
+        h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids, pixel_values=pixel_values,
+                                   image_grid_thw=image_grid_thw)
         if labels is not None:
             targets = self.targets_for(labels, doc_ids)
         loss, logits = self.readout(h_BTD, self.output_weight(), None, return_logits,
@@ -316,12 +408,21 @@ class HybridModel(nn.Module):
 
     def forward_cached(self, input_ids: torch.Tensor, cache: InferenceCache, *,
                        attention_mask: torch.Tensor | None = None,
-                       last_only: bool = True) -> torch.Tensor:
+                       last_only: bool = True, pixel_values: torch.Tensor | None = None,
+                       image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for ``input_ids`` ``(B, T)`` continuing the sequences in ``cache`` (which it
         fills): ``(B, vocab)`` for the last position, or ``(B, T, vocab)`` without
-        ``last_only``. ``attention_mask`` (first call only): left padding, 0 for padding."""
+        ``last_only``. ``attention_mask`` (first call only): left padding, 0 for padding.
+        Images (``pixel_values``, ``image_grid_thw``) go with the first call (the prompt); the
+        cache then keeps the M-RoPE offsets for every later call."""
+        images = pixel_values is not None or image_grid_thw is not None
+        if images and cache.length:
+            raise ValueError("images go with the first call (the prompt), not a later step")
+        mrope = self.mrope_inputs(input_ids, image_grid_thw, attention_mask) if images else None
         ctx = cache.advance(input_ids.shape[1], attention_mask)
-        x_BTD = self.embed_tokens(input_ids)
+        if mrope is not None:
+            ctx.pos_3BT, cache.rope_deltas_B1 = mrope
+        x_BTD = self.embed_inputs(input_ids, pixel_values, image_grid_thw)
         for key, layer in self.layers.items():
             state = cache.layers.get(int(key))
             x_BTD = layer(x_BTD, step=None if state is None else Step(state, ctx))

@@ -37,6 +37,7 @@ from composer.portable import (
     atomic_folder,
     tensor_bytes,
 )
+from composer.vision.tower import VisionTower, tower_flops
 
 if TYPE_CHECKING:
     from composer.parallel.mesh import ParallelDims
@@ -67,7 +68,8 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
         layers = {i: build_layer(cfg, i, sym) for i, sym in enumerate(pattern.layers)}
         mtp = [{j: build_layer(cfg, mtp_layer_idx(cfg, d, j), sym) for j, sym in enumerate(part)}
                for d, part in enumerate(pattern.mtp)]
-        model = HybridModel(cfg, layers, mtp)
+        visual = VisionTower(cfg.vision) if cfg.vision is not None else None
+        model = HybridModel(cfg, layers, mtp, visual)
     if torch.device(device).type == "meta":
         return model
     model.to_empty(device=device)
@@ -123,6 +125,9 @@ class ModelStats:
     mtp_forward_flops_per_token: list[int] = field(default_factory=list)
     """Forward FLOPs per token of each MTP depth (in ``forward_flops_per_token`` too): its
     projection, its layers and its pass through the shared head."""
+    vision: dict | None = None
+    """A vision-language model's tower (:func:`vision_stats`; in ``n_params`` too, as
+    ``params_by_kind["vision tower"]``); None for a text model."""
 
     @property
     def bf16_bytes(self) -> int:
@@ -149,6 +154,10 @@ def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
     for layer in model.layers.values():
         name = f"{layer.symbol} {REGISTRY[layer.symbol].name}"
         by_kind[name] = by_kind.get(name, 0) + sum(p.numel() for p in layer.parameters())
+    vision = None
+    if getattr(model, "visual", None) is not None:
+        vision = vision_stats(model.visual)
+        by_kind["vision tower"] = vision["n_params"]
     by_kind["final norm"] = model.final_norm.weight.numel()
     if not cfg.tie_embeddings:
         by_kind["lm head"] = model.lm_head.weight.numel()
@@ -172,7 +181,38 @@ def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
         forward_flops_per_token=forward,
         seq_len=seq_len,
         mtp_forward_flops_per_token=mtp,
+        vision=vision,
     )
+
+
+VISION_STATS_PIXELS = 512
+"""The side of the square image ``composer build`` counts the tower's FLOPs on."""
+
+
+def vision_stats(tower: torch.nn.Module, side: int = VISION_STATS_PIXELS) -> dict:
+    """The tower's pattern, layer counts, parameters by part and forward FLOPs on one
+    ``side x side`` image (one frame, :func:`composer.vision.tower.tower_flops`)."""
+    v = tower.cfg
+    unit = v.patch_size * v.merge_size
+    grid = (1, max(1, round(side / unit)) * v.merge_size, max(1, round(side / unit)) * v.merge_size)
+
+    def count(mods: list[torch.nn.Module]) -> int:
+        return sum(p.numel() for m in mods for p in m.parameters())
+
+    attn = [layer for layer in tower.layers if type(layer.mixer).__name__ == "VisionAttention"]
+    mlp = [layer for layer in tower.layers if layer not in attn]
+    parts = {"patch embedding": count([tower.patch_embed]),
+             "position embedding": count([tower.pos_embed]),
+             "B bidirectional attention": count(attn), "- MLP": count(mlp),
+             "merger": count([tower.merger])}
+    n_params = sum(p.numel() for p in tower.parameters())
+    assert n_params == sum(parts.values()), "vision parameter accounting out of step"
+    return {"pattern": v.pattern, "layer_counts": {"B bidirectional attention": len(attn),
+                                                   "- MLP": len(mlp)},
+            "params_by_part": parts, "n_params": n_params, "image_pixels": [side, side],
+            "image_grid_thw": list(grid),
+            "image_tokens": grid[0] * grid[1] * grid[2] // v.merge_size**2,
+            "forward_flops_per_image": tower_flops(v, [grid])}
 
 
 # ---------------------------------------------------------------- portable checkpoints

@@ -65,6 +65,7 @@ def stats_dict(cfg: ModelConfig, seq_len: int) -> dict[str, Any]:
         "forward_flops_per_token": stats.forward_flops_per_token,
         "seq_len": seq_len,
         "bf16_bytes": stats.bf16_bytes,
+        **({"vision": stats.vision} if stats.vision is not None else {}),
     }
 
 
@@ -84,6 +85,18 @@ def print_stats(info: dict[str, Any]) -> None:
         ("FLOPs/token (forward)", _human(info["forward_flops_per_token"])),
         ("weights in bf16", _bytes(info["bf16_bytes"])),
     ]
+    vis = info.get("vision")
+    if vis:
+        rows += [("vision tower", ""), ("  pattern", vis["pattern"]),
+                 ("  layers", str(sum(vis["layer_counts"].values())))]
+        rows += [(f"    {k}", str(n)) for k, n in vis["layer_counts"].items()]
+        rows.append(("  parameters", ""))
+        rows += [(f"    {k}", f"{n:,}") for k, n in vis["params_by_part"].items()]
+        side, grid = vis["image_pixels"], vis["image_grid_thw"]
+        rows += [("  total parameters", f"{vis['n_params']:,} ({_human(vis['n_params'])})"),
+                 (f"  FLOPs/image (forward, {side[0]}x{side[1]} px)",
+                  f"{_human(vis['forward_flops_per_image'])} (grid {grid[1]}x{grid[2]} "
+                  f"patches, {vis['image_tokens']} tokens)")]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
