@@ -28,9 +28,9 @@ class default 3584 is another model's). Placeholder ids: ``Qwen3_5Config`` defau
 (``image_token_id`` 248056, ``vision_start_token_id`` 248053, ``vision_end_token_id`` 248054).
 M-RoPE: ``mrope_section`` [11, 11, 10] interleaved over the 32 rotary frequencies (64 of 256
 head dims), the value ``modeling_qwen3_5``'s rotary embedding falls back to
-(``rope_parameters.get("mrope_section", [11, 11, 10])``). Not yet in ``PRESETS``: they join it
-when the model holds the tower (until then a built model is the text model; the counts are
-checked, text plus tower, in tests/convert/test_qwen3_5_vl.py).
+(``rope_parameters.get("mrope_section", [11, 11, 10])``). They are in ``PRESETS``; their counts
+(the model's, tower included) are checked against transformers' VL classes in
+tests/convert/test_qwen3_5_vl.py.
 
 All ship one multi-token-prediction layer (``mtp.*``) that transformers does not build; these
 presets leave it out (append ``/*E``, ``/*-`` for Qwen3.5 dense, to build it); a converted
@@ -145,3 +145,7 @@ VL_PRESETS = [
            "Qwen3.5-MoE-VL layout (qwen3.5-moe-debug plus a 2-block tower), tiny sizes",
            lambda: vl(_BY_NAME["qwen3.5-moe-debug"].config(), debug_tower(64), [1, 1, 0])),
 ]
+PRESETS += VL_PRESETS
+"""Registered like the others; their counts are checked against transformers' VL classes (text
+plus tower) in tests/convert/test_qwen3_5_vl.py, not tests/zoo (whose counts use
+``AutoModelForCausalLM``, the text class for these configs)."""
