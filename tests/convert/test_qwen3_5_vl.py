@@ -1,12 +1,14 @@
 """Qwen3.5-VL (Qwen3_5ForConditionalGeneration) and its MoE variant: HF -> composer -> HF.
 
-The language model converts through the text adapters (logits parity with transformers on
-text); the tower's ``model.visual.*`` tensors are checked strictly against ``vision_config`` and
-(until the model config has its ``vision:`` section) kept aside byte for byte. Proven here:
-bit-exact round trips in fp32 and bf16, transformers' reload of the export giving the same
-logits as its reload of the source on a prompt with an image, the tower key map
-(:func:`vision_links`) giving our VisionTower transformers' ``get_image_features``, and one-line
-errors leaving nothing written for stray, missing and mis-shaped tower tensors.
+The language model converts through the text adapters; the tower's ``model.visual.*`` tensors
+are linked to our model's ``visual.*`` (or, on a tree whose model has no tower, checked strictly
+and kept aside byte for byte: the tests that need the tower skip there). Proven here: logits
+equal transformers' on text and on a prompt with an image, bit-exact round trips in fp32 and
+bf16, transformers' reload of the export giving the same logits as its reload of the source with
+an image, the tower key map (:func:`vision_links`) giving a VisionTower transformers'
+``get_image_features``, one-line errors leaving nothing written for stray, missing and
+mis-shaped tower tensors, every VL preset's count equal to transformers' VL class on the meta
+device, and a fresh export of a model built here loading in transformers with equal logits.
 """
 
 from __future__ import annotations
