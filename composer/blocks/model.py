@@ -181,7 +181,8 @@ def _check_doc_ids(input_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> Non
 
 class HybridModel(nn.Module):
     """Keys: ``embed.weight``, ``layers.{i}.*``, ``final_norm.weight``, ``lm_head.weight``
-    (absent when ``tie_embeddings``), ``mtp.{d}.*`` (with MTP parts; :mod:`composer.blocks.mtp`).
+    (absent when ``tie_embeddings``), ``mtp.{d}.*`` (with MTP parts; :mod:`composer.blocks.mtp`),
+    ``visual.*`` (a vision-language model's tower: ``ModelConfig.vision``).
     """
 
     def __init__(self, cfg: ModelConfig, layers: Mapping[int, nn.Module],

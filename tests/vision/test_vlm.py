@@ -159,38 +159,6 @@ def test_decoding_with_images_equals_full_forwards(pair):
         assert rel_err(logits, theirs) < TOL
 
 
-def test_left_padded_batch_prefill_and_steps(pair):
-    """Batch 2, left-padded (row 0 one image, row 1 two images): each row's logits equal its
-    own prompt alone, at prefill and after decoding steps."""
-    _, ours, _ = pair
-    rows = [(ONE, [3, 5]), (TWO, [2, 3, 4])]
-    prompts = [prompt(g, t, seed=5 + i)[0] for i, (g, t) in enumerate(rows)]
-    n = max(len(p) for p in prompts)
-    ids = torch.stack([torch.cat([torch.zeros(n - len(p), dtype=torch.long), p])
-                       for p in prompts])
-    mask = torch.stack([torch.arange(n) >= n - len(p) for p in prompts]).long()
-    grids = ONE + TWO
-    pv = torch.cat([pixels(ONE, seed=11), pixels(TWO, seed=12)])
-    cache = ours.new_cache(2, n + 3)
-    with torch.no_grad():
-        batched = [ours.forward_cached(ids, cache, attention_mask=mask, pixel_values=pv,
-                                       image_grid_thw=torch.tensor(grids))]
-        steps = torch.tensor([[7], [8]])
-        for k in range(2):
-            batched.append(ours.forward_cached(steps + k, cache))
-        offsets = [0, sum(t * h * w for t, h, w in ONE)]
-        for r, (g, _) in enumerate(rows):
-            npix = sum(t * h * w for t, h, w in g)
-            one = ours.new_cache(1, len(prompts[r]) + 3)
-            alone = [ours.forward_cached(prompts[r][None], one,
-                                         pixel_values=pv[offsets[r]:offsets[r] + npix],
-                                         image_grid_thw=torch.tensor(g))]
-            for k in range(2):
-                alone.append(ours.forward_cached(steps[r:r + 1] + k, one))
-            for b, a in zip(batched, alone, strict=True):
-                assert rel_err(b[r:r + 1], a) < TOL
-
-
 def padded_batch():
     """Batch 2, left-padded: row 0 one image, row 1 two; (ids, mask, pixel_values, grids)."""
     rows = [(ONE, [3, 5]), (TWO, [2, 3, 4])]
@@ -201,6 +169,28 @@ def padded_batch():
     mask = torch.stack([torch.arange(n) >= n - len(p) for p in prompts]).long()
     pv = torch.cat([pixels(ONE, seed=11), pixels(TWO, seed=12)])
     return ids, mask, pv, torch.tensor(ONE + TWO)
+
+
+def test_left_padded_batch_prefill_and_steps(pair):
+    """Batch 2, left-padded (row 0 one image, row 1 two images): each row's logits equal its
+    own prompt alone, at prefill and after decoding steps."""
+    _, ours, _ = pair
+    ids, mask, pv, thw = padded_batch()
+    cache = ours.new_cache(2, ids.shape[1] + 3)
+    steps = torch.tensor([[7], [8]])
+    with torch.no_grad():
+        batched = [ours.forward_cached(ids, cache, attention_mask=mask, pixel_values=pv,
+                                       image_grid_thw=thw)]
+        batched += [ours.forward_cached(steps + k, cache) for k in range(2)]
+        n_pix = [sum(t * h * w for t, h, w in g) for g in (ONE, TWO)]
+        for r, (grids, lo) in enumerate([(ONE, 0), (TWO, n_pix[0])]):
+            real = ids[r, mask[r].bool()][None]
+            one = ours.new_cache(1, real.shape[1] + 3)
+            alone = [ours.forward_cached(real, one, pixel_values=pv[lo:lo + n_pix[r]],
+                                         image_grid_thw=torch.tensor(grids))]
+            alone += [ours.forward_cached(steps[r:r + 1] + k, one) for k in range(2)]
+            for b, a in zip(batched, alone, strict=True):
+                assert rel_err(b[r:r + 1], a) < TOL
 
 
 def greedy(model, ids, mask, pv, thw, n_new):
