@@ -1,8 +1,7 @@
 """Qwen3.5-VL (Qwen3_5ForConditionalGeneration) and its MoE variant: HF -> composer -> HF.
 
 The language model converts through the text adapters; the tower's ``model.visual.*`` tensors
-are linked to our model's ``visual.*`` (or, on a tree whose model has no tower, checked strictly
-and kept aside byte for byte: the tests that need the tower skip there). Proven here: logits
+are linked to our model's ``visual.*``. Proven here: logits
 equal transformers' on text and on a prompt with an image, bit-exact round trips in fp32 and
 bf16, transformers' reload of the export giving the same logits as its reload of the source with
 an image, the tower key map (:func:`vision_links`) giving a VisionTower transformers'
@@ -118,14 +117,10 @@ def test_language_model_logits(converted):
 
 
 def test_logits_with_an_image(converted):
-    """Once the model holds the tower: our converted model's logits on a prompt with an image
-    equal transformers' (fp32 parity); before, the tower's tensors were kept aside."""
-    from composer.convert.qwen3_5_vl import tower_in_model
-
+    """Our converted model's logits on a prompt with an image equal transformers' (fp32
+    parity), every tower tensor linked."""
     moe, tmp, model = converted
     ours = composer.load(tmp / "ours")
-    if not tower_in_model(ours.config):
-        pytest.skip("the model does not hold the vision tower yet")
     assert any(k.startswith("visual.") for k in ours.state_dict())
     assert not (tmp / "ours" / "hf" / "aside").exists()  # every tower tensor linked
     ids, pixels, grid = image_prompt()
@@ -260,15 +255,10 @@ def _hf_count(arch: str, kwargs: dict) -> int:
 
 
 def _our_count(cfg) -> int:
-    """The model's parameters, plus the tower's while the model does not hold it yet."""
-    from composer.convert.qwen3_5_vl import tower_in_model
-
+    """The model's parameters, the tower's included."""
     model = composer.build_model(cfg, device="meta")
-    n = sum(p.numel() for p in model.parameters())
-    if not tower_in_model(cfg):
-        with torch.device("meta"):
-            n += sum(p.numel() for p in VisionTower(cfg.vision).parameters())
-    return n
+    assert any(k.startswith("visual.") for k in model.state_dict())
+    return sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize("name", ["qwen3.5-27b-vl", "qwen3.5-35b-a3b-vl"])
@@ -305,12 +295,9 @@ def test_fresh_export_of_a_built_vl_model_reloads_with_equal_logits(tmp_path, na
     """A model built here (no source config.json): to-hf writes text_config, vision_config,
     the token ids and mrope_section; transformers' VL class of the export gives our logits on a
     prompt with an image, and from-hf of the export gives the config back."""
-    from composer.convert.qwen3_5_vl import tower_in_model
     from composer.zoo import get_preset
 
     cfg = get_preset(name).config()
-    if not tower_in_model(cfg):
-        pytest.skip("the model does not hold the vision tower yet")
     model = composer.build_model(cfg, seed=4).eval()
     composer.save(model, tmp_path / "ck")
     to_hf(tmp_path / "ck", tmp_path / "hf")

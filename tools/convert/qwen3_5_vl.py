@@ -16,12 +16,9 @@ table :data:`VISION_SPELLINGS` (one entry per naming in use; Qwen2.5-VL's ``visu
 3 / LLaVA's ``vision_tower.vision_model.*`` are further entries, not new code).
 
 The config gets its ``vision:`` section (:class:`~composer.config.VisionConfig`, with the token
-ids) and ``attention.mrope_section``. Until the model holds the tower at ``visual.*``,
-the tower's tensors are kept aside byte for byte (:meth:`Adapter.aside`; written back unchanged
-by ``to-hf``), after a strict check against ``vision_config`` (:func:`check_vision_tensors`;
-:func:`tower_in_model` says which holds):
-a stray, missing or mis-shaped ``model.visual.*`` tensor is a one-line error before anything is
-written.
+ids) and ``attention.mrope_section``; the model holds the tower at ``visual.*``, so its tensors
+are linked like every other and checked by the same strict engine: a stray, missing or
+mis-shaped ``model.visual.*`` tensor is a one-line error before anything is written.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ from typing import Any
 from composer.config import ConfigError, ModelConfig, VisionConfig, validate_vision
 from composer.convert.plan import Link
 from composer.convert.qwen3_next import Qwen3_5Adapter, Qwen3_5MoeAdapter
-from composer.portable import CheckpointError
 
 # ---------------------------------------------------------------- the tower's key map
 
@@ -87,40 +83,6 @@ def vision_links(v: VisionConfig, spelling: str = "qwen3-vl", ours: str = OURS) 
         links += [Link(f"{ours}layers.{2 * i}.{o}", block + h) for h, o in s.attn.items()]
         links += [Link(f"{ours}layers.{2 * i + 1}.{o}", block + h) for h, o in s.mlp.items()]
     return links
-
-
-def vision_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
-    """Our tower's tensor shapes (keys without a prefix), from the module on the meta device."""
-    import torch
-
-    from composer.vision.tower import VisionTower
-
-    with torch.device("meta"):
-        tower = VisionTower(v)
-    return {k: tuple(t.shape) for k, t in tower.state_dict().items()}
-
-
-def check_vision_tensors(v: VisionConfig, hf_shapes: dict[str, tuple[int, ...]], where: str,
-                         spelling: str = "qwen3-vl") -> None:
-    """Strictness for the tower's HF tensors: every one named by :func:`vision_links` present
-    with our shape, no other under the spelling's prefix. One-line :class:`CheckpointError`."""
-    prefix = VISION_SPELLINGS[spelling].prefix
-    shapes = vision_shapes(v)
-    expected = {link.hf: shapes[link.ours.removeprefix(OURS)]
-                for link in vision_links(v, spelling)}
-    present = {n for n in hf_shapes if n.startswith(prefix)}
-    missing = sorted(set(expected) - present)
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing{more}")
-    stray = sorted(present - set(expected))
-    if stray:
-        more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
-        raise CheckpointError(f"{where}: unexpected tensor {stray[0]!r}{more}")
-    for name, shape in sorted(expected.items()):
-        if tuple(hf_shapes[name]) != shape:
-            raise CheckpointError(f"{where}: tensor {name!r} has shape {list(hf_shapes[name])}, "
-                                  f"the vision config gives {list(shape)}")
 
 
 # ---------------------------------------------------------------- the tower's config
@@ -208,21 +170,6 @@ def vl_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 vision=vision_from_hf(hf.get("vision_config"), ids))
 
 
-_TOWER_IN_MODEL: list[bool] = []
-
-
-def tower_in_model(cfg: ModelConfig) -> bool:
-    """Whether the model built from a config with a ``vision:`` section holds the tower at
-    ``visual.*`` (the model wiring landed); probed once on the meta device. Until then the
-    tower's tensors are kept aside (see the module docstring)."""
-    if not _TOWER_IN_MODEL:
-        from composer.build.builder import build_model
-
-        meta = build_model(cfg, device="meta")
-        _TOWER_IN_MODEL.append(any(k.startswith(OURS) for k in meta.state_dict()))
-    return _TOWER_IN_MODEL[0]
-
-
 # ---------------------------------------------------------------- the adapters
 
 
@@ -283,26 +230,11 @@ class _VLMixin:
             out.pop(key, None)
         return out
 
-    def source_layout(self, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]
-                      ) -> dict[str, Any]:
-        if cfg.vision is not None and not tower_in_model(cfg):  # the links check it otherwise
-            check_vision_tensors(cfg.vision, shapes, "the checkpoint's vision tower",
-                                 self.spelling)
-        return super().source_layout(cfg, shapes)  # type: ignore[misc]
-
-    def aside(self, name: str, hf: dict[str, Any]) -> bool:
-        """The tower's tensors while our model has no tower (never once it has: then they are
-        linked, and a linked tensor is never kept aside)."""
-        prefix = VISION_SPELLINGS[self.spelling].prefix
-        linked = bool(_TOWER_IN_MODEL and _TOWER_IN_MODEL[0])  # probed by links() before this
-        return (name.startswith(prefix) and not linked) or \
-            super().aside(name, hf)  # type: ignore[misc]
-
     def links(self, cfg: ModelConfig, fused_experts: bool) -> list[Link]:
         links = [dataclasses.replace(link, hf=TEXT + link.hf.removeprefix("model."))
                  if link.hf.startswith("model.") else link
                  for link in super().links(cfg, fused_experts)]  # type: ignore[misc]
-        if cfg.vision is not None and tower_in_model(cfg):
+        if cfg.vision is not None:
             links += vision_links(cfg.vision, self.spelling)
         return links
 
