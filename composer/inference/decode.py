@@ -147,19 +147,30 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
              seed: int | None = None, on_token: Callable[[torch.Tensor], None] | None = None,
              use_cache: bool = True, vocab_limit: int | None = None,
              return_logprobs: bool = False,
-             sync_group: dist.ProcessGroup | None = None) -> torch.Tensor | Generated:
+             sync_group: dist.ProcessGroup | None = None,
+             pixel_values: torch.Tensor | None = None,
+             image_grid_thw: torch.Tensor | None = None) -> torch.Tensor | Generated:
     """Continue each row of ``input_ids`` ``(B, T)`` by up to ``max_new_tokens`` tokens;
     returns ``(B, T + n)`` token ids, ``n <= max_new_tokens`` (fewer when every row ended with
     an eos), or with ``return_logprobs`` a :class:`Generated` (the ids, each new token's
     log-probability, which rows finished). ``on_token`` gets each new column ``(B,)`` as it is
     produced (streaming). See the module docstring for sampling, padding, eos and
     ``sync_group``. ``vocab_limit``: only ids below it are generated (a vocabulary padded past
-    its tokenizer's; the log-probabilities are then over those ids)."""
+    its tokenizer's; the log-probabilities are then over those ids). ``pixel_values`` and
+    ``image_grid_thw`` (a vision-language model;
+    :func:`composer.vision.preprocess.preprocess_images` makes them): the images of the
+    prompts' placeholder tokens, run with the prefill; the cache keeps their M-RoPE offsets
+    for the decoding steps."""
     _check(input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p,
            model.config.vocab_size)
     if vocab_limit is not None and not 1 <= vocab_limit <= model.config.vocab_size:
         raise ValueError(f"vocab_limit must be in [1, {model.config.vocab_size}], got "
                          f"{vocab_limit}")
+    images = None
+    if pixel_values is not None or image_grid_thw is not None:
+        if not use_cache:
+            raise ValueError("images need the cached prefill (use_cache=True)")
+        images = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
     device = model.embed.weight.device
     ids_BT = input_ids.to(device)
     mask_BT = None if attention_mask is None else attention_mask.to(device).bool()
@@ -179,7 +190,7 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
                 lambda z_BV: next_token(z_BV, temperature, top_k, top_p, generator),
                 vocab_limit, eos_E, pad, on_token,
                 (lambda z_BV, t_B, d_B: _sampled_logp(z_BV, t_B, temperature, d_B))
-                if return_logprobs else None, sync_group)
+                if return_logprobs else None, sync_group, images or {})
     finally:
         model.train(was_training)
     # made here, outside inference mode: a caller may train on them (a tensor made under
@@ -191,7 +202,7 @@ def generate(model: HybridModel, input_ids: torch.Tensor, max_new_tokens: int, *
 
 
 def _decode(model, ids_BT, mask_BT, max_new_tokens, use_cache, pick, vocab_limit, eos_E, pad,
-            on_token, score, sync_group):
+            on_token, score, sync_group, images):
     """The prefill and decoding steps: the new columns ``(B,)`` this rank's rows need, their
     log-probs (with ``score``) and which rows finished."""
     columns, logps = [], []
@@ -199,7 +210,8 @@ def _decode(model, ids_BT, mask_BT, max_new_tokens, use_cache, pick, vocab_limit
     n_local = 0  # columns this rank's rows need (fewer than the steps under sync_group)
     if use_cache:
         cache = new_cache(model, ids_BT.shape[0], ids_BT.shape[1] + max_new_tokens)
-        logits_BV = model.forward_cached(ids_BT, cache, attention_mask=mask_BT)
+        images = {k: None if v is None else v.to(ids_BT.device) for k, v in images.items()}
+        logits_BV = model.forward_cached(ids_BT, cache, attention_mask=mask_BT, **images)
     else:
         logits_BV = _full_forward(model, ids_BT, mask_BT)
     for step in range(max_new_tokens):

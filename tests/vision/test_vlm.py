@@ -226,6 +226,9 @@ def test_prefill_and_greedy_tokens_equal_transformers(pair, batch):
                            image_grid_thw=thw, mm_token_type_ids=types, max_new_tokens=5,
                            do_sample=False)[:, ids.shape[1]:]
         assert torch.equal(greedy(ours, ids, mask, pv, thw, 5), want)
+        out = composer.generate(ours, ids, 5, attention_mask=mask, pixel_values=pv,
+                                image_grid_thw=thw)
+        assert torch.equal(out[:, ids.shape[1]:], want)
 
 
 def test_config_validation():
