@@ -11,6 +11,8 @@ takes), else the SOURCE's own: a Hugging Face folder's ``tokenizer.json``, a che
 ``tokenizer/`` (a training run's data tokenizer, kept by its export) or ``hf/`` (what conversion
 copied from the Hub). The prompt is encoded with the tokenizer's post-processor (Llama-3's BOS),
 or, with ``--chat``, rendered as one user message through the chat template and encoded as is.
+``--image PATH`` (repeatable; a vision-language model) puts each image's placeholder tokens
+before the text (:func:`with_images`).
 Decoding stops at the tokenizer's end-of-document id and at ``generation_config.json``'s
 ``eos_token_id`` (one id or a list; ``config.json``'s without that file); with neither (a
 tokenizer without an end-of-document token), it runs to ``--max-new-tokens``, as transformers
@@ -73,6 +75,8 @@ def add_parser(sub: Any) -> None:
     gen.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     gen.add_argument("--chat", action="store_true",
                      help="render the prompt as a user message through the chat template")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image before the prompt (repeatable; a vision-language model)")
     gen.add_argument("--tokenizer", default=None,
                      help="byte, a tokenizer folder, a dataset PREFIX or a hub id "
                           "(default: the SOURCE's)")
@@ -183,6 +187,53 @@ def encode(tok: Tokenizer, text: str, chat: bool) -> list[int]:
     if not ids:
         raise GenerateError("the prompt encodes to no tokens")
     return ids
+
+
+def with_images(model: HybridModel, source: Path, kind: str, tok: Tokenizer, text: str,
+                chat: bool, paths: list[str]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """The prompt's ids with each image's ``<|vision_start|>``, ``t*h*w / merge^2`` x
+    ``<|image_pad|>`` and ``<|vision_end|>`` before the text (with ``--chat``: where the chat
+    template renders an image in the user message, then expanded), and the images' pixels and
+    grids, preprocessed as the SOURCE's ``preprocessor_config.json`` says (else the model's
+    patch and merge sizes with Qwen3.5's published settings)."""
+    from composer.vision.preprocess import ImageSettings, n_placeholders, preprocess_images
+
+    v = model.config.vision
+    if v is None:
+        raise GenerateError(f"--image: {source} has no vision tower (a text model)")
+    settings = ImageSettings(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                             merge_size=v.merge_size)
+    for folder in _metadata_folders(source, kind):
+        if (folder / "preprocessor_config.json").is_file():
+            settings = ImageSettings.from_hf(folder)
+            break
+    pixels, grid = preprocess_images(list(paths), settings)
+    counts = n_placeholders(grid, v.merge_size)
+    start, pad, end = v.vision_start_token_id, v.image_token_id, v.vision_end_token_id
+    if not chat:
+        blocks = [[start, *[pad] * n, *([] if end is None else [end])] for n in counts]
+        return [i for b in blocks for i in b] + encode(tok, text, False), pixels, grid
+    try:
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": [*[{"type": "image"}] * len(paths),
+                                          {"type": "text", "text": text}]}],
+            add_generation_prompt=True)
+    except DataError as exc:
+        raise GenerateError(f"--chat: {exc}") from None
+    ids, out, k = tok.encode(rendered), [], 0
+    for i in ids:  # the template writes one pad per image: each becomes its image's count
+        if i == pad:
+            if k >= len(counts):
+                raise GenerateError(f"--image: the chat template wrote more image placeholders "
+                                    f"than the {len(counts)} image(s) given")
+            out += [pad] * counts[k]
+            k += 1
+        else:
+            out.append(i)
+    if k != len(counts):
+        raise GenerateError(f"--image: the chat template wrote {k} image placeholder(s) for "
+                            f"{len(counts)} image(s)")
+    return out, pixels, grid
 
 
 def load_model(source: Path, kind: str, device: str, adapter: str | None = None) -> HybridModel:
@@ -302,6 +353,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = find_tokenizer(source, kind, args.tokenizer)
     prompt_ids = encode(tok, text, args.chat)
     model = load_model(source, kind, args.device, args.adapter)
+    images: dict[str, torch.Tensor] = {}
+    if args.image:
+        prompt_ids, pixels, grid = with_images(model, source, kind, tok, text, args.chat,
+                                               args.image)
+        images = {"pixel_values": pixels, "image_grid_thw": grid}
     vocab = model.config.vocab_size
     if max(prompt_ids) >= vocab:
         raise GenerateError(f"the prompt's token ids reach {max(prompt_ids)}, past the model's "
@@ -326,7 +382,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out_BT = generate(model, input_ids, args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, eos_token_id=stop or None,
                           seed=args.seed, on_token=on_token,
-                          vocab_limit=limit if limit < vocab else None)
+                          vocab_limit=limit if limit < vocab else None, **images)
     wall = time.perf_counter() - clock.start
     new_ids, reason = _generated(out_BT, len(prompt_ids), set(stop))
     prefill, decode = clock.speeds(len(prompt_ids))
