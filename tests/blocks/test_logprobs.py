@@ -157,7 +157,7 @@ def test_lora_disabled_computes_the_base(targets: tuple[str, ...]) -> None:
         assert (adapted - want).abs().max() > 1e-3
         with disabled(model):
             assert torch.equal(model(ids), want)
-            with disabled(model):
-                pass
+            with disabled(model):  # nested: still off inside, and still off after
+                assert torch.equal(model(ids), want)
             assert torch.equal(model(ids), want)
         assert torch.equal(model(ids), adapted)

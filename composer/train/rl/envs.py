@@ -40,6 +40,7 @@ import os
 import random
 import sys
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,8 +75,10 @@ class Score:
     """Whether the answer is right (built-in tasks); None where the env cannot tell."""
 
 
-class Env:
-    """An environment: ``prompts`` to complete and ``score`` for each completion."""
+class Env(ABC):
+    """An environment: ``prompts`` to complete and ``score`` for each completion (each
+    environment implements both: :class:`~composer.train.rl.tasks.Arith`,
+    :class:`~composer.train.rl.tasks.Countdown`, :class:`RewardFunction`)."""
 
     name: str
     tokenizer: TasksTokenizer | None
@@ -85,11 +88,14 @@ class Env:
     eval_size: int | None = None
     """How many distinct eval prompts there are (a prompts file's rows); None: unlimited."""
 
+    @abstractmethod
     def prompts(self, n: int, seed: int, split: str = "train") -> list[Prompt]:
-        raise NotImplementedError
+        """``n`` prompts of ``split`` (``train`` or ``eval``), deterministic in
+        ``(n, seed, split)``; a shorter list is a prefix of a longer one."""
 
+    @abstractmethod
     def score(self, prompt: Prompt, completion: str) -> Score:
-        raise NotImplementedError
+        """The reward of ``completion`` (the decoded text, without its eos) for ``prompt``."""
 
 
 @dataclass(frozen=True)
