@@ -15,6 +15,7 @@ whatever its global batch size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -70,25 +71,29 @@ class Batches:
         self.samples, self.global_batch = samples, global_batch
         self.vocab_size, self.name = vocab_size, name
 
-    def local(self, consumed: int, dp: int, dp_rank: int, micro: int) -> list[Micro]:
-        """This data-parallel rank's micro-batches of the global batch after ``consumed``."""
+    def local(self, consumed: int, dp: int, dp_rank: int, micro: int) -> list[Any]:
+        """This data-parallel rank's micro-batches of the global batch after ``consumed``: its
+        contiguous share, ``micro`` samples at a time (:meth:`micro_batch`)."""
         share = self.global_batch // dp
         first = consumed + dp_rank * share
-        out = []
-        for lo in range(0, share, micro):
-            rows = [self.samples[first + lo + i] for i in range(micro)]
-            ids = np.stack([r[0] for r in rows])
-            docs = None if rows[0][1] is None else np.stack([r[1] for r in rows])
-            labels = None
-            if len(rows[0]) > 2:  # a loss mask: labels are the supervised ids, -100 elsewhere
-                mask = np.stack([r[2] for r in rows])
-                labels = np.where(mask != 0, ids, IGNORE_INDEX)
-            if self.vocab_size is not None and ids.size and int(ids.max()) >= self.vocab_size:
-                raise ConfigError(f"{self.name}: token id {int(ids.max())} (sample "
-                                  f"{first + lo}..) is beyond the model's vocabulary "
-                                  f"({self.vocab_size})")
-            out.append(Micro(ids, docs, labels))
-        return out
+        return [self.micro_batch([self.samples[first + lo + i] for i in range(micro)],
+                                 first + lo) for lo in range(0, share, micro)]
+
+    def check_vocab(self, ids: np.ndarray, what: str) -> None:
+        if self.vocab_size is not None and ids.size and int(ids.max()) >= self.vocab_size:
+            raise ConfigError(f"{self.name}: token id {int(ids.max())} ({what}..) is beyond "
+                              f"the model's vocabulary ({self.vocab_size})")
+
+    def micro_batch(self, rows: list, start: int) -> Micro:
+        """One micro-batch of ``rows`` (the samples from global number ``start`` on)."""
+        ids = np.stack([r[0] for r in rows])
+        docs = None if rows[0][1] is None else np.stack([r[1] for r in rows])
+        labels = None
+        if len(rows[0]) > 2:  # a loss mask: labels are the supervised ids, -100 elsewhere
+            mask = np.stack([r[2] for r in rows])
+            labels = np.where(mask != 0, ids, IGNORE_INDEX)
+        self.check_vocab(ids, f"sample {start}")
+        return Micro(ids, docs, labels)
 
 
 def blend_batches(parts: list[list], weights: list[float], name: str, global_batch: int,

@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from composer.config import ConfigError, ModelConfig
+from composer.train.data import Batches
 from composer.train.objectives import Pretrain, StepSums, register_objective
 from composer.train.recipe import Recipe
 
@@ -84,34 +84,25 @@ class PairMicro:
         return self.ids.shape[0] // 2
 
 
-class PairBatches:
+class PairBatches(Batches):
     """Global batches of ``global_batch`` pairs of ``samples`` (indexable by the global sample
     number, returning ``(ids_w, mask_w, ids_l, mask_l)``); rank ``r`` reads the contiguous
-    ``r``-th share, in micro-batches of ``micro`` pairs (as :class:`composer.train.data.Batches`
-    does for rows)."""
+    ``r``-th share, in micro-batches of ``micro`` pairs, as :class:`Batches` does for rows."""
 
     def __init__(self, samples, global_batch: int, vocab_size: int, pad_id: int,
                  name: str) -> None:
-        self.samples, self.global_batch = samples, global_batch
-        self.vocab_size, self.pad_id, self.name = vocab_size, pad_id, name
+        super().__init__(samples, global_batch, vocab_size, name)
+        self.pad_id = pad_id
 
-    def local(self, consumed: int, dp: int, dp_rank: int, micro: int) -> list[PairMicro]:
-        share = self.global_batch // dp
-        first = consumed + dp_rank * share
-        out = []
-        for lo in range(0, share, micro):
-            pairs = [self.samples[first + lo + i] for i in range(micro)]
-            sides = [p[0:2] for p in pairs] + [p[2:4] for p in pairs]
-            width = max(len(ids) for ids, _ in sides)
-            ids = np.full((len(sides), width), self.pad_id, dtype=np.int64)
-            mask = np.zeros((len(sides), width), dtype=np.int64)
-            for row, (side_ids, side_mask) in enumerate(sides):
-                ids[row, :len(side_ids)], mask[row, :len(side_mask)] = side_ids, side_mask
-            if int(ids.max()) >= self.vocab_size:
-                raise ConfigError(f"{self.name}: token id {int(ids.max())} (pair {first + lo}..) "
-                                  f"is beyond the model's vocabulary ({self.vocab_size})")
-            out.append(PairMicro(ids, mask, sum(len(s) for s, _ in sides)))
-        return out
+    def micro_batch(self, rows: list, start: int) -> PairMicro:
+        sides = [p[0:2] for p in rows] + [p[2:4] for p in rows]
+        width = max(len(ids) for ids, _ in sides)
+        ids = np.full((len(sides), width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(sides), width), dtype=np.int64)
+        for row, (side_ids, side_mask) in enumerate(sides):
+            ids[row, :len(side_ids)], mask[row, :len(side_mask)] = side_ids, side_mask
+        self.check_vocab(ids, f"pair {start}")
+        return PairMicro(ids, mask, sum(len(s) for s, _ in sides))
 
 
 def open_dpo_data(recipe: Recipe, cfg: ModelConfig
@@ -226,29 +217,19 @@ class DPO(Pretrain):
                                                                   strict=True)},
                         processed=sum(mb.tokens for mb in micro))
 
-    @torch.no_grad()
     def validate(self, run: Run) -> dict[str, float]:
         """The mean ``L``, reward accuracy and margin over ``eval_iters`` global batches of the
         validation pairs (the same ones at every evaluation)."""
-        from composer.parallel.data import reshard
+        from composer.train.lm import validation_sums
 
-        dims, r = run.dims, run.recipe
-        run.model.eval()
-        totals = torch.zeros(4, dtype=torch.float64, device=dims.device)
-        for it in range(r.eval_iters):
-            for mb in run.valid.local(it * r.global_batch_size, dims.dp, dims.dp_rank(),
-                                      run.micro_batch):
-                loss, chosen, rejected, _, _ = _sums(run, mb, grad=False)
-                totals += torch.stack([loss.sum(), (chosen > rejected).double().sum(),
-                                       (chosen - rejected).sum(),
-                                       torch.tensor(float(mb.pairs), dtype=torch.float64,
-                                                    device=dims.device)])
-        run.model.train()
-        reshard(run.model)  # evaluation left the FSDP roots' own weights gathered
-        totals /= dims.tp * dims.pp * dims.cp  # these ranks hold the same numbers
-        if dist.is_initialized():
-            dist.all_reduce(totals)
-        loss, right, margin, n = totals.tolist()
+        def sums(mb: PairMicro) -> torch.Tensor:
+            loss, chosen, rejected, _, _ = _sums(run, mb, grad=False)
+            return torch.stack([loss.sum(), (chosen > rejected).double().sum(),
+                                (chosen - rejected).sum(),
+                                torch.tensor(float(mb.pairs), dtype=torch.float64,
+                                             device=run.dims.device)])
+
+        loss, right, margin, n = validation_sums(run, 4, sums)
         return {"val_loss": loss / n, "val_reward_accuracy": right / n,
                 "val_reward_margin": margin / n}
 

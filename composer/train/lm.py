@@ -6,8 +6,9 @@ other objectives too."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -120,23 +121,39 @@ def _eval_ce(run: Run, micro: Micro) -> torch.Tensor:
 
 
 @torch.no_grad()
-def validate(run: Run) -> float:
-    """Mean loss over ``eval_iters`` global batches of the validation data (the same ones at
-    every evaluation)."""
+def validation_sums(run: Run, width: int,
+                    sums: Callable[[Any], torch.Tensor]) -> list[float]:
+    """``sums(micro_batch)`` (a ``[width]`` fp64 tensor) added up over ``eval_iters`` global
+    batches of the validation data (the same ones at every evaluation) and over every rank, in
+    eval mode; the tp, pp and cp ranks that hold the same numbers are divided out. Every
+    objective's evaluation of validation batches (next-token loss, DPO's pairs)."""
     dims, r = run.dims, run.recipe
     run.model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=dims.device)
-    for it in range(r.eval_iters):
-        for mb in run.valid.local(it * r.global_batch_size, dims.dp, dims.dp_rank(),
-                                  run.micro_batch):
-            n = n_targets(mb, r.document_isolation)
-            if n:
-                ce = _eval_ce(run, mb)
-                totals[0] += ce * n
-                totals[1] += n
-    run.model.train()
+    totals = torch.zeros(width, dtype=torch.float64, device=dims.device)
+    try:
+        for it in range(r.eval_iters):
+            for mb in run.valid.local(it * r.global_batch_size, dims.dp, dims.dp_rank(),
+                                      run.micro_batch):
+                totals += sums(mb)
+    finally:
+        run.model.train()
     reshard(run.model)  # evaluation left the FSDP roots' own weights gathered
     totals /= dims.tp * dims.pp * dims.cp  # these ranks hold the same numbers
     if dist.is_initialized():
         dist.all_reduce(totals)
-    return float(totals[0] / totals[1])
+    return totals.tolist()
+
+
+def validate(run: Run) -> float:
+    """Mean next-token loss over the validation batches (:func:`validation_sums`)."""
+    isolated = run.recipe.document_isolation
+
+    def sums(mb: Micro) -> torch.Tensor:
+        n = n_targets(mb, isolated)
+        if not n:
+            return torch.zeros(2, dtype=torch.float64, device=run.dims.device)
+        ce = _eval_ce(run, mb)
+        return torch.stack([ce * n, ce.new_tensor(float(n))])
+
+    loss, n = validation_sums(run, 2, sums)
+    return loss / n
