@@ -41,7 +41,13 @@ import torch
 
 from composer.blocks.model import HybridModel
 from composer.data.indexed import DataError
-from composer.data.tokenizer import TOKENIZER_DIR, ByteTokenizer, HFTokenizer, load_tokenizer
+from composer.data.tokenizer import (
+    TOKENIZER_DIR,
+    ByteTokenizer,
+    HFTokenizer,
+    has_tokenizer,
+    load_tokenizer,
+)
 from composer.parallel.checkpoint import is_training_checkpoint
 from composer.portable import CONFIG_FILE
 
@@ -149,7 +155,7 @@ def find_tokenizer(source: Path, kind: str, spec: str | None) -> Tokenizer:
         return load_tokenizer(spec)
     folders = _metadata_folders(source, kind)
     for folder in folders:
-        if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+        if has_tokenizer(folder):
             return load_tokenizer(str(folder))
     looked = " and ".join(f"{f}/" for f in folders)
     raise GenerateError(f"{source}: no tokenizer found (looked in {looked}); give --tokenizer "

@@ -303,6 +303,13 @@ def _from_folder(folder: Path, name: str) -> ByteTokenizer | HFTokenizer | None:
     return None
 
 
+def has_tokenizer(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` holds a Hugging Face tokenizer (``tokenizer.json`` or
+    ``tokenizer_config.json``), as a checkpoint's ``tokenizer/`` or a Hub folder does."""
+    folder = Path(folder)
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+
+
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     """``"byte"``; a folder with ``tokenizer.json`` (or one written by :func:`save_tokenizer`);
     a dataset prefix whose ``PREFIX.tokenizer/`` exists; or a Hugging Face hub id, of which only

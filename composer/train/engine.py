@@ -17,6 +17,7 @@ kept in ``SAVE/tokenizer`` when the data has none. ``--objective`` picks what th
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -264,20 +265,26 @@ def data_tokenizer(recipe: Recipe) -> Path | None:
     return folder if folder.is_dir() else None
 
 
-def save_data_tokenizer(recipe: Recipe) -> None:
-    """Copy the data's tokenizer into ``SAVE/tokenizer/``, so that ``composer generate SAVE``
-    (and the export) encode and decode text with the vocabulary the model learnt."""
-    from composer.data.tokenizer import TOKENIZER_DIR, load_tokenizer, save_tokenizer
+def save_run_tokenizer(recipe: Recipe, tokenizer: Any) -> None:
+    """Keep the run's tokenizer in ``SAVE/tokenizer/`` (the objective's: the data's, GRPO's
+    rollout vocabulary), so that ``composer generate SAVE`` (and the export) encode and decode
+    text with the vocabulary the model learnt."""
+    from composer.data.tokenizer import TOKENIZER_DIR, has_tokenizer, load_tokenizer, save_tokenizer
 
-    folder = data_tokenizer(recipe)
-    if folder is None:  # a Hugging Face SOURCE brings its own (fine-tuning: the same vocabulary)
+    if tokenizer is None:  # a Hugging Face SOURCE brings its own (fine-tuning: the same one)
         name = model_source(recipe.model)[0] if recipe.model else None
-        if name is not None and is_hf_folder(Path(name)) and (
-                (Path(name) / "tokenizer.json").is_file() or
-                (Path(name) / "tokenizer_config.json").is_file()):
-            folder = Path(name)
-    if folder is not None:
-        save_tokenizer(load_tokenizer(str(folder)), Path(recipe.save) / TOKENIZER_DIR)
+        if name is not None and is_hf_folder(Path(name)) and has_tokenizer(name):
+            tokenizer = Path(name)
+    if tokenizer is None:
+        return
+    if isinstance(tokenizer, Path):
+        tokenizer = load_tokenizer(str(tokenizer))
+    folder = Path(recipe.save) / TOKENIZER_DIR
+    source = getattr(tokenizer, "folder", None)
+    if source is not None and Path(source).resolve() == folder.resolve():
+        return  # a resumed run reads its own copy
+    shutil.rmtree(folder, ignore_errors=True)  # no file of another tokenizer stays
+    save_tokenizer(tokenizer, folder)
 
 
 def _check_cp(recipe: Recipe, cfg: ModelConfig, seq_len: int) -> None:
@@ -373,7 +380,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         if is_rank0():
             Path(recipe.save).mkdir(parents=True, exist_ok=True)
             recipe.write(Path(recipe.save) / RECIPE_FILE)
-            save_data_tokenizer(recipe)
+            save_run_tokenizer(recipe, objective.run_tokenizer(recipe))
     objective.prepare(run)  # a reference model, an environment
     last = recipe.steps if recipe.exit_at_step is None else min(recipe.steps, recipe.exit_at_step)
     run.log = MetricsLog(recipe.log_dir or recipe.save, is_rank0(), last, run.start_step, quiet,

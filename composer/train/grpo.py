@@ -38,7 +38,6 @@ task's own (a model trained from a preset or pattern); it is kept in ``SAVE/toke
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -64,22 +63,20 @@ from composer.train.recipe import Recipe
 from composer.train.rl.envs import Env, RewardError, make_env
 from composer.train.rl.losses import policy_loss_terms
 
-SOURCE_TOKENIZER_DIRS = ("tokenizer", "hf")
-"""Where a checkpoint keeps its tokenizer (a run's data tokenizer, a conversion's Hub files)."""
-
 
 def find_tokenizer(recipe: Recipe, env: Env) -> Any:
     """``--tokenizer``, else SOURCE's, else the environment's (module docstring)."""
-    from composer.data.tokenizer import load_tokenizer
+    from composer.convert.api import HF_DIR
+    from composer.data.tokenizer import TOKENIZER_DIR, has_tokenizer, load_tokenizer
     from composer.train.recipe import model_source
 
     if recipe.tokenizer is not None:
         return load_tokenizer(recipe.tokenizer)
     name = model_source(recipe.model)[0] if recipe.model is not None else None
     if name is not None and Path(name).is_dir():
-        for folder in (*(Path(name) / d for d in SOURCE_TOKENIZER_DIRS), Path(name)):
-            if (folder / "tokenizer.json").is_file() or \
-                    (folder / "tokenizer_config.json").is_file():
+        # a run's data tokenizer, a conversion's Hub files, a Hugging Face folder itself
+        for folder in (Path(name) / TOKENIZER_DIR, Path(name) / HF_DIR, Path(name)):
+            if has_tokenizer(folder):
                 return load_tokenizer(str(folder))
     if env.tokenizer is not None:
         return env.tokenizer
@@ -164,20 +161,17 @@ class GRPO(Pretrain):
         longest = max(len(encode_prompt(tok, p)) for p in eval_prompts(env, recipe))
         return None, None, longest + recipe.max_new_tokens
 
-    def prepare(self, run: Any) -> None:
-        from composer.data.tokenizer import TOKENIZER_DIR, save_tokenizer
-        from composer.parallel.checkpoint import is_rank0
+    def run_tokenizer(self, recipe: Recipe) -> Any:
+        """The rollouts' tokenizer (:func:`find_tokenizer`): the run's vocabulary."""
+        return find_tokenizer(recipe, make_env(recipe.env, list(recipe.env_arg)))
 
+    def prepare(self, run: Any) -> None:
         r = run.recipe
         env = make_env(r.env, list(r.env_arg))
         tok = find_tokenizer(r, env)
         prompts = eval_prompts(env, r)  # encoded once, by every rank: the same errors on all
         run.state.update(env=env, tokenizer=tok, rollout=None,
                          eval=(prompts, [encode_prompt(tok, p) for p in prompts]))
-        if r.save and is_rank0():  # the task's vocabulary, not the data's (there is none)
-            folder = Path(r.save) / TOKENIZER_DIR
-            shutil.rmtree(folder, ignore_errors=True)
-            save_tokenizer(tok, folder)
         if r.kl_coef > 0:
             from composer.train.reference import build_reference
 

@@ -97,6 +97,13 @@ class Pretrain:
 
         return open_data(recipe, cfg)
 
+    def run_tokenizer(self, recipe: Recipe) -> Any:
+        """The tokenizer (an object or a folder) kept in ``SAVE/tokenizer``, or None: the
+        training data's (:func:`composer.train.engine.data_tokenizer`)."""
+        from composer.train.engine import data_tokenizer
+
+        return data_tokenizer(recipe)
+
     def prepare(self, run: Run) -> None:
         """Once the model is built, before the first step."""
 

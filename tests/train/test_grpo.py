@@ -356,17 +356,24 @@ def test_chat_prompts_from_an_exported_model(tmp_path: Path) -> None:
     source = tmp_path / "sft-model"
     composer.save(composer.build_model(cfg, seed=0), source)
     save_tokenizer(tok, source / TOKENIZER_DIR)
-    recipe, resume = resolve(str(source), "grpo-from-sft", {
-        "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4,
-        "eval_every": 2, "eval_iters": 1, "log_every": 1, "device": "cpu",
-        "precision": "fp32"})
-    run, last = setup(recipe, resume, quiet=True)
-    try:
-        rows = train_loop(run, last, quiet=True).rows
-    finally:
-        run.log.close()
+    values = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4,
+              "eval_every": 2, "eval_iters": 1, "log_every": 1, "device": "cpu",
+              "precision": "fp32", "save": str(tmp_path / "run")}
+
+    def train(source: str, extra: dict) -> list[dict]:
+        recipe, resume = resolve(source, "grpo-from-sft", {**values, **extra})
+        run, last = setup(recipe, resume, quiet=True)
+        try:
+            return train_loop(run, last, quiet=True).rows
+        finally:
+            run.log.close()
+
+    rows = train(str(source), {})
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert 0.0 <= rows[-1]["accuracy"] <= 1.0 and rows[-1]["response_length_mean"] <= 4
+    # resumed, the run reads its own SAVE/tokenizer (SOURCE's, kept), and keeps it
+    assert [r["step"] for r in train(str(tmp_path / "run"), {"steps": 3})] == [3]
+    assert load_tokenizer(str(tmp_path / "run" / TOKENIZER_DIR)).vocab_size == 259
 
 
 def test_source_tokenizer_wins_over_the_tasks(tmp_path: Path) -> None:
