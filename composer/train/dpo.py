@@ -112,7 +112,7 @@ def open_dpo_data(recipe: Recipe, cfg: ModelConfig
     from composer.data.gpt import split_documents
     from composer.data.masked import MaskedDataset, is_masked
     from composer.data.preference import PreferencePairs, is_preference
-    from composer.train.objectives import _pad_id
+    from composer.train.objectives import dataset_pad_id
 
     if recipe.tokens is not None or recipe.data is None:
         raise ConfigError("--objective dpo needs --data PREFIX: preference pairs from "
@@ -140,7 +140,7 @@ def open_dpo_data(recipe: Recipe, cfg: ModelConfig
                   file=sys.stderr, flush=True)
     weights = [w for w, _ in blend]
     name = " + ".join(p for _, p in blend)
-    pad = _pad_id(blend[0][1])
+    pad = dataset_pad_id(blend[0][1])
     batches = [PairBatches(s[0] if len(s) == 1 else Blend(s, weights), recipe.global_batch_size,
                            cfg.vocab_size, pad, name) for s in parts if s]
     valid = batches[1] if len(parts[1]) == len(blend) else None

@@ -173,7 +173,7 @@ def get_objective(name: str) -> Pretrain:
     return OBJECTIVES[name]
 
 
-def _pad_id(prefix: str) -> int:
+def dataset_pad_id(prefix: str) -> int:
     """The dataset tokenizer's end-of-document token, else 0 (the padding is masked and
     isolated: any id in the vocabulary does)."""
     from composer.data.tokenizer import load_tokenizer
@@ -212,7 +212,8 @@ def open_sft_data(recipe: Recipe, cfg: ModelConfig) -> tuple[Batches, Batches | 
         for which in (0, 1):
             if len(ranges[which]) or which == 0:
                 parts[which].append(SFTSamples(ds, recipe.seq_len, recipe.seed, ranges[which],
-                                               recipe.truncate, _pad_id(prefix), name=prefix))
+                                               recipe.truncate, dataset_pad_id(prefix),
+                                               name=prefix))
     truncated = sum(s.truncated for p in parts for s in p)
     if truncated:
         from composer.parallel.checkpoint import is_rank0

@@ -1,4 +1,4 @@
-"""M-RoPE positions and tables (composer.vision.positions) against transformers' Qwen3.5-VL on a
+"""M-RoPE positions and tables (composer.blocks.mrope) against transformers' Qwen3.5-VL on a
 tiny random config: the three position rows and offsets equal ``Qwen3_5Model.get_rope_index``
 exactly (text only, one image, two images, a left-padded batch of 2), decoding continues them,
 the cos/sin tables equal ``Qwen3_5TextRotaryEmbedding`` and reduce to composer's 1-D RoPE, and a
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from composer.blocks.attention import apply_rope, rope_cos_sin, rope_cos_sin_at, rope_frequencies
-from composer.vision.positions import decode_positions, mrope_cos_sin, mrope_positions, mrope_rows
+from composer.blocks.mrope import decode_positions, mrope_cos_sin, mrope_positions, mrope_rows
 
 SECTION = [3, 3, 2]  # head_dim 32, partial_rotary_factor 0.5: d_rot 16, 8 frequencies
 THETA = 10000.0
