@@ -188,10 +188,6 @@ class Rotary:
         self.inv_freq, self.gain = inv_freq, gain
         self._table: tuple | None = None
         self.mrope_section, self.mrope_interleaved = mrope_section, mrope_interleaved
-        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None
-        """M-RoPE ``cos``/``sin`` ``[B, 1, T, d_rot]`` of the current forward, set by the
-        model around a call with images (:meth:`HybridModel.mrope_tables`), shared by the
-        layers; None otherwise."""
 
     def mrope(self, pos_3BT: torch.Tensor, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,16 +212,18 @@ class Rotary:
         return self._gain(cos), self._gain(sin)
 
     def for_call(self, like: torch.Tensor, doc_ids: torch.Tensor | None,
-                 step: Step | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 step: Step | None, positions: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables of one call on ``like`` ``[B, H, T, E]``: the decoding step's positions,
-        or positions restarting at each document, or ``0 .. T - 1``."""
+        or the M-RoPE rows ``positions`` ``[3, B, T]`` of a forward with images, or positions
+        restarting at each document, or ``0 .. T - 1``."""
         if step is not None:
             pos_3BT = step.ctx.pos_3BT
             if pos_3BT is not None and self.mrope_section is not None:
                 return self.mrope(pos_3BT, like.dtype)
             return self.at(step.ctx.pos_BT, like.dtype)
-        if self.tables is not None:
-            return self.tables[0].to(like.dtype), self.tables[1].to(like.dtype)
+        if positions is not None and self.mrope_section is not None:
+            return self.mrope(positions, like.dtype)
         if doc_ids is not None:
             return self.at(doc_positions(doc_ids), like.dtype)
         return self.table(like.shape[2], like.device, like.dtype)
@@ -245,10 +243,12 @@ class CausalAttention(TimeMixingOp):
 
     def forward(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
                 rotary: Rotary | None, scale: float, *, doc_ids: torch.Tensor | None = None,
-                step: Step | None = None) -> torch.Tensor:
-        """``o [B, H, T, E]`` from q ``[B, H, T, E]``, k and v ``[B, K, T, E]`` before RoPE."""
+                step: Step | None = None, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``o [B, H, T, E]`` from q ``[B, H, T, E]``, k and v ``[B, K, T, E]`` before RoPE
+        (``positions``: M-RoPE rows, :meth:`Rotary.for_call`)."""
         if rotary is not None:
-            cos, sin = rotary.for_call(q_BHTE, doc_ids, step)
+            cos, sin = rotary.for_call(q_BHTE, doc_ids, step, positions)
             q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
         if step is not None:
             return _cached_attention(q_BHTE, k_BKTE, v_BKTE, step.state, step.ctx, scale)
@@ -279,6 +279,7 @@ class Attention(nn.Module):
     mixing is ``core`` (:class:`CausalAttention`), everything around it token-wise."""
 
     uses_doc_ids = True
+    uses_positions = True
     """``forward`` takes ``doc_ids`` (the residual layer passes them only to mixers that do)."""
     ops = ("core",)
 
@@ -324,11 +325,13 @@ class Attention(nn.Module):
         init_module(self, generator)
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
-                step: Step | None = None) -> torch.Tensor:
-        """With ``step`` the new tokens continue from its keys and values (and leave theirs)."""
+                step: Step | None = None, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """With ``step`` the new tokens continue from its keys and values (and leave theirs);
+        ``positions``: the M-RoPE rows ``[3, B, T]`` of a forward with images."""
         q_BHTE, k_BKTE, v_BKTE, gate_BTX = self._project(x_BTD)
         o_BHTE = self.core(q_BHTE, k_BKTE, v_BKTE, self.rotary, self.scale, doc_ids=doc_ids,
-                           step=step)
+                           step=step, positions=positions)
         return self._output(o_BHTE, gate_BTX)
 
     def _project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,

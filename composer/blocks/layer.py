@@ -11,9 +11,10 @@ the sequence on the way in, reduce the partial sums on the way out); this code d
 
 Packed documents: ``doc_ids`` (``(B, T)``, :mod:`composer.kernels.packing`) go, as a keyword, only
 to mixers whose class sets ``uses_doc_ids = True`` (attention, Mamba-2): token-wise mixers (MLP,
-MoE) need nothing, and a user-registered mixer without the keyword keeps working. A keyword
-passes untouched through the tensor-parallel pre-hooks (they rewrite ``args[0]`` only) and
-activation checkpointing.
+MoE) need nothing, and a user-registered mixer without the keyword keeps working. The M-RoPE
+position rows of a forward with images (``positions``, ``[3, B, T]``) go the same way to mixers
+that set ``uses_positions = True`` (attention). A keyword passes untouched through the
+tensor-parallel pre-hooks (they rewrite ``args[0]`` only) and activation checkpointing.
 
 Decoding (:mod:`composer.blocks.cache`): the same ``forward`` with ``step=`` (a
 :class:`~composer.blocks.cache.Step`: the layer's state and the call's context); a stateful
@@ -45,9 +46,10 @@ class Layer(nn.Module):
         self.post_norm = layer_idx in cfg.post_norm_layers
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
-                step: Step | None = None) -> torch.Tensor:
+                step: Step | None = None, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
         h_BTD = x_BTD if self.post_norm else self.norm(x_BTD)
-        return self._residual(x_BTD, call_mixer(self.mixer, h_BTD, doc_ids, step))
+        return self._residual(x_BTD, call_mixer(self.mixer, h_BTD, doc_ids, step, positions))
 
     def _residual(self, x_BTD: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.post_norm:

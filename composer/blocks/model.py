@@ -36,13 +36,14 @@ layers). With ``pixel_values`` and ``image_grid_thw`` the tower's features repla
 embeddings of the ``<|image_pad|>`` placeholders, image after image (the count must match: a
 one-line error otherwise), and with ``attention.mrope_section`` the attention layers rotate by
 the three M-RoPE position rows (:mod:`composer.blocks.mrope`), computed once per forward and
-shared by the layers; a decoding cache keeps each row's offset for the tokens after the prompt.
-Without images the model is the text model it was (1-D RoPE).
+passed down the layers' calls (``positions``; so activation checkpointing recomputes with
+them); a decoding cache keeps each row's offset for the tokens after the prompt. Packed
+documents (``doc_ids``) count their positions from 0 each. Without images the model is the text
+model it was (1-D RoPE).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -53,11 +54,11 @@ from torch import nn
 from composer.blocks.cache import InferenceCache, Step
 from composer.blocks.logprobs import TokenLogprobs, linear_token_logprobs, logits_scale
 from composer.blocks.loss import IGNORE_INDEX, linear_cross_entropy
-from composer.blocks.mrope import mrope_positions
 from composer.blocks.mtp import MTPDepth, MultiTokenPrediction
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Init, Normal
 from composer.blocks.protocol import declared, has_cache
+from composer.blocks.vlm import VisionInputs
 from composer.config import ModelConfig
 from composer.kernels.packing import doc_starts
 
@@ -179,7 +180,7 @@ def _check_doc_ids(input_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> Non
                          f"{tuple(input_ids.shape)}, got {doc_ids.dtype} {tuple(doc_ids.shape)}")
 
 
-class HybridModel(nn.Module):
+class HybridModel(VisionInputs, nn.Module):
     """Keys: ``embed.weight``, ``layers.{i}.*``, ``final_norm.weight``, ``lm_head.weight``
     (absent when ``tie_embeddings``), ``mtp.{d}.*`` (with MTP parts; :mod:`composer.blocks.mtp`),
     ``visual.*`` (a vision-language model's tower: ``ModelConfig.vision``).
@@ -223,75 +224,19 @@ class HybridModel(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return embed_tokens(self.embed, self.config, input_ids)
 
-    def embed_inputs(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
-                     image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
-        """The token embeddings, with the images' features (the tower's output on
-        ``pixel_values`` ``[N, C*Tp*P*P]``, ``image_grid_thw`` ``[n, 3]``) in place of the
-        ``<|image_pad|>`` placeholders, in order."""
-        x_BTD = self.embed_tokens(input_ids)
-        if pixel_values is None and image_grid_thw is None:
-            return x_BTD
-        v = self.config.vision
-        if v is None:
-            raise ValueError("images given to a text-only model (its config has no vision "
-                             "section)")
-        if pixel_values is None or image_grid_thw is None:
-            raise ValueError("give pixel_values and image_grid_thw together")
-        feats_MD = self.visual(pixel_values, image_grid_thw)
-        mask_BT = input_ids == v.image_token_id
-        n_tokens = int(mask_BT.sum())
-        if n_tokens != feats_MD.shape[0]:
-            raise ValueError(f"{n_tokens} <|image_pad|> tokens in the prompt but the "
-                             f"{image_grid_thw.shape[0]} image(s) give {feats_MD.shape[0]} "
-                             "features (t*h*w / merge^2 each)")
-        return x_BTD.masked_scatter(mask_BT[..., None], feats_MD.to(x_BTD.dtype))
-
-    def mrope_inputs(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
-                     attention_mask: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """M-RoPE positions ``[3, B, T]`` and offsets ``[B, 1]`` of a prompt with images
-        (:func:`composer.blocks.mrope.mrope_positions`); None without images or without
-        ``attention.mrope_section`` (1-D positions)."""
-        a, v = self.config.attention, self.config.vision
-        if image_grid_thw is None or v is None or a is None or a.mrope_section is None:
-            return None
-        return mrope_positions(input_ids, image_grid_thw, attention_mask,
-                               image_token_id=v.image_token_id,
-                               vision_start_token_id=v.vision_start_token_id,
-                               spatial_merge_size=v.merge_size)
-
-    def _rotaries(self) -> list:
-        return [r for layer in self.layers.values()
-                if (r := getattr(layer.mixer, "rotary", None)) is not None
-                and getattr(r, "mrope_section", None) is not None]
-
-    @contextlib.contextmanager
-    def mrope_tables(self, pos_3BT: torch.Tensor | None, dtype: torch.dtype):
-        """Within the block, every M-RoPE attention layer rotates by the tables of ``pos_3BT``
-        (computed once, shared by layers with the same frequencies); nothing with None."""
-        rotaries = self._rotaries() if pos_3BT is not None else []
-        made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        try:
-            for r in rotaries:
-                key = (tuple(r.inv_freq.tolist()), tuple(r.mrope_section), r.mrope_interleaved,
-                       r.gain)
-                if key not in made:
-                    made[key] = r.mrope(pos_3BT, dtype)
-                r.tables = made[key]
-            yield
-        finally:
-            for r in rotaries:
-                r.tables = None
-
     def run_layers(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
                    keys: Sequence[str] | None = None,
-                   after: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
-                   ) -> torch.Tensor:
+                   after: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream through the layers ``keys`` (default: all, in order);
-        ``after(layer, x)`` sees each layer's output (a pipeline stage attaches its aux loss)."""
+        ``after(layer, x)`` sees each layer's output (a pipeline stage attaches its aux loss);
+        ``positions``: M-RoPE rows ``[3, B, T]`` for the attention layers (images)."""
+        kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
+        if positions is not None:
+            kwargs["positions"] = positions
         for key in self.layers.keys() if keys is None else keys:
             layer = self.layers[key]
-            x_BTD = layer(x_BTD) if doc_ids is None else layer(x_BTD, doc_ids=doc_ids)
+            x_BTD = layer(x_BTD, **kwargs)
             if after is not None:
                 x_BTD = after(layer, x_BTD)
         return x_BTD
@@ -299,16 +244,16 @@ class HybridModel(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, *,
                       doc_ids: torch.Tensor | None = None,
                       pixel_values: torch.Tensor | None = None,
-                      image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
-        if image_grid_thw is None and pixel_values is None:
-            return self.final_norm(self.run_layers(self.embed_tokens(input_ids),
-                                                   doc_ids=doc_ids))
-        if doc_ids is not None:
-            raise ValueError("images with packed documents (doc_ids) are not supported yet")
+                      image_grid_thw: torch.Tensor | None = None,
+                      tower_stand_in: bool = False) -> torch.Tensor:
+        """The final norm's output ``(B, T, D)``: the layers over the embedded inputs (with
+        the images' features and M-RoPE positions; :meth:`forward`)."""
         x_BTD = self.embed_inputs(input_ids, pixel_values, image_grid_thw)
-        mrope = self.mrope_inputs(input_ids, image_grid_thw)
-        with self.mrope_tables(None if mrope is None else mrope[0], x_BTD.dtype):
-            return self.final_norm(self.run_layers(x_BTD))
+        if pixel_values is None and tower_stand_in:
+            x_BTD = x_BTD + self.tower_stand_in(x_BTD.dtype)
+        mrope = self.mrope_inputs(input_ids, image_grid_thw, doc_ids=doc_ids)
+        return self.final_norm(self.run_layers(x_BTD, doc_ids=doc_ids,
+                                               positions=None if mrope is None else mrope[0]))
 
     @staticmethod
     def targets_for(labels: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
@@ -318,7 +263,8 @@ class HybridModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 doc_ids: torch.Tensor | None = None, return_logits: bool = False,
                 targets: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
-                image_grid_thw: torch.Tensor | None = None) -> torch.Tensor | ModelOutput:
+                image_grid_thw: torch.Tensor | None = None,
+                tower_stand_in: bool = False) -> torch.Tensor | ModelOutput:
         """Logits ``(B, T, vocab)`` for ``input_ids`` ``(B, T)``; with ``labels`` (``(B, T)``,
         aligned with the inputs) a :class:`ModelOutput`. ``doc_ids`` (``(B, T)`` integers, equal
         within a document, non-decreasing along a row) isolates packed documents.
@@ -331,7 +277,10 @@ class HybridModel(nn.Module):
 
         ``pixel_values`` ``[N, C*Tp*P*P]`` and ``image_grid_thw`` ``[n, 3]`` (from
         :func:`composer.vision.preprocess.preprocess_images`): the images of the prompts'
-        placeholder runs, in order (a vision-language model)."""
+        placeholder runs, in order (a vision-language model); with ``doc_ids`` each packed
+        document's M-RoPE positions count from 0. ``tower_stand_in``: without images, the tower
+        still takes part in the backward (:meth:`tower_stand_in`; training batches of data
+        that has images)."""
         if targets is not None and labels is not None:
             raise ValueError("give labels or targets, not both")
         if targets is not None and self.mtp is not None and not self.mtp.rows.reads_whole_rows:
@@ -339,7 +288,7 @@ class HybridModel(nn.Module):
                              "itself); give labels")
         _check_doc_ids(input_ids, doc_ids)
         h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids, pixel_values=pixel_values,
-                                   image_grid_thw=image_grid_thw)
+                                   image_grid_thw=image_grid_thw, tower_stand_in=tower_stand_in)
         if labels is not None:
             targets = self.targets_for(labels, doc_ids)
         loss, logits = self.readout(h_BTD, self.output_weight(), None, return_logits,
@@ -353,7 +302,8 @@ class HybridModel(nn.Module):
 
     def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, *,
                        doc_ids: torch.Tensor | None = None, temperature: float = 1.0,
-                       entropy: bool = False) -> TokenLogprobs:
+                       entropy: bool = False, pixel_values: torch.Tensor | None = None,
+                       image_grid_thw: torch.Tensor | None = None) -> TokenLogprobs:
         """Each position's log-probability of its next-token target under
         ``softmax(logits / temperature)`` (temperature 0: the logits' own, as greedy decoding
         reports it), and with ``entropy`` the distribution's entropy; 0 where the target is
@@ -362,7 +312,7 @@ class HybridModel(nn.Module):
         across a boundary is the caller's to ignore). The trunk runs once; multi-token
         prediction does not. The head runs chunk by chunk, its backward recomputing each chunk
         (:mod:`composer.blocks.logprobs`); the readout owns the math so that the vocabulary-
-        parallel one can stand in."""
+        parallel one can stand in. Images as in ``forward``."""
         _check_doc_ids(input_ids, doc_ids)
         if targets.shape != input_ids.shape or targets.is_floating_point():
             raise ValueError(f"targets must be integers shaped like input_ids "
@@ -372,7 +322,8 @@ class HybridModel(nn.Module):
         if bool(bad.any()):
             raise ValueError(f"target {int(targets[bad][0])} is outside the vocabulary "
                              f"[0, {self.config.vocab_size}) (IGNORE_INDEX is {IGNORE_INDEX})")
-        h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids)
+        h_BTD = self.hidden_states(input_ids, doc_ids=doc_ids, pixel_values=pixel_values,
+                                   image_grid_thw=image_grid_thw)
         logp, ent = self.readout.token_logprobs(h_BTD, self.output_weight(), targets,
                                                 temperature, entropy)
         return TokenLogprobs(logp, ent, self.aux_loss(logp))

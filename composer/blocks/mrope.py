@@ -9,6 +9,8 @@ its merged patches in row-major ``(t, h, w)`` order, at ``(s + i_t, s + i_h, s +
 ``s + max(h, w) / merge``. So a sequence ends at ``max + 1`` after ``L`` real tokens and the
 decode-time offset (``delta = max + 1 - L``, per row) puts the ``k``-th generated token at
 ``L + k + delta`` on all three rows. Padding slots (``attention_mask == 0``) get position 0.
+Packed documents (``doc_ids``, training) each count from 0, as 1-D RoPE restarts per document:
+a document's positions are those it has alone.
 
 Tables: each of the ``d_rot / 2`` rotary frequencies takes its angle from one of the three rows.
 Qwen3.5 interleaves them (``mrope_section = [s_t, s_h, s_w]``): frequency ``i`` reads ``h`` when
@@ -35,6 +37,7 @@ def mrope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None
                     attention_mask: torch.Tensor | None = None, *, image_token_id: int,
                     vision_start_token_id: int, spatial_merge_size: int,
                     video_grid_thw: torch.Tensor | None = None,
+                    doc_ids: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions ``[3, B, T]`` (``input_ids``' dtype and device) and offsets ``deltas [B, 1]``
     of a prompt ``input_ids [B, T]`` whose images' patch grids are the rows of
@@ -42,9 +45,14 @@ def mrope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None
     marks real tokens (padding anywhere, left padding in practice). Equal to transformers'
     ``Qwen3_5Model.get_rope_index``. Each image is one run of ``image_token_id`` right after a
     ``vision_start_token_id``, ``t * h * w / merge^2`` tokens long; anything else is a
-    one-line ``ValueError`` naming the image."""
+    one-line ``ValueError`` naming the image. ``doc_ids [B, T]`` (non-decreasing along a row):
+    packed documents, each counted from 0 (an image block must not cross a boundary); the
+    offsets are then the last document's."""
     if video_grid_thw is not None:
         raise ValueError("mrope_positions: videos are not supported yet (images only)")
+    if doc_ids is not None and attention_mask is not None:
+        raise ValueError("mrope_positions: give doc_ids (packed training rows) or "
+                         "attention_mask (padded prompts), not both")
     b, t = input_ids.shape
     grids = [] if image_grid_thw is None else [tuple(g) for g in image_grid_thw.tolist()]
     ids_rows = input_ids.tolist()
@@ -54,15 +62,28 @@ def mrope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None
     for row in range(b):
         keep = [True] * t if keep_rows is None else keep_rows[row]
         ids = [i for i, k in zip(ids_rows[row], keep, strict=True) if k]
-        pos_3L, n_used = _row_positions(ids, grids, n_used, image_token_id,
-                                        vision_start_token_id, spatial_merge_size)
+        spans = [(0, len(ids))] if doc_ids is None else _doc_spans(doc_ids[row])
+        parts = []
+        for lo, hi in spans:
+            pos_3L, n_used = _row_positions(ids[lo:hi], grids, n_used, image_token_id,
+                                            vision_start_token_id, spatial_merge_size)
+            parts.append(pos_3L)
+        pos_3L = torch.cat(parts, 1)
         pos_3BT[:, row, torch.tensor(keep, dtype=torch.bool)] = pos_3L
-        deltas.append(int(pos_3L.max()) + 1 - len(ids) if ids else 0)
+        last = parts[-1]
+        deltas.append(int(last.max()) + 1 - last.shape[1] if last.numel() else 0)
     if n_used != len(grids):
         raise ValueError(f"image {n_used}: no <|image_pad|> run left for it ({len(grids)} images, "
                          f"{n_used} placeholder runs in the prompt)")
     device = input_ids.device
     return pos_3BT.to(device), torch.tensor(deltas, device=device)[:, None]
+
+
+def _doc_spans(doc_ids_T: torch.Tensor) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` token ranges of a row's documents."""
+    cuts = (torch.nonzero(doc_ids_T[1:] != doc_ids_T[:-1]).flatten() + 1).tolist()
+    edges = [0, *cuts, int(doc_ids_T.shape[0])]
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def _row_positions(ids: list[int], grids: list[tuple[int, ...]], n_used: int, image_token_id: int,

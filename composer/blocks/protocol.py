@@ -30,12 +30,17 @@ class Mixer(Protocol):
 
     def forward(self, x_BTD: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """``(B, T, D) -> (B, T, D)``. With ``uses_doc_ids`` it takes ``doc_ids=`` (packed
-        documents, ``(B, T)``); with a decoding state (``init_cache``) it takes ``step=`` (a
-        :class:`~composer.blocks.cache.Step`) and continues from it."""
+        documents, ``(B, T)``); with ``uses_positions`` it takes ``positions=`` (the M-RoPE
+        position rows ``[3, B, T]`` of a forward with images); with a decoding state
+        (``init_cache``) it takes ``step=`` (a :class:`~composer.blocks.cache.Step`) and
+        continues from it."""
 
     # --- declarations read from outside (all optional) ----------------------------------
     uses_doc_ids: bool
     """``forward`` takes ``doc_ids`` (default False: the layer does not pass them)."""
+    uses_positions: bool
+    """``forward`` takes ``positions`` (M-RoPE rows; default False: the layer does not pass
+    them, and the mixer has no position of its own)."""
     stateless: bool
     """Token-wise: no state over time, nothing to cache, nothing for context parallelism to
     split (MLP, MoE)."""
@@ -91,8 +96,8 @@ class TimeMixingOp(nn.Module):
     context: str | None = None
 
 
-_DEFAULTS: dict[str, Any] = {"uses_doc_ids": False, "stateless": False, "ops": (),
-                             "keep_fp32": (), "step_stats": (), "aux_loss": None}
+_DEFAULTS: dict[str, Any] = {"uses_doc_ids": False, "uses_positions": False, "stateless": False,
+                             "ops": (), "keep_fp32": (), "step_stats": (), "aux_loss": None}
 
 
 def declared(module: nn.Module, name: str, default: Any = None) -> Any:
@@ -138,12 +143,14 @@ def time_ops(mixer: nn.Module) -> list[tuple[str, TimeMixingOp]]:
 
 
 def call_mixer(mixer: nn.Module, h_BTD: torch.Tensor, doc_ids: torch.Tensor | None,
-               step: Step | None) -> torch.Tensor:
-    """``mixer(h)`` with the keywords it declares it takes: ``doc_ids`` when it reads them,
-    ``step`` when it keeps a decoding state."""
+               step: Step | None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """``mixer(h)`` with the keywords it declares it takes: ``doc_ids`` and ``positions``
+    when it reads them, ``step`` when it keeps a decoding state."""
     kwargs: dict[str, Any] = {}
     if doc_ids is not None and declared(mixer, "uses_doc_ids"):
         kwargs["doc_ids"] = doc_ids
+    if positions is not None and declared(mixer, "uses_positions"):
+        kwargs["positions"] = positions
     if step is not None and has_cache(mixer):
         kwargs["step"] = step
     return mixer(h_BTD, **kwargs)

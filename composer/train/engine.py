@@ -40,6 +40,7 @@ from composer.train.loop import Run, Summary, seed_everything, train_loop
 from composer.train.metrics import MetricsLog
 from composer.train.objectives import get_objective
 from composer.train.optim import build_optimizers
+from composer.train.precision import model_transform, resolve_precision
 from composer.train.recipe import (
     RECIPE_FILE,
     Recipe,
@@ -51,6 +52,7 @@ from composer.train.recipe import (
 from composer.train.schedule import Schedule
 from composer.train.source import converted_hf, is_hf_folder
 from composer.train.state import CreatedPaths, Saver, read_train_state, restore_rng
+from composer.train.vision import check_vision
 
 DEFAULT_SYNTHETIC_SEQ_LEN = 128
 
@@ -179,30 +181,6 @@ def _check(recipe: Recipe, dp: int) -> int:
     return m
 
 
-def _precision(recipe: Recipe, device: torch.device) -> str:
-    precision = recipe.precision or ("bf16" if device.type == "cuda" else "fp32")
-    if precision == "fp8":
-        if device.type != "cuda":
-            raise ConfigError("--precision fp8 needs a CUDA device (torchao float8 training)")
-        try:
-            import torchao.float8  # noqa: F401
-        except Exception:  # noqa: BLE001 - any import failure means it is not usable
-            raise ConfigError("--precision fp8 needs torchao (pip install torchao)") from None
-    return precision
-
-
-def _fp8(model: torch.nn.Module) -> None:
-    """torchao float8 training for the linear layers whose shapes suit it (multiples of 16),
-    the LM head excepted."""
-    from torchao.float8 import convert_to_float8_training
-
-    def keep(module: torch.nn.Module, fqn: str) -> bool:
-        ok = isinstance(module, torch.nn.Linear) and "lm_head" not in fqn
-        return ok and module.in_features % 16 == 0 and module.out_features % 16 == 0
-
-    convert_to_float8_training(model, module_filter_fn=keep)
-
-
 def _indexed(recipe: Recipe, cfg: ModelConfig, blend: list[tuple[float, str]],
              split: str | None) -> tuple[Batches, Batches | None, int]:
     """Train (and validation) batches of a blend of indexed datasets."""
@@ -317,6 +295,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         cfg, tensors = _model_config(recipe)
     batches, valid, seq_len = objective.open_data(recipe, cfg)
     objective.check(recipe, cfg)
+    check_vision(recipe, cfg, batches)
     _check_cp(recipe, cfg, seq_len)  # before the mesh: a refusal leaves no peer waiting
     try:
         dims = build_parallel_dims(recipe.parallel, recipe.device)
@@ -325,7 +304,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
             raise
         raise LayoutError(f"{exc} (the layout of a resumed run comes from its saved recipe; "
                           "give --tp/--ep/--dp to change it)") from None
-    precision = _precision(recipe, dims.device)
+    precision = resolve_precision(recipe.precision, dims.device)
     dims.precision = "bf16" if precision in ("bf16", "fp8") else "fp32"
     micro = _check(recipe, dims.dp)
     schedule = None
@@ -342,7 +321,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     try:  # fp32 masters whatever the source's dtype
         model = build_sharded(cfg, dims, seed=None if resume else recipe.seed, tensors=tensors,
                               dtype=torch.float32,
-                              transform=_fp8 if precision == "fp8" else None,
+                              transform=model_transform(precision, recipe.freeze),
                               lora=lora)
     finally:
         if tensors is not None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from composer.parallel.data import reshard
 from composer.train.data import Micro
 from composer.train.objectives import StepSums, n_targets, stand_in_labels
+from composer.train.vision import image_inputs
 
 if TYPE_CHECKING:
     from composer.train.loop import Run
@@ -47,9 +48,10 @@ def _tensors(run: Run, micro: list[Micro]
     return ids, docs, labels
 
 
-def _forward(run: Run, micro: Micro):
+def _forward(run: Run, micro: Micro, training: bool = True):
     ids, docs, labels = _tensors(run, [micro])
-    kwargs = {} if docs is None else {"doc_ids": docs}
+    kwargs: dict[str, Any] = {} if docs is None else {"doc_ids": docs}
+    kwargs.update(image_inputs(run, [micro], training))
     with autocast(run):
         return run.model(ids, ids if labels is None else labels, **kwargs)
 
@@ -113,7 +115,7 @@ def _eval_ce(run: Run, micro: Micro) -> torch.Tensor:
     """A micro-batch's mean cross-entropy (fp64), through the pipeline when there is one."""
     pipeline = getattr(run.model, "pipeline", None)
     if pipeline is None:
-        out = _forward(run, micro)
+        out = _forward(run, micro, training=False)
         return (out.loss - out.aux_loss - out.mtp_loss).double()
     ids, docs, labels = _tensors(run, [micro])
     with autocast(run):

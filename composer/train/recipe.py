@@ -70,6 +70,9 @@ class Recipe:
     lora_targets: list[str] = setting(
         factory=lambda: ["all"], help="projections to adapt: names (q_proj, in_proj, ...), `all` "
         "(default: every projection but routed experts) or `experts`", nargs="+")
+    freeze: list[str] = setting(
+        factory=list, help="parts that do not train: vision (the tower but its merger), merger, "
+        "language (all but the tower); e.g. --freeze vision", nargs="+")
     adapter: str | None = setting(
         None, "a PEFT LoRA adapter folder to load onto the model (and train further)")
     dpo_beta: float = setting(0.1, "dpo: the KL strength beta of the DPO loss (default 0.1)")

@@ -54,11 +54,14 @@ class GatheredKV(nn.Module):
 
     def forward(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
                 rotary: Any, scale: float, *, doc_ids: torch.Tensor | None = None,
-                step: Any = None) -> torch.Tensor:
+                step: Any = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The op's output for this rank's tokens (``doc_ids``: the rows' own are in ``cp``)."""
         from composer.blocks.attention import apply_rope
 
         _no_step(step)
+        if positions is not None:
+            raise ValueError("context parallelism with M-RoPE positions (images) is not built "
+                             "yet")
         cp = self.cp
         if rotary is not None:
             cos, sin = rotary.at(cp.pos_BT, q_BHTE.dtype)
