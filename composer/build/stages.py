@@ -99,6 +99,8 @@ def split_stages(cfg: ModelConfig, pp: int, seq_len: int = 4096) -> list[StageIn
         params = sum(p.numel() for i in layers for p in model.layers[str(i)].parameters())
         if first or (last and embed_on_last(model)):
             params += model.embed.weight.numel()
+        if first and getattr(model, "visual", None) is not None:  # the tower feeds the embedding
+            params += sum(p.numel() for p in model.visual.parameters())
         if last:
             params += sum(p.numel() for p in _last_modules(model).parameters())
         fl = sum(flops[i] for i in layers) + (2 * cfg.d_model * cfg.vocab_size if last else 0)

@@ -69,8 +69,9 @@ def embed_on_last(model: HybridModel) -> bool:
 
 
 def prune(model: HybridModel, groups: list[tuple[int, ...]], stages: list[int]) -> None:
-    """Keep (on meta) only what ``stages`` need: their layers, the embedding on the first stage
-    (and the last with tied weights), the final norm, head and MTP on the last."""
+    """Keep (on meta) only what ``stages`` need: their layers, the embedding (and a vision
+    tower) on the first stage (the embedding on the last too with tied weights), the final
+    norm, head and MTP on the last."""
     keep = {i for s in stages for i in groups[s]}
     for key in list(model.layers.keys()):
         if int(key) not in keep:
@@ -78,6 +79,8 @@ def prune(model: HybridModel, groups: list[tuple[int, ...]], stages: list[int]) 
     first, last = 0 in stages, len(groups) - 1 in stages
     if not (first or (last and embed_on_last(model))):
         model.embed = None
+    if not first and getattr(model, "visual", None) is not None:
+        model.visual = None
     if not last:
         model.final_norm = None
         if hasattr(model, "lm_head"):

@@ -141,3 +141,20 @@ def test_freeze_parts(cfg):
     for parts, c, lora, words in cases:
         with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
             check_freeze(parts, c, lora)
+
+
+def test_the_tower_is_on_the_first_pipeline_stage(cfg):
+    from composer.build.stages import split_stages, stage_layers
+    from composer.parallel.pipeline import prune
+
+    model = composer.build_model(cfg, device="meta")
+    stages = split_stages(cfg, 2)
+    assert sum(st.n_params for st in stages) == sum(p.numel() for p in model.parameters())
+    groups = stage_layers(cfg, 2)
+    held = []
+    for rank in (0, 1):
+        part = composer.build_model(cfg, device="meta")
+        prune(part, groups, [rank])
+        held.append(part.visual is not None)
+        assert sum(p.numel() for p in part.parameters()) == stages[rank].n_params
+    assert held == [True, False]
