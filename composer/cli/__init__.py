@@ -424,7 +424,8 @@ def make_parser(argv: Sequence[str] | None = None) -> Parser:
     dp.add_argument("--force", action="store_true", help="replace an existing PREFIX")
     dp.add_argument("--format", choices=("text", "chat", "preference"), default="text",
                     help="text (default): a document per row; chat: conversations rendered "
-                         "with the chat template, with a loss mask; preference: "
+                         "with the chat template, with a loss mask (rows may carry "
+                         "\"images\"); preference: "
                          "{prompt, chosen, rejected} rows, two masked conversations each (DPO)")
     dp.add_argument("--chat-template", metavar="FILE", help="chat, preference: a Jinja "
                     "template that overrides the tokenizer's (saved in PREFIX.tokenizer/)")

@@ -165,14 +165,23 @@ def truncate_blocks(ids: np.ndarray, mask: np.ndarray, seq_len: int, side: str,
     return ids[lo:hi], mask[lo:hi], kept
 
 
+def _preprocess() -> Any:
+    """:mod:`composer.vision.preprocess`, or a one-line :class:`DataError` without Pillow (fatal,
+    not a bad row: every row with images would fail the same way)."""
+    try:
+        from composer.vision import preprocess
+    except ImportError as e:
+        raise DataError(f"a row with images: {e}") from None
+    return preprocess
+
+
 def image_settings(folder: str | os.PathLike[str] | None, min_pixels: int | None = None,
                    max_pixels: int | None = None) -> ImageSettings:
     """The settings images are resized with: the tokenizer folder's ``preprocessor_config.json``
     when it has one (:meth:`ImageSettings.from_hf`), else Qwen3.5's; then the flags."""
-    from composer.vision.preprocess import ImageSettings
-
+    image_settings_class = _preprocess().ImageSettings
     has_config = folder is not None and Path(folder, PREPROCESSOR_CONFIG).is_file()
-    settings = ImageSettings.from_hf(folder) if has_config else ImageSettings()
+    settings = image_settings_class.from_hf(folder) if has_config else image_settings_class()
     flags = {"min_pixels": min_pixels, "max_pixels": max_pixels}
     return dataclasses.replace(settings, **{k: v for k, v in flags.items() if v is not None})
 
@@ -186,8 +195,7 @@ def n_tokens(grid: Grid, merge_size: int) -> int:
 def load_images(paths: Sequence[str], root: str, settings: ImageSettings) -> list[Image]:
     """Each path (relative ones under ``root``) read and resized; a bad image is a
     :class:`RowError` naming it."""
-    from composer.vision.preprocess import resize_image
-
+    resize_image = _preprocess().resize_image
     images = []
     for path in paths:
         try:

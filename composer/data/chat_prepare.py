@@ -246,7 +246,13 @@ def _outputs(prefix: str) -> list[Path]:
                                                ".tokenizer")]
 
 
-def _check_options(mask: str, truncate_side: str, seq_len: int | None, workers: int) -> None:
+def _check_options(kind: str, mask: str, truncate_side: str, seq_len: int | None,
+                   workers: int) -> None:
+    if kind not in ("chat", KIND):
+        raise DataError(f"kind {kind!r}: expected chat or {KIND}")
+    if kind == KIND and mask != "completion":
+        raise DataError(f"--format {KIND} masks the completion (chosen, rejected), not "
+                        f"--mask {mask}")
     if mask not in MASK_MODES:
         raise DataError(f"--mask {mask}: expected one of {', '.join(MASK_MODES)}")
     if truncate_side not in TRUNCATE_SIDES:
@@ -322,12 +328,7 @@ def prepare_chat(inputs: list[str], out_prefix: str, tokenizer: str,
     ``kind="preference"``: preference rows, two documents each, the completion masked
     (:mod:`composer.data.preference`; ``mask`` must be ``completion``). Returns the counts."""
     start = time.perf_counter()
-    if kind not in ("chat", KIND):
-        raise DataError(f"kind {kind!r}: expected chat or {KIND}")
-    if kind == KIND and mask != "completion":
-        raise DataError(f"--format {KIND} masks the completion (chosen, rejected), not "
-                        f"--mask {mask}")
-    _check_options(mask, truncate_side, seq_len, workers)
+    _check_options(kind, mask, truncate_side, seq_len, workers)
     sources = _check_inputs(inputs)
     existing = [p for p in _outputs(out_prefix) if p.exists()]
     if existing and not force:

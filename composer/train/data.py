@@ -9,7 +9,9 @@ tokens with their document ids), the built-in corpus when no data is named
 Global batch ``k`` is samples ``k*G .. (k+1)*G - 1`` of the source's order; data-parallel rank
 ``r`` reads only the contiguous ``r``-th share of it, cut into micro-batches. The data position
 is one number, the samples consumed, so a resumed run continues with the next unseen sample
-whatever its global batch size.
+whatever its global batch size. Samples of conversations with images carry them; a
+micro-batch's images are concatenated in the row-major order of their blocks
+(:attr:`Micro.pixel_values`, :attr:`Micro.image_grid_thw`).
 """
 
 from __future__ import annotations

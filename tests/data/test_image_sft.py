@@ -202,7 +202,9 @@ BAD = [  # (row, extra flags, the words of the one-line error)
 @pytest.mark.parametrize("case", range(len(BAD)))
 def test_bad_rows_are_one_line_and_write_nothing(files, tmp_path, capsys, case):
     bad, flags, words = BAD[case]
-    src = jsonl(tmp_path / "rows.jsonl", [ROWS[3], bad])
+    # a text row, a row with an image (its pixels are being written when the bad row comes),
+    # the bad row; under a flag (the tokenizer, the template) the image row is bad already
+    src = jsonl(tmp_path / "rows.jsonl", [ROWS[3], ROWS[2], bad])
     (tmp_path / "two_pads.jinja").write_text(TWO_PADS)
     extra = [files / f if f == "plain" else tmp_path / f if f.endswith(".jinja") else f
              for f in flags]
@@ -210,24 +212,46 @@ def test_bad_rows_are_one_line_and_write_nothing(files, tmp_path, capsys, case):
             files, "--min-pixels", 1024, *extra]
     code, _, err = run(capsys, *args, "--out", tmp_path / "out" / "vl")
     words = words.replace("{files}", str(files))
-    assert code == 2 and f"{src}:2: {words}" in err and err.count("\n") == 1, err
-    assert not (tmp_path / "out").exists()
+    line = 2 if flags else 3
+    assert code == 2 and f"{src}:{line}: {words}" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()  # no dataset, no temporaries
     code, out, err = run(capsys, *args, "--out", tmp_path / "kept", "--skip-bad-rows", "--json")
     stats = json.loads(out)
-    assert code == 0 and (stats["documents"], stats["skipped_rows"]) == (1, 1), err
-    assert "images" not in stats and not MaskedDataset(tmp_path / "kept").has_images
-    assert not any(Path(f"{tmp_path}/kept{s}").exists() for s in IMAGE_FILES)
+    skipped = 2 if flags else 1
+    assert code == 0 and (stats["documents"], stats["skipped_rows"]) == (3 - skipped, skipped)
+    ds = MaskedDataset(tmp_path / "kept")
+    assert [ds.grids(d) for d in range(ds.n_documents)] == ([[]] if flags else [[], [(1, 2, 2)]])
+    assert all(Path(f"{tmp_path}/kept{s}").exists() != bool(flags) for s in IMAGE_FILES)
+
+
+def test_force_replaces_a_dataset_with_images(files, tmp_path, capsys):
+    prefix = tmp_path / "vl"
+    prepare(capsys, files, prefix, "tok", "--min-pixels", 1024)
+    text = jsonl(tmp_path / "t.jsonl", [ROWS[3]])
+    code, _, err = run(capsys, "prepare", text, "--format", "chat", "--tokenizer", files / "tok",
+                       "--out", prefix)
+    assert code == 2 and f"{prefix}.bin already exists (--force replaces it)" in err
+    code, _, _ = run(capsys, "prepare", text, "--format", "chat", "--tokenizer", files / "tok",
+                     "--out", prefix, "--force")
+    assert code == 0 and not MaskedDataset(prefix).has_images
+    assert not any(Path(f"{prefix}{s}").exists() for s in IMAGE_FILES)
 
 
 def test_text_rows_prepare_without_pillow(files, tmp_path):
-    src = jsonl(tmp_path / "t.jsonl", [ROWS[3]])
-    script = ("import sys; sys.modules['PIL'] = None\n"
+    text = jsonl(tmp_path / "t.jsonl", [ROWS[3]])
+    script = ("import sys; sys.modules['PIL'] = None\n"  # Pillow is not installed
               "from composer.data.chat_prepare import prepare_chat\n"
-              f"print(prepare_chat([{str(src)!r}], {str(tmp_path / 'o')!r}, "
-              f"{str(files / 'tok')!r})['documents'])\n")
+              f"print(prepare_chat([{str(text)!r}], {str(tmp_path / 'o')!r}, "
+              f"{str(files / 'tok')!r})['documents'])\n"
+              f"prepare_chat([{str(files / 'rows.jsonl')!r}], {str(tmp_path / 'i')!r}, "
+              f"{str(files / 'tok')!r})\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
-    assert (proc.returncode, proc.stdout) == (0, "1\n"), proc.stderr
+    assert proc.stdout == "1\n", proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "composer.settings.DataError: a row with images: composer.vision.preprocess needs "
+        "Pillow: pip install 'composer-lm[vision]'")
+    assert not any(tmp_path.glob("i.*"))
 
 
 def expected_images(files: Path, paths: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
