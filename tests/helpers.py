@@ -252,7 +252,7 @@ def write_vl_tokenizer(folder: Path, corpus: list[str], specials: list[str] = VL
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     tok.train_from_iterator(corpus, tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials,
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False,
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))

@@ -63,7 +63,8 @@ def is_masked(prefix: str | os.PathLike[str]) -> bool:
 
 
 class MaskedDataset:
-    """Tokens and mask of ``prefix`` (both memory-mapped); checked aligned at open."""
+    """Tokens and mask of ``prefix`` (both memory-mapped), and its images when ``meta`` has
+    them (``has_images``; the pixels memory-mapped too); checked aligned at open."""
 
     def __init__(self, prefix: str | os.PathLike[str]) -> None:
         self.prefix = str(prefix)
@@ -81,6 +82,7 @@ class MaskedDataset:
         self.meta: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
         self.has_images = bool(self.meta.get("images"))
         self.image_settings: ImageSettings | None = None
+        self.vision: VisionIds | None = None
         self.n_images = 0
         if self.has_images:
             self._open_images(self.meta["images"])
@@ -155,7 +157,7 @@ class MaskedDataset:
         grids = self.grids(d)
         if not grids:
             return []
-        assert self.image_settings is not None
+        assert self.image_settings is not None and self.vision is not None
         counts = [n_tokens(g, self.image_settings.merge_size) for g in grids]
         try:
             return image_blocks(self.tokens.document(d) if ids is None else ids, self.vision,

@@ -237,6 +237,7 @@ def test_force_replaces_a_dataset_with_images(files, tmp_path, capsys):
     assert not any(Path(f"{prefix}{s}").exists() for s in IMAGE_FILES)
 
 
+@pytest.mark.slow
 def test_text_rows_prepare_without_pillow(files, tmp_path):
     text = jsonl(tmp_path / "t.jsonl", [ROWS[3]])
     script = ("import sys; sys.modules['PIL'] = None\n"  # Pillow is not installed
