@@ -1,8 +1,9 @@
-"""LFM2 (Lfm2ForCausalLM): HF -> composer -> HF on logits (fp32, within 1e-4 of transformers)
-and bytes (fp32 and bf16, bit for bit), transformers' reload of the export, greedy generation
-against ``transformers.generate``, the config forms (``block_ff_dim`` / ``full_attn_idxs`` /
-``tie_embedding`` / top-level ``rope_theta``, and the MLP width rule ``block_auto_adjust_ff_dim``)
-and refusals. Preset parameter counts against transformers' class on meta are in
+"""LFM2 (Lfm2ForCausalLM) and LFM2-MoE (Lfm2MoeForCausalLM): HF -> composer -> HF on logits
+(fp32, within 1e-4 of transformers; measured at most 2.2e-6) and bytes (fp32 and bf16, bit for
+bit), transformers' reload of the export, greedy generation against ``transformers.generate``,
+the config forms (``block_ff_dim`` / ``full_attn_idxs`` / ``tie_embedding`` / top-level
+``rope_theta``, the MLP width rule ``block_auto_adjust_ff_dim``; MoE experts per expert or fused
+on disk) and refusals. Preset parameter counts against transformers' class on meta are in
 tests/zoo/test_presets.py with the other families'."""
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def test_preset_built_here_is_written_as_lfm2(tmp_path):
     ({"mlp.activation": "geglu"}, "LFM2 cannot express this model; it needs "
                                   "mlp.activation='swiglu'"),
     ({"pattern": "C-*E"}, "pattern 'C-*E' cannot be written as lfm2: every layer must be 'C-' "
-                          "(short convolution) or '*-'")])
+                          "or '*-' (C: short convolution)")])
 def test_refusals(change, message):
     cfg = get_preset("lfm2-debug").config()
     if "pattern" in change:
@@ -183,3 +184,88 @@ def test_config_refusals():
     with pytest.raises(ConfigError, match="attention_bias=true, but transformers' "
                                           "Lfm2Attention has no biases"):
         Lfm2Adapter().config_from_hf({**COMMON, "attention_bias": True})
+
+
+# ---------------------------------------------------------------- LFM2-MoE
+
+MOE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+           max_position_embeddings=256, num_dense_layers=1, num_experts=6, num_experts_per_tok=2,
+           layer_types=["conv", "full_attention", "conv", "full_attention"])
+
+
+def lfm2_moe(randomize, seed: int = 0, **kw) -> torch.nn.Module:
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    model = Lfm2MoeForCausalLM(Lfm2MoeConfig(**{**MOE, **kw})).eval()
+    randomize(model, seed=seed)  # the expert bias too: it must change which experts are chosen
+    return model
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(use_expert_bias=False, norm_topk_prob=False, routed_scaling_factor=2.5,
+         tie_word_embeddings=False, conv_bias=True),
+    dict(num_dense_layers=0)], ids=["default", "no-bias-scaled-untied", "all-moe"])
+def test_lfm2_moe(check_family, randomize, tmp_path, kw):
+    cfg = check_family(lfm2_moe(randomize, seed=20 + len(kw), **kw))
+    dense = kw.get("num_dense_layers", 1)
+    assert cfg.pattern == "".join(m + ("-" if i < dense else "E")
+                                  for i, m in enumerate("C*C*"))
+    e = cfg.moe
+    assert (e.n_experts, e.top_k, e.d_ff, e.score_func, e.aux_loss_coeff) == (6, 2, 16,
+                                                                            "sigmoid", 0.0)
+    assert (e.score_correction_bias, e.renormalize, e.routed_scaling_factor) == (
+        kw.get("use_expert_bias", True), kw.get("norm_topk_prob", True),
+        kw.get("routed_scaling_factor", 1.0))
+    assert (cfg.mlp is None) == (dense == 0)
+    same_config(tmp_path)
+
+
+def test_lfm2_moe_fused_experts_on_disk_are_read(randomize, tmp_path):
+    """Experts fused as transformers holds them (``gate_up_proj``, gate first, and
+    ``down_proj``) convert like the per-expert layout it saves."""
+    from safetensors.torch import load_file, save_file
+
+    model = lfm2_moe(randomize, seed=30)
+    model.save_pretrained(tmp_path / "hf")
+    fused = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(fused, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    assert "model.layers.1.feed_forward.experts.gate_up_proj" in load_file(
+        tmp_path / "hf" / "model.safetensors")
+    from_hf(tmp_path / "hf", tmp_path / "ours")
+    ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert rel_err(composer.load(tmp_path / "ours")(ids), model(ids).logits) < FP32_PARITY
+
+
+def test_lfm2_moe_greedy_generation_equals_transformers(randomize, tmp_path):
+    model = lfm2_moe(randomize, seed=31)
+    model.save_pretrained(tmp_path / "hf")
+    from_hf(tmp_path / "hf", tmp_path / "ours")
+    ours = composer.load(tmp_path / "ours")
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                              do_sample=False, pad_token_id=0)
+    assert torch.equal(composer.generate(ours, ids, 20), want)
+
+
+def test_lfm2_moe_refusals():
+    from composer.convert.lfm2 import Lfm2MoeAdapter
+
+    cfg = get_preset("lfm2-moe-debug").config()
+    cfg.pattern = "C-*EC-*E"
+    with pytest.raises(ConfigError) as exc:
+        Lfm2MoeAdapter().config_to_hf(cfg, {})
+    assert str(exc.value) == ("pattern 'C-*EC-*E' cannot be written as lfm2-moe: its dense MLP "
+                              "layers come first (num_dense_layers), then the MoE ones")
+    cfg = get_preset("lfm2-moe-debug").config()
+    cfg.moe.score_func = "softmax"
+    with pytest.raises(ConfigError) as exc:
+        Lfm2MoeAdapter().config_to_hf(cfg, {})
+    assert str(exc.value) == "LFM2-MoE cannot express this model; it needs moe.score_func=" \
+                             "'sigmoid'"
+    with pytest.raises(ConfigError, match="missing field 'layer_types'"):
+        Lfm2MoeAdapter().config_from_hf({k: v for k, v in MOE.items() if k != "layer_types"})

@@ -22,13 +22,31 @@ Config quirks that decide the mapping:
   source has them).
 - ``conv_bias`` puts a bias on ``in_proj``, the convolution and ``out_proj``; ``conv_L_cache``
   is the convolution's width. Attention has no biases; RoPE theta defaults to 1e6.
+
+LFM2-MoE (``Lfm2MoeForCausalLM``, :class:`Lfm2MoeAdapter`): the same mixers; the first
+``num_dense_layers`` MLPs are dense (``intermediate_size`` as it is: no width rule), the others
+MoE (``E``): a sigmoid router ``feed_forward.gate`` choosing the top ``num_experts_per_tok`` with
+the fp32 ``feed_forward.expert_bias`` (``use_expert_bias``; our ``router.score_bias``, for
+choosing only), weights renormalised (``norm_topk_prob``) and scaled
+(``routed_scaling_factor``); experts per expert on disk (``feed_forward.experts.{e}.w1/w3/w2``)
+or fused as transformers holds them (``experts.gate_up_proj``, gate first, ``down_proj``). It
+needs ``layer_types`` (its config builds none) and has no load-balancing loss. transformers
+renormalises with ``sum + 1e-6``, ours with ``sum + 1e-20``: the weights differ by about
+``1e-6 / sum`` relative (5e-7 for top-4 sigmoid scores), inside the parity bound.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from composer.config import ConfigError, MLPConfig, ModelConfig, ShortConvConfig, d_head_of
+from composer.config import (
+    ConfigError,
+    MLPConfig,
+    ModelConfig,
+    MoEConfig,
+    ShortConvConfig,
+    d_head_of,
+)
 from composer.convert.base import (
     Adapter,
     attention_from_hf,
@@ -37,6 +55,7 @@ from composer.convert.base import (
     layer_pattern_error,
     require,
 )
+from composer.convert.decoder import expert_links
 from composer.convert.mamba_common import check_plain
 from composer.convert.plan import Link
 
@@ -95,11 +114,13 @@ class Lfm2Adapter(Adapter):
     max_positions = 128000
     architectures = ("Lfm2ForCausalLM",)
     model_type = "lfm2"
+    ffn_symbols = "-"
+    """What may follow a mixer in a layer (the MLP, or with LFM2-MoE the MoE too)."""
 
     # ---- config
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
-        h = with_defaults(hf)
-        types = layer_types_of(h)
+        h = self.with_defaults(hf)
+        types = self.hf_layer_types(h)
         if h.get("attention_bias"):
             raise ConfigError("config.json: attention_bias=true, but transformers' "
                               "Lfm2Attention has no biases")
@@ -108,27 +129,43 @@ class Lfm2Adapter(Adapter):
         if attention.rotary_fraction != 1.0:
             raise ConfigError("config.json: partial_rotary_factor is not supported by LFM2's "
                               "attention (it rotates whole heads)")
+        ffn, mlp, moe = self.ffn_from_hf(h, len(types))
         return ModelConfig(
-            pattern="".join(SYMBOL[t] + "-" for t in types),
+            pattern="".join(SYMBOL[t] + f for t, f in zip(types, ffn, strict=True)),
             d_model=require(h, "hidden_size"), vocab_size=require(h, "vocab_size"),
             tie_embeddings=bool(h["tie_word_embeddings"]), norm_eps=float(h["norm_eps"]),
             init_std=float(h["initializer_range"]), attention=attention, mamba=None,
-            mlp=MLPConfig(d_ff=mlp_width(h), activation="swiglu"), moe=None,
+            mlp=mlp, moe=moe,
             shortconv=ShortConvConfig(d_conv=int(h["conv_L_cache"]), bias=bool(h["conv_bias"])))
 
-    def layer_types(self, cfg: ModelConfig) -> list[str]:
-        """Per HF layer, its type; raises unless the pattern is ``(C-|*-)*``."""
+    def with_defaults(self, hf: dict[str, Any]) -> dict[str, Any]:
+        return with_defaults(hf)
+
+    def hf_layer_types(self, h: dict[str, Any]) -> list[str]:
+        return layer_types_of(h)
+
+    def ffn_from_hf(self, h: dict[str, Any], n_layers: int
+                    ) -> tuple[list[str], MLPConfig | None, MoEConfig | None]:
+        """The symbol after each mixer, and the MLP / MoE sections."""
+        return ["-"] * n_layers, MLPConfig(d_ff=mlp_width(h), activation="swiglu"), None
+
+    def layer_kinds(self, cfg: ModelConfig) -> list[tuple[str, str]]:
+        """Per HF layer, its type and its feed-forward symbol; raises unless each layer is a
+        ``C`` or ``*`` followed by one of :attr:`ffn_symbols`."""
         layers = cfg.parsed.layers
         pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
-        if len(layers) % 2 or any(p not in ("C-", "*-") for p in pairs) or cfg.parsed.mtp:
-            raise layer_pattern_error(self.family, cfg.pattern,
-                                      "every layer must be 'C-' (short convolution) or '*-'")
-        return [CONV if p == "C-" else FULL for p in pairs]
+        if (len(layers) % 2 or cfg.parsed.mtp
+                or any(p[0] not in "C*" or p[1] not in self.ffn_symbols for p in pairs)):
+            shapes = " or ".join(f"'{m}{f}'" for f in self.ffn_symbols for m in "C*")
+            raise layer_pattern_error(self.family, cfg.pattern, f"every layer must be {shapes} "
+                                      "(C: short convolution)")
+        return [(CONV if p[0] == "C" else FULL, p[1]) for p in pairs]
 
     def config_to_hf(self, cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
-        types = self.layer_types(cfg)
+        kinds = self.layer_kinds(cfg)
+        types = [t for t, _ in kinds]
         check_plain(cfg, self.family)
-        self._check(cfg, types)
+        self._check(cfg, kinds)
         out = common_to_hf(cfg, base, self.architectures[0], self.model_type)
         if base.get("tie_embedding") is not None:  # it would win over tie_word_embeddings
             out["tie_embedding"] = cfg.tie_embeddings
@@ -136,22 +173,22 @@ class Lfm2Adapter(Adapter):
         if base.get("full_attn_idxs") is not None:
             out["full_attn_idxs"] = [i for i, t in enumerate(types) if t == FULL]
         self._attention_to_hf(cfg, base, out)
-        self._mlp_to_hf(cfg, base, out)
+        self.ffn_to_hf(cfg, [f for _, f in kinds], base, out)
         if cfg.shortconv is not None:
             out.update(conv_L_cache=cfg.shortconv.d_conv, conv_bias=cfg.shortconv.bias)
         for key in ("dtype", "torch_dtype"):
             out.pop(key, None)
         return out
 
-    def _check(self, cfg: ModelConfig, types: list[str]) -> None:
+    def _check(self, cfg: ModelConfig, kinds: list[tuple[str, str]]) -> None:
         a, mlp = cfg.attention, cfg.mlp
-        problems = [what for what, ok in (
-            ("mlp.activation='swiglu'", mlp.activation == "swiglu"), ("mlp.bias=false",
-                                                                      not mlp.bias),
-            ("norm_zero_centered=false", not cfg.norm_zero_centered),
-            ("post_norm_layers=[]", not cfg.post_norm_layers)) if not ok]
-        if FULL in types:
-            problems += [what for what, ok in (
+        checks = [("norm_zero_centered=false", not cfg.norm_zero_centered),
+                  ("post_norm_layers=[]", not cfg.post_norm_layers)]
+        if any(f == "-" for _, f in kinds):
+            checks += [("mlp.activation='swiglu'", mlp.activation == "swiglu"),
+                       ("mlp.bias=false", not mlp.bias)]
+        if any(t == FULL for t, _ in kinds):
+            checks += [
                 ("attention.qk_norm=true", a.qk_norm),
                 ("attention.qk_norm_scope='head'", a.qk_norm_scope == "head"),
                 ("attention.position='rope'", a.position == "rope"),
@@ -160,9 +197,11 @@ class Lfm2Adapter(Adapter):
                 ("attention.out_bias=false", not a.out_bias),
                 ("attention.softmax_scale=null", a.softmax_scale is None),
                 ("attention.output_gate=false", not a.output_gate),
-                ("attention.mrope_section=null", a.mrope_section is None)) if not ok]
+                ("attention.mrope_section=null", a.mrope_section is None)]
+        problems = [what for what, ok in checks if not ok]
         if problems:
-            raise ConfigError(f"LFM2 cannot express this model; it needs {', '.join(problems)}")
+            name = "LFM2-MoE" if "E" in self.ffn_symbols else "LFM2"
+            raise ConfigError(f"{name} cannot express this model; it needs {', '.join(problems)}")
 
     def _attention_to_hf(self, cfg: ModelConfig, base: dict[str, Any],
                          out: dict[str, Any]) -> None:
@@ -172,9 +211,10 @@ class Lfm2Adapter(Adapter):
         if d_head_of(cfg) == cfg.d_model // cfg.attention.n_heads and not base.get("head_dim"):
             out.pop("head_dim", None)  # transformers derives it; keep the source's form
 
-    def _mlp_to_hf(self, cfg: ModelConfig, base: dict[str, Any], out: dict[str, Any]) -> None:
-        """The source's width fields when they give our width (their ``block_ff_dim`` alias
-        too), else the width itself with the adjustment off."""
+    def ffn_to_hf(self, cfg: ModelConfig, ffn: list[str], base: dict[str, Any],
+                  out: dict[str, Any]) -> None:
+        """The MLP width: the source's fields when they give ours (their ``block_ff_dim``
+        alias too), else the width itself with the adjustment off."""
         d_ff = cfg.mlp.d_ff
         if base and mlp_width(with_defaults(base)) == d_ff:
             return
@@ -188,7 +228,7 @@ class Lfm2Adapter(Adapter):
                  Link("final_norm.weight", "model.embedding_norm.weight")]
         if not cfg.tie_embeddings:
             links.append(Link("lm_head.weight", "lm_head.weight"))
-        for i, kind in enumerate(self.layer_types(cfg)):
+        for i, (kind, ffn) in enumerate(self.layer_kinds(cfg)):
             hf, a, m = f"model.layers.{i}", f"layers.{2 * i}", f"layers.{2 * i + 1}"
             links += [Link(f"{a}.norm.weight", f"{hf}.operator_norm.weight"),
                       Link(f"{m}.norm.weight", f"{hf}.ffn_norm.weight")]
@@ -196,10 +236,97 @@ class Lfm2Adapter(Adapter):
                 links += shortconv_links(f"{a}.mixer", f"{hf}.conv", cfg.shortconv)
             else:
                 links += attention_links(f"{a}.mixer", f"{hf}.self_attn")
-            links += [Link(f"{m}.mixer.{ours}.weight", f"{hf}.feed_forward.{theirs}.weight")
-                      for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"),
-                                           ("down_proj", "w2"))]
+            if ffn == "-":
+                links += [Link(f"{m}.mixer.{ours}.weight", f"{hf}.feed_forward.{theirs}.weight")
+                          for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"),
+                                               ("down_proj", "w2"))]
+            else:
+                links += moe_links(f"{m}.mixer", f"{hf}.feed_forward", cfg.moe, fused_experts)
         return links
+
+
+# Lfm2MoeConfig (transformers 5.24) defaults.
+MOE_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=65536, hidden_size=2048, intermediate_size=7168, moe_intermediate_size=1792,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, initializer_range=0.02,
+    norm_eps=1e-5, tie_word_embeddings=True, conv_bias=False, conv_L_cache=3, num_dense_layers=2,
+    num_experts_per_tok=4, num_experts=32, use_expert_bias=True, routed_scaling_factor=1.0,
+    norm_topk_prob=True)
+
+
+class Lfm2MoeAdapter(Lfm2Adapter):
+    family = "lfm2-moe"
+    symbols = "C*-E"
+    architectures = ("Lfm2MoeForCausalLM",)
+    model_type = "lfm2_moe"
+    ffn_symbols = "-E"
+
+    def with_defaults(self, hf: dict[str, Any]) -> dict[str, Any]:
+        h = {**MOE_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+        if hf.get("tie_embedding") is not None:
+            h["tie_word_embeddings"] = hf["tie_embedding"]
+        return h
+
+    def hf_layer_types(self, h: dict[str, Any]) -> list[str]:
+        if h.get("layer_types") is None:
+            raise ConfigError("config.json: missing field 'layer_types' (Lfm2MoeConfig builds "
+                              "none from full_attn_idxs)")
+        return layer_types_of(h)
+
+    def ffn_from_hf(self, h: dict[str, Any], n_layers: int
+                    ) -> tuple[list[str], MLPConfig | None, MoEConfig | None]:
+        ffn = ["-" if i < int(h["num_dense_layers"]) else "E" for i in range(n_layers)]
+        mlp = MLPConfig(d_ff=int(h["intermediate_size"]), activation="swiglu") \
+            if "-" in ffn else None
+        moe = MoEConfig(
+            n_experts=int(h["num_experts"]), top_k=int(h["num_experts_per_tok"]),
+            d_ff=int(h["moe_intermediate_size"]), activation="swiglu", score_func="sigmoid",
+            renormalize=bool(h["norm_topk_prob"]),
+            score_correction_bias=bool(h["use_expert_bias"]),
+            routed_scaling_factor=float(h["routed_scaling_factor"]),
+            # Not a transformers field (it computes no such loss); kept so that ours round-trips.
+            aux_loss_coeff=float(h.get("router_aux_loss_coef") or 0.0)) if "E" in ffn else None
+        return ffn, mlp, moe
+
+    def ffn_to_hf(self, cfg: ModelConfig, ffn: list[str], base: dict[str, Any],
+                  out: dict[str, Any]) -> None:
+        dense = ffn.count("-")
+        if ffn != ["-"] * dense + ["E"] * (len(ffn) - dense):
+            raise layer_pattern_error(self.family, cfg.pattern, "its dense MLP layers come "
+                                      "first (num_dense_layers), then the MoE ones")
+        out["num_dense_layers"] = dense
+        if dense:
+            out["intermediate_size"] = cfg.mlp.d_ff
+        if dense < len(ffn):
+            self._moe_to_hf(cfg, out)
+
+    def _moe_to_hf(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
+        e = cfg.moe
+        problems = [what for what, ok in (
+            ("moe.score_func='sigmoid'", e.score_func == "sigmoid"),
+            ("moe.activation='swiglu'", e.activation == "swiglu"),
+            ("moe.n_shared_experts=0", not e.n_shared_experts),
+            ("moe.n_expert_groups=1", e.n_expert_groups == 1),
+            ("moe.capacity_factor=null", e.capacity_factor is None)) if not ok]
+        if problems:
+            raise ConfigError(f"LFM2-MoE cannot express this model; it needs "
+                              f"{', '.join(problems)}")
+        out.update(num_experts=e.n_experts, num_experts_per_tok=e.top_k,
+                   moe_intermediate_size=e.d_ff, norm_topk_prob=e.renormalize,
+                   use_expert_bias=e.score_correction_bias,
+                   routed_scaling_factor=e.routed_scaling_factor)
+        if e.aux_loss_coeff or "router_aux_loss_coef" in out:
+            out["router_aux_loss_coef"] = e.aux_loss_coeff
+
+
+def moe_links(ours: str, hf: str, moe: MoEConfig, fused: bool) -> list[Link]:
+    """Router ``gate`` (and ``expert_bias`` -> our ``router.score_bias``), experts ``w1`` /
+    ``w3`` / ``w2`` per expert or fused."""
+    links = [Link(f"{ours}.router.weight", f"{hf}.gate.weight")]
+    if moe.score_correction_bias:
+        links.append(Link(f"{ours}.router.score_bias", f"{hf}.expert_bias"))
+    return links + expert_links(ours, hf, moe.n_experts, moe.d_ff, fused,
+                                {"gate": "w1", "up": "w3", "down": "w2"})
 
 
 def shortconv_links(ours: str, hf: str, s: ShortConvConfig) -> list[Link]:
