@@ -1,8 +1,9 @@
 """The short-convolution kind (``C``, LFM2's gated short convolution): the mixer equals its
 plain-math twin in fp64 (forward and every gradient, with and without biases); packed documents
 equal each document alone; cached decoding (a left-padded prefill, then token by token) equals
-the full forward; the record (section, counts, FLOPs, cp strategy, layout rule); tp=2 and cp=2
-(documents across the chunks too) equal one process in fp64."""
+the full forward; the record (section, counts, FLOPs, cp strategy, layout rule); LoRA on its
+projections; two steps of the training engine; tp=2 and cp=2 (documents across the chunks too)
+equal one process in fp64."""
 
 from __future__ import annotations
 
@@ -148,6 +149,42 @@ def test_the_record() -> None:
     mixer_params = 4 * 32 * 32 + 4 * 32 + 32 * 3 + 32  # in/out proj with biases, the conv
     assert stats.params_by_kind["C short convolution"] == 2 * (mixer_params + 32)
     assert ShortConvMixer.flops_per_token(cfg, 16) == 2 * 33 * 128 + 2 * 32 * 3 + 2 * 32
+
+
+def test_lora_on_both_projections_merges_exactly() -> None:
+    """LoRA on in_proj (its B split into the b / c / u parts) and out_proj: the merged model
+    equals the adapted one (fp64, 1e-10), and the adapters change the output."""
+    from composer.lora import LoRAConfig, adapter_names, add_lora, merge_lora
+
+    model = _model("C-C-")
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        base = model(ids)
+    add_lora(model, LoRAConfig(rank=3, alpha=6, targets=("in_proj", "out_proj")))
+    names = adapter_names(model)
+    assert {"layers.0.mixer.in_proj.lora.B.weight_b", "layers.0.mixer.in_proj.lora.B.weight_u",
+            "layers.2.mixer.out_proj.lora.B.weight"} <= names
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in names:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=F64) * 0.1)
+        adapted = model(ids)
+        merge_lora(model)
+        merged = model(ids)
+    assert (merged - adapted).abs().max() < 1e-10 and (adapted - base).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_trains_two_steps_with_the_engine(tmp_path) -> None:
+    from tests.helpers import train_case
+
+    sections = {**cfg_dict("C*-C-"), "vocab_size": 257}  # the built-in corpus's byte tokenizer
+    del sections["pattern"]
+    out = train_case({"model": {"pattern": "C*-C-", "set": sections}, "steps": 2, "seq_len": 16,
+                      "global_batch_size": 4, "lr": 1e-2, "save": str(tmp_path / "run")})
+    assert len(out["losses"]) == 2 and all(np.isfinite(out["losses"]))
+    assert out["losses"][1] < out["losses"][0]
 
 
 # ---------------------------------------------------------------- tp=2 and cp=2, gloo ranks
