@@ -73,9 +73,10 @@ ROPE_THETA = 1e6
 
 
 def with_defaults(hf: dict[str, Any]) -> dict[str, Any]:
-    """``hf`` as transformers reads it: defaults filled, the older aliases winning."""
-    h = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k ==
-                        "block_ffn_dim_multiplier"}}
+    """``hf`` as transformers reads it: defaults filled, the older aliases winning. A null
+    ``block_ffn_dim_multiplier`` stays null: ``Lfm2MLP`` then skips the scaling and rounding."""
+    h = {**DEFAULTS, **{k: v for k, v in hf.items()
+                        if v is not None or k == "block_ffn_dim_multiplier"}}
     if hf.get("block_ff_dim") is not None:
         h["intermediate_size"] = hf["block_ff_dim"]
     if hf.get("tie_embedding") is not None:
