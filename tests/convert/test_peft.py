@@ -1,5 +1,5 @@
 """PEFT interoperability: our LoRA adapters <-> a PEFT adapter folder, proven on logits against
-``peft.PeftModel`` on tiny random Llama, Qwen3 and Nemotron-H models (fp32, 1e-4)."""
+``peft.PeftModel`` on tiny random Llama, Qwen3, Nemotron-H and LFM2 models (fp32, 1e-4)."""
 
 from __future__ import annotations
 
@@ -54,13 +54,25 @@ def nemotron_h():
         mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=8))
 
 
-FAMILIES = {"llama": llama, "qwen3": qwen3, "nemotron-h": nemotron_h}
-# Our module names per family: attention q/v, an MLP projection, Mamba-2's fused in_proj.
+def lfm2():
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    return Lfm2ForCausalLM(Lfm2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=48, block_auto_adjust_ff_dim=False,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["conv", "full_attention"]))
+
+
+FAMILIES = {"llama": llama, "qwen3": qwen3, "nemotron-h": nemotron_h, "lfm2": lfm2}
+# Our module names per family: attention q/v, an MLP projection, Mamba-2's fused in_proj,
+# the short convolution's in_proj (fused b/c/u) and out_proj.
 TARGETS = {"llama": ("q_proj", "v_proj", "down_proj"), "qwen3": ("q_proj", "k_proj", "up_proj"),
-           "nemotron-h": ("in_proj", "q_proj", "o_proj", "up_proj")}
+           "nemotron-h": ("in_proj", "q_proj", "o_proj", "up_proj"),
+           "lfm2": ("in_proj", "out_proj", "o_proj", "gate_proj")}
 PEFT_TARGETS = {"llama": ["q_proj", "v_proj", "gate_proj", "down_proj"],
                 "qwen3": ["k_proj", "v_proj", "o_proj", "down_proj"],
-                "nemotron-h": ["in_proj", "v_proj", "down_proj"]}
+                "nemotron-h": ["in_proj", "v_proj", "down_proj"],
+                "lfm2": ["in_proj", "out_proj", "v_proj", "w2"]}
 
 
 @pytest.fixture(params=list(FAMILIES))
