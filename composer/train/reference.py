@@ -84,7 +84,8 @@ def build_copy(run: Run) -> HybridModel:
     """The starting weights, sharded like the policy, frozen, in eval mode."""
     import composer.run
     from composer.train.adapters import load_adapter_tensors, run_adapters
-    from composer.train.engine import _fp8, _model_config
+    from composer.train.engine import _model_config
+    from composer.train.precision import model_transform
 
     recipe = run.recipe
     origin = dataclasses.replace(recipe, model=recipe.origin or recipe.model)
@@ -101,7 +102,7 @@ def build_copy(run: Run) -> HybridModel:
         with torch.random.fork_rng(devices=devices):
             model = composer.run.build_sharded(
                 cfg, run.dims, seed=recipe.seed, tensors=tensors, dtype=dtype,
-                transform=_fp8 if run.precision == "fp8" else None, lora=lora)
+                transform=model_transform(run.precision, recipe.freeze), lora=lora)
     finally:
         if tensors is not None:
             tensors.close()
