@@ -76,9 +76,6 @@ class Mamba1Config:
     d_state: int = 16
     d_conv: int = 4
     dt_rank: int = 16
-    chunk_size: int = 32
-    """Steps per chunk of the torch scan (the result does not depend on it; 32 was the fastest
-    of 16-128 forward and backward on the CPU, E 256, N 16)."""
     conv_bias: bool = True
     proj_bias: bool = False
     """Biases of in_proj and out_proj (transformers' ``mamba_proj_bias`` / ``use_bias``)."""
@@ -96,8 +93,8 @@ class Mamba1Config:
 
 
 def validate_mamba1(m: Mamba1Config, cfg: ModelConfig) -> None:
-    positive(m, "mamba1.", ("d_inner", "d_state", "d_conv", "dt_rank", "chunk_size",
-                             "inner_norm_eps", "dt_scale"))
+    positive(m, "mamba1.", ("d_inner", "d_state", "d_conv", "dt_rank", "inner_norm_eps",
+                             "dt_scale"))
     if m.inner_norms not in ("none", "learned", "weightless"):
         raise ConfigError(f"mamba1.inner_norms must be none, learned or weightless, not "
                           f"{m.inner_norms!r}")
@@ -154,15 +151,15 @@ class SelectiveScan(LinearRecurrence):
     def forward(self, x_BTE: torch.Tensor, dt_BTE: torch.Tensor, B_BTN: torch.Tensor,
                 C_BTN: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
                 initial_state: torch.Tensor | None = None, step: Step | None = None,
-                A_EN: torch.Tensor, chunk_size: int, **kw: Any) -> torch.Tensor:
+                A_EN: torch.Tensor, **kw: Any) -> torch.Tensor:
         if step is None:
-            return selective_scan(x_BTE, dt_BTE, A_EN, B_BTN, C_BTN, chunk_size, **kw,
-                                  doc_ids=doc_ids, initial_state_BEN=initial_state)
+            return selective_scan(x_BTE, dt_BTE, A_EN, B_BTN, C_BTN, **kw, doc_ids=doc_ids,
+                                  initial_state_BEN=initial_state)
         state = step.state.state
         if x_BTE.shape[1] == 1 and not step.fresh:  # one decoding step: the recurrence
             return selective_step(x_BTE, dt_BTE, A_EN, B_BTN, C_BTN, state, **kw)
         y_BTE, final = selective_scan(
-            x_BTE, dt_BTE, A_EN, B_BTN, C_BTN, chunk_size, **kw,
+            x_BTE, dt_BTE, A_EN, B_BTN, C_BTN, **kw,
             doc_ids=step_docs(doc_ids, step), initial_state_BEN=None if step.fresh else state,
             return_final_state=True)
         state.copy_(final)
@@ -170,10 +167,10 @@ class SelectiveScan(LinearRecurrence):
 
     def end_state(self, x_BTE: torch.Tensor, dt_BTE: torch.Tensor, B_BTN: torch.Tensor,
                   C_BTN: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
-                  A_EN: torch.Tensor, chunk_size: int, dt_bias_E: torch.Tensor | None = None,
+                  A_EN: torch.Tensor, dt_bias_E: torch.Tensor | None = None,
                   dt_softplus: bool = False, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(S_local [B, E, N], decay [B, E, N])``."""
-        return selective_end_state(x_BTE, dt_BTE, A_EN, B_BTN, chunk_size, doc_ids=doc_ids,
+        return selective_end_state(x_BTE, dt_BTE, A_EN, B_BTN, doc_ids=doc_ids,
                                    dt_bias_E=dt_bias_E, dt_softplus=dt_softplus)
 
     @staticmethod
@@ -245,8 +242,7 @@ class Mamba1Mixer(nn.Module):
         x_BTE = self.conv(x_BTE, self.conv1d, doc_ids=doc_ids, step=step).contiguous()
         dt_BTE, B_BTN, C_BTN = self.selection(x_BTE)
         y_BTE = self.scan(x_BTE, dt_BTE, B_BTN, C_BTN, doc_ids=doc_ids, step=step,
-                          A_EN=-torch.exp(_at_least_fp32(self.A_log)),
-                          chunk_size=self.mamba1_cfg.chunk_size, D_E=self.D,
+                          A_EN=-torch.exp(_at_least_fp32(self.A_log)), D_E=self.D,
                           dt_bias_E=self.dt_proj.bias, dt_softplus=True)
         return self.out_proj((y_BTE * F.silu(z_BTE.to(y_BTE.dtype))).to(x_BTD.dtype))
 
@@ -286,7 +282,7 @@ class Mamba1Mixer(nn.Module):
         The scan counts the recurrence as the kernel runs it: the state update ``a h + u`` (a
         multiply-add per state element), ``u = (dt x) B`` (a multiply), the read-out ``h . C``
         (a multiply-add) and the D skip. The torch path's log-depth chunk scan does about
-        ``log2(chunk_size)`` times the update's elementwise work; elementwise work (exp,
+        ``log2(TORCH_CHUNK)`` times the update's elementwise work; elementwise work (exp,
         softplus, SiLU, the norms, the gate) is not counted.
         """
         m = cfg.mamba1

@@ -38,6 +38,10 @@ from composer.kernels import probe
 from composer.kernels.packing import doc_starts
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TORCH_CHUNK = 32
+"""Steps per chunk of the torch scan. The result does not depend on it (the kernel has no chunk
+at all, so no config holds it); 32 was the fastest of 16-128, forward and backward, on the CPU
+(E 256, N 16, T 512)."""
 ScanOut = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
@@ -167,23 +171,26 @@ def selective_scan_chunked(x_BTE: torch.Tensor, dt_BTE: torch.Tensor, A_EN: torc
 
 
 def selective_scan_torch(x_BTE: torch.Tensor, dt_BTE: torch.Tensor, A_EN: torch.Tensor,
-                         B_BTN: torch.Tensor, C_BTN: torch.Tensor, chunk_size: int, *,
-                         D_E: torch.Tensor | None = None, dt_bias_E: torch.Tensor | None = None,
+                         B_BTN: torch.Tensor, C_BTN: torch.Tensor,
+                         chunk_size: int | None = None, *, D_E: torch.Tensor | None = None,
+                         dt_bias_E: torch.Tensor | None = None,
                          dt_softplus: bool = False,
                          initial_state_BEN: torch.Tensor | None = None,
                          return_final_state: bool = False,
                          doc_ids: torch.Tensor | None = None) -> ScanOut:
     """Torch path: the raw ``dt``'s arithmetic (:func:`scan_dt`), then
-    :func:`selective_scan_chunked`."""
+    :func:`selective_scan_chunked` in chunks of ``chunk_size`` (None: :data:`TORCH_CHUNK`)."""
     return selective_scan_chunked(
-        x_BTE, scan_dt(dt_BTE, dt_bias_E, dt_softplus), A_EN, B_BTN, C_BTN, chunk_size, D_E=D_E,
+        x_BTE, scan_dt(dt_BTE, dt_bias_E, dt_softplus), A_EN, B_BTN, C_BTN,
+        chunk_size or TORCH_CHUNK, D_E=D_E,
         initial_state_BEN=initial_state_BEN, return_final_state=return_final_state,
         doc_ids=doc_ids)
 
 
 def selective_scan_kernel(x_BTE: torch.Tensor, dt_BTE: torch.Tensor, A_EN: torch.Tensor,
-                          B_BTN: torch.Tensor, C_BTN: torch.Tensor, chunk_size: int, *,
-                          D_E: torch.Tensor | None = None, dt_bias_E: torch.Tensor | None = None,
+                          B_BTN: torch.Tensor, C_BTN: torch.Tensor,
+                          chunk_size: int | None = None, *, D_E: torch.Tensor | None = None,
+                          dt_bias_E: torch.Tensor | None = None,
                           dt_softplus: bool = False,
                           initial_state_BEN: torch.Tensor | None = None,
                           return_final_state: bool = False,
@@ -224,7 +231,7 @@ def selective_scan(x_BTE: torch.Tensor, *args, **kwargs) -> ScanOut:
 
 
 def selective_end_state(x_BTE: torch.Tensor, dt_BTE: torch.Tensor, A_EN: torch.Tensor,
-                        B_BTN: torch.Tensor, chunk_size: int, *,
+                        B_BTN: torch.Tensor, chunk_size: int | None = None, *,
                         doc_ids: torch.Tensor | None = None, dt_bias_E: torch.Tensor | None = None,
                         dt_softplus: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A span's end state from zero and what a start state is multiplied by over it,
@@ -233,7 +240,7 @@ def selective_end_state(x_BTE: torch.Tensor, dt_BTE: torch.Tensor, A_EN: torch.T
     chunked scan's final state (only the last document feeds it)."""
     dt = scan_dt(dt_BTE, dt_bias_E, dt_softplus)
     zeros = torch.zeros_like(B_BTN)  # C does not reach the end state
-    _, local = selective_scan_chunked(x_BTE, dt, A_EN, B_BTN, zeros, chunk_size,
+    _, local = selective_scan_chunked(x_BTE, dt, A_EN, B_BTN, zeros, chunk_size or TORCH_CHUNK,
                                       return_final_state=True, doc_ids=doc_ids)
     decay = torch.exp(dt.sum(1)[..., None] * A_EN.to(dt.dtype))
     if doc_ids is not None:

@@ -129,7 +129,7 @@ def test_end_state_is_the_scans(docs: bool) -> None:
 
 def _cfg(inner_norms: str = "learned", proj_bias: bool = False, conv_bias: bool = True,
          eps: float | None = None) -> ModelConfig:
-    m = Mamba1Config(d_inner=48, d_state=6, dt_rank=5, chunk_size=8, inner_norms=inner_norms,
+    m = Mamba1Config(d_inner=48, d_state=6, dt_rank=5, inner_norms=inner_norms,
                      proj_bias=proj_bias, conv_bias=conv_bias, inner_norm_eps=eps)
     return ModelConfig(pattern="S", d_model=32, init_std=0.2, mamba1=m)
 
@@ -177,12 +177,13 @@ def _model_cfg(**mamba1) -> ModelConfig:
         "pattern": "S*S-", "d_model": 32, "vocab_size": 61, "attention": {"n_heads": 4,
                                                                           "position": "none"},
         "mlp": {"d_ff": 64}, "mamba1": {"d_inner": 48, "d_state": 6, "dt_rank": 4,
-                                        "chunk_size": 4, "inner_norms": "learned", **mamba1}})
+                                        "inner_norms": "learned", **mamba1}})
 
 
-def test_cached_decoding_equals_full_forward() -> None:
+def test_cached_decoding_equals_full_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     """A left-padded prompt (prefill over several scan chunks), then token by token, equals the
     full forward; the padded row equals its prompt alone; the state's size is constant."""
+    monkeypatch.setattr(ss, "TORCH_CHUNK", 4)
     model = build_model(_model_cfg(), seed=0, dtype=F64).eval()
     randomize(model, seed=3)
     ids = torch.randint(0, 61, (2, 14), generator=torch.Generator().manual_seed(2))
@@ -220,7 +221,7 @@ def test_parity_transformers_jamba(proj_bias: bool) -> None:
     hf = _hf_jamba_mixer(proj_bias)
     randomize(hf, seed=3)
     cfg = ModelConfig(pattern="S", d_model=32, norm_eps=1e-6, mamba1=Mamba1Config(
-        d_inner=64, d_state=8, dt_rank=6, chunk_size=8, inner_norms="learned",
+        d_inner=64, d_state=8, dt_rank=6, inner_norms="learned",
         proj_bias=proj_bias))
     ours = Mamba1Mixer(cfg)
     assert set(ours.state_dict()) == set(hf.state_dict())
@@ -242,7 +243,7 @@ def test_parity_transformers_falcon_mamba() -> None:
     hf = FalconMambaMixer(hf_cfg, layer_idx=0, initialize_mixer_weights=False).eval()
     randomize(hf, seed=4)
     cfg = ModelConfig(pattern="S", d_model=32, mamba1=Mamba1Config(
-        d_inner=64, d_state=8, dt_rank=6, chunk_size=8, inner_norms="weightless",
+        d_inner=64, d_state=8, dt_rank=6, inner_norms="weightless",
         inner_norm_eps=1e-3))
     ours = Mamba1Mixer(cfg)
     ours.load_state_dict(hf.state_dict(), strict=True)

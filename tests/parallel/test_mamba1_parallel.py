@@ -15,8 +15,7 @@ from tests.parallel.test_parallel import case, check_same
 
 CFG = {"pattern": "S*SE", "d_model": 32, "vocab_size": 61, "attention": {"n_heads": 4},
        "moe": {"n_experts": 4, "top_k": 4, "d_ff": 32},  # top-k of all: no routing ties
-       "mamba1": {"d_inner": 48, "d_state": 6, "dt_rank": 4, "chunk_size": 4,
-                  "inner_norms": "learned"}}
+       "mamba1": {"d_inner": 48, "d_state": 6, "dt_rank": 4, "inner_norms": "learned"}}
 DATA = np.random.default_rng(0).integers(0, 61, (8, 16))
 
 
