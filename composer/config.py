@@ -490,7 +490,8 @@ _MOVED = {"AttentionConfig": "attention", "RopeScaling": "attention", "d_head_of
           "MambaConfig": "mamba2", "d_inner_of": "mamba2", "MLPConfig": "mlp",
           "Activation": "mlp", "GATED_ACTIVATIONS": "mlp", "is_gated": "mlp",
           "MoEConfig": "moe", "d_ff_shared_of": "moe", "MOE_TRAINING_ONLY": "moe",
-          "MLAConfig": "mla", "YarnScaling": "mla", "GDNConfig": "gdn"}
+          "MLAConfig": "mla", "YarnScaling": "mla", "GDNConfig": "gdn",
+          "ShortConvConfig": "shortconv"}
 """The built-in kinds' sections and size helpers, which live in their block files."""
 
 

@@ -32,6 +32,13 @@ class ConfigError(ValueError):
     """An invalid configuration value or override; the message is one line."""
 
 
+class DataError(ValueError):
+    """A dataset, input file or tokenizer that cannot be used; the message is one line
+    (:mod:`composer.data.indexed` re-exports it; it lives here so that
+    :mod:`composer.vision.preprocess`, which :mod:`composer.data` calls, imports nothing of
+    ``composer.data``)."""
+
+
 def setting(default: Any = dataclasses.MISSING, help: str = "", *,  # noqa: A002
             factory: Any = dataclasses.MISSING, **extra: Any) -> Any:
     """A dataclass field with its help text: ``tp: int = setting(1, "tensor-parallel size")``.

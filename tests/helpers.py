@@ -225,3 +225,40 @@ def layout_case(layout: dict, cfg_dict: dict, data: np.ndarray, fp64: bool = Fal
     result = adamw_steps(model, dims, opt, rows, steps, batch_size=4, seed=3)
     params = {k: whole(p.detach()).clone() for k, p in model.named_parameters()}
     return {"eval": loss, "grads": grads, "losses": result.losses, "params": params}
+
+
+VL_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+               "<|image_pad|>"]
+VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+    "{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c.type == 'text' %}{{ c.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""Qwen-VL's way of writing an image in a message: one placeholder between the markers."""
+
+
+def write_vl_tokenizer(folder: Path, corpus: list[str], specials: list[str] = VL_SPECIALS,
+                       template: str = VL_TEMPLATE, vocab_size: int = 300,
+                       preprocessor: dict | None = None) -> Path:
+    """A tiny byte-level BPE trained on ``corpus`` with Qwen-VL's chat and vision special
+    tokens and chat template (``<|im_end|>`` its end of turn), loadable by HFTokenizer; with
+    ``preprocessor``, a ``preprocessor_config.json`` of those settings beside it."""
+    import json
+
+    import tokenizers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(corpus, tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+         "chat_template": template}))
+    if preprocessor is not None:
+        (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    return folder

@@ -187,7 +187,9 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     if args.format in ("chat", "preference"):
         return _data_prepare_chat(args)
     chat_only = [f"--{k.replace('_', '-')}" for k in ("chat_template", "mask", "seq_len",
-                                                      "truncate") if getattr(args, k)]
+                                                      "truncate", "image_root", "min_pixels",
+                                                      "max_pixels")
+                 if getattr(args, k) is not None]
     chat_only += ["--skip-bad-rows"] if args.skip_bad_rows else []
     if chat_only:
         raise UsageError(f"{chat_only[0]} needs --format chat or preference")
@@ -223,7 +225,8 @@ def _data_prepare_chat(args: argparse.Namespace) -> int:
                              "completion" if preference else args.mask or "assistant",
                              args.skip_bad_rows, args.workers, args.seq_len,
                              args.truncate or "right", progress=bar.update, force=args.force,
-                             kind=args.format)
+                             kind=args.format, image_root=args.image_root,
+                             min_pixels=args.min_pixels, max_pixels=args.max_pixels)
     finally:
         bar.close()
     if args.json:
@@ -234,15 +237,16 @@ def _data_prepare_chat(args: argparse.Namespace) -> int:
               f"supervised, {stats['skipped_rows']:,} bad rows skipped, "
               f"{stats['truncated']:,} sides truncated")
     else:
+        images = stats.get("images", {}).get("count", 0)
         print(f"wrote {args.out}: {stats['documents']:,} conversations, {stats['tokens']:,} "
               f"tokens, {stats['supervised_tokens']:,} supervised (--mask {stats['mask']}), "
-              f"{stats['skipped_rows']:,} bad rows skipped, {stats['truncated']:,} truncated")
+              + (f"{images:,} images, " if images else "")
+              + f"{stats['skipped_rows']:,} bad rows skipped, {stats['truncated']:,} truncated")
     return 0
 
 
 def cmd_data_inspect(args: argparse.Namespace) -> int:
-    from composer.data.chat_prepare import inspect_chat, row
-    from composer.data.masked import is_masked
+    from composer.data.masked import inspect_chat, is_masked, row
     from composer.data.prepare import inspect
 
     if args.row is not None:
@@ -420,7 +424,8 @@ def make_parser(argv: Sequence[str] | None = None) -> Parser:
     dp.add_argument("--force", action="store_true", help="replace an existing PREFIX")
     dp.add_argument("--format", choices=("text", "chat", "preference"), default="text",
                     help="text (default): a document per row; chat: conversations rendered "
-                         "with the chat template, with a loss mask; preference: "
+                         "with the chat template, with a loss mask (rows may carry "
+                         "\"images\"); preference: "
                          "{prompt, chosen, rejected} rows, two masked conversations each (DPO)")
     dp.add_argument("--chat-template", metavar="FILE", help="chat, preference: a Jinja "
                     "template that overrides the tokenizer's (saved in PREFIX.tokenizer/)")
@@ -434,6 +439,13 @@ def make_parser(argv: Sequence[str] | None = None) -> Parser:
     dp.add_argument("--truncate", choices=("right", "left", "error"),
                     help="chat, preference, with --seq-len: keep the first (right, default) or "
                          "the last (left) tokens of a longer conversation, or refuse it (error)")
+    dp.add_argument("--image-root", metavar="DIR", help="chat: the folder relative image "
+                    "paths of rows' \"images\" resolve against (default: each input's folder)")
+    dp.add_argument("--min-pixels", type=int, help="chat: resize smaller images up to this "
+                    "many pixels (default: the tokenizer folder's preprocessor_config.json, "
+                    "else 65536)")
+    dp.add_argument("--max-pixels", type=int, help="chat: resize larger images down to this "
+                    "many pixels (default: as --min-pixels, else 16777216)")
     dp.add_argument("--json", action="store_true", help="one line of JSON on stdout")
     dp.set_defaults(func=cmd_data_prepare)
     di = data_sub.add_parser("inspect", help="documents, sequences, tokens of a dataset")

@@ -202,6 +202,7 @@ def with_images(model: HybridModel, source: Path, kind: str, tok: Tokenizer, tex
     template renders an image in the user message, then expanded), and the images' pixels and
     grids, preprocessed as the SOURCE's ``preprocessor_config.json`` says (else the model's
     patch and merge sizes with Qwen3.5's published settings)."""
+    from composer.data.chat_images import expand_placeholders
     from composer.vision.preprocess import ImageSettings, n_placeholders, preprocess_images
 
     v = model.config.vision
@@ -226,20 +227,11 @@ def with_images(model: HybridModel, source: Path, kind: str, tok: Tokenizer, tex
             add_generation_prompt=True)
     except DataError as exc:
         raise GenerateError(f"--chat: {exc}") from None
-    ids, out, k = tok.encode(rendered), [], 0
-    for i in ids:  # the template writes one pad per image: each becomes its image's count
-        if i == pad:
-            if k >= len(counts):
-                raise GenerateError(f"--image: the chat template wrote more image placeholders "
-                                    f"than the {len(counts)} image(s) given")
-            out += [pad] * counts[k]
-            k += 1
-        else:
-            out.append(i)
-    if k != len(counts):
-        raise GenerateError(f"--image: the chat template wrote {k} image placeholder(s) for "
-                            f"{len(counts)} image(s)")
-    return out, pixels, grid
+    try:  # the template writes one pad per image: each becomes its image's count
+        ids, _ = expand_placeholders(tok.encode(rendered), pad, counts)
+    except DataError as exc:
+        raise GenerateError(f"--image: {exc}") from None
+    return ids.tolist(), pixels, grid
 
 
 def load_model(source: Path, kind: str, device: str, adapter: str | None = None) -> HybridModel:

@@ -5,9 +5,11 @@ Rows (one JSON object per line):
 
 - ``{"messages": [{"role": ..., "content": ...}, ...]}``: roles ``system``, ``user``,
   ``assistant``, ``tool``; ``content`` a string (an assistant message with ``tool_calls`` may
-  leave it out). Other keys of a message (``tool_calls``, ``reasoning_content``, ``name``...)
-  reach the template as they are; keys whose value is null are dropped and reasoning fields
-  aliased, as ``transformers`` does before rendering.
+  leave it out), or a list of parts ``{"type": "text", "text": ...}`` / ``{"type": "image"}``
+  (a row's ``"images"``: :mod:`composer.data.chat_images`). Other keys of a message
+  (``tool_calls``, ``reasoning_content``, ``name``...) reach the template as they are; keys
+  whose value is null are dropped and reasoning fields aliased, as ``transformers`` does
+  before rendering.
 - ``{"prompt": ..., "completion": ...}``: each a string or a list of messages; a string prompt
   is one user message, a string completion one assistant message. The conversation is the
   prompt's messages followed by the completion's.
@@ -69,6 +71,7 @@ from composer.data.indexed import DataError
 from composer.data.tokenizer import ByteTokenizer, HFTokenizer, _compile, _one_line
 
 ROLES = ("system", "user", "assistant", "tool")
+PART_TYPES = ("text", "image")
 MASK_MODES = ("assistant", "last-turn", "completion", "none")
 TRUNCATE_SIDES = ("right", "left", "error")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -99,13 +102,29 @@ def _message(raw: Any, n: int) -> dict[str, Any]:
     content = message.get("content")
     if content is None and not (role == "assistant" and message.get("tool_calls")):
         raise RowError(f"message {n} ({role}) has no content")
-    if content is not None and not isinstance(content, str):
+    if isinstance(content, list):
+        _check_parts(content, f"message {n} ({role})")
+    elif content is not None and not isinstance(content, str):
         raise RowError(f"message {n} ({role}): content is {type(content).__name__}, "
-                       "not a string")
+                       "not a string or a list of parts")
     reasoning = next((message[k] for k in REASONING_FIELDS if k in message), None)
     if reasoning is not None:  # transformers' _alias_reasoning_fields
         message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
     return message
+
+
+def _check_parts(parts: list[Any], where: str) -> None:
+    """A list content: ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts, as
+    multimodal templates read them (an image part takes the row's next image)."""
+    for k, part in enumerate(parts, 1):
+        if not isinstance(part, dict):
+            raise RowError(f"{where}: part {k} is {type(part).__name__}, not an object")
+        kind = part.get("type")
+        if kind not in PART_TYPES:
+            raise RowError(f"{where}: part {k} has type {kind!r} (types: "
+                           f"{', '.join(PART_TYPES)})")
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise RowError(f"{where}: part {k} (text) has no 'text' string")
 
 
 def _messages(value: Any, field: str, role: str) -> list[Any]:

@@ -1,19 +1,23 @@
 """Chat files to a masked dataset (``composer data prepare --format chat``; ``--format
-preference``: pairs of conversations, :mod:`composer.data.preference`), and reading one back
-(``composer data inspect`` of a chat dataset, ``--row I``).
+preference``: pairs of conversations, :mod:`composer.data.preference`); reading one back
+(``composer data inspect``) is :mod:`composer.data.masked`'s.
 
 Inputs are ``.jsonl`` / ``.jsonl.gz`` (one row per line, :mod:`composer.data.chat` says which
 rows) and ``.parquet`` (one row per table row, its columns the row's keys; needs pyarrow). The
 output is :mod:`composer.data.masked`'s format: ``PREFIX.bin/.idx`` (tokens),
 ``PREFIX.mask.bin/.idx`` (the mask), ``PREFIX.tokenizer/`` (with ``chat_template.jinja`` when
 ``--chat-template`` overrode the tokenizer's) and ``PREFIX.chat.json`` (what made it and the
-counts).
+counts). Rows with ``"images"`` (:mod:`composer.data.chat_images`) add the resized pixels
+(``PREFIX.pixels.bin/.idx``, ``PREFIX.images.npy``), resized by the tokenizer folder's
+``preprocessor_config.json`` (else Qwen3.5's settings) within ``min_pixels``/``max_pixels``
+when given; relative image paths resolve against ``image_root``, else their input's folder.
 
 Rendering and tokenising run in a pool of ``workers`` spawned processes, fed in windows of
 chunks and drained in input order as :mod:`composer.data.prepare` does, so any number of
 workers writes the same bytes. A bad row (invalid JSON, a missing or unknown role, a message
 without content, a template that fails, no supervised token, too long under
-``truncate="error"``) is a one-line :class:`DataError` naming ``file:line``, and nothing is
+``truncate="error"``, an image that cannot be read, image parts that do not match the images)
+is a one-line :class:`DataError` naming ``file:line``, and nothing is
 written; with ``skip_bad_rows`` it is counted and left out. ``seq_len`` cuts (``right``:
 the first tokens, ``left``: the last) or refuses (``error``) a longer conversation.
 """
@@ -21,6 +25,7 @@ the first tokens, ``left``: the last) or refuses (``error``) a longer conversati
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -34,27 +39,34 @@ from typing import Any
 
 import numpy as np
 
-from composer.data.chat import (
-    MASK_MODES,
-    TRUNCATE_SIDES,
-    ChatEncoder,
-    RowError,
-    parse_row,
-    truncate,
+from composer.data.chat import MASK_MODES, TRUNCATE_SIDES, ChatEncoder, RowError, parse_row
+from composer.data.chat_images import (
+    Image,
+    ImageRows,
+    place_images,
+    row_images,
+    truncate_blocks,
 )
-from composer.data.indexed import DataError, IndexedDataset, optimal_dtype
-from composer.data.masked import MASK_SUFFIX, META_SUFFIX, MaskedDataset, MaskedWriter, is_masked
+from composer.data.indexed import DataError, optimal_dtype
+from composer.data.masked import (
+    IMAGE_FILES,
+    MASK_SUFFIX,
+    META_SUFFIX,
+    MaskedWriter,
+)
 from composer.data.preference import KIND, encode_pair
 from composer.data.prepare import _check_inputs, _encoded, _jsonl_items, _remove
 from composer.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
-    describe_tokenizer,
     load_tokenizer,
     save_tokenizer,
 )
 
-Item = tuple[str, Any]  # (file:line, the raw JSON line as bytes, or a parquet row's dict)
+Item = tuple[str, str, Any]
+"""(file:line, the folder relative image paths resolve against, the raw JSON line as bytes or a
+parquet row's dict)."""
+Doc = tuple[np.ndarray, np.ndarray, list[Image]]
 
 
 @dataclass(frozen=True)
@@ -68,13 +80,15 @@ class Settings:
     truncate: str
     kind: str = "chat"
     """``chat`` (a document per row) or ``preference`` (two per row: chosen, rejected)."""
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
 
 @dataclass
 class Chunk:
     """A chunk's kept documents back to back (tokens in the output dtype, mask uint8), their
     lengths, the bad rows as (file:line, reason), how many documents were truncated and how
-    many rows were kept (a preference row is two documents)."""
+    many rows were kept (a preference row is two documents), and each document's images."""
 
     tokens: np.ndarray
     masks: np.ndarray
@@ -82,6 +96,7 @@ class Chunk:
     bad: list[tuple[str, str]]
     truncated: int
     rows: int
+    images: list[list[Image]]
 
 
 class _Encoder:
@@ -92,9 +107,10 @@ class _Encoder:
         tok = load_tokenizer(settings.tokenizer) if tok is None else tok
         mode = "completion" if settings.kind == KIND else settings.mode
         self.chat = ChatEncoder(tok, settings.template, mode)
+        self.images = ImageRows(self.chat.tok, settings.min_pixels, settings.max_pixels)
 
-    def row(self, payload: Any) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-        """A row's documents (ids, mask) and how many of them were truncated."""
+    def row(self, payload: Any, root: str) -> tuple[list[Doc], int]:
+        """A row's documents (ids, mask, images) and how many of them were truncated."""
         if isinstance(payload, bytes):
             try:
                 payload = json.loads(payload)
@@ -103,32 +119,41 @@ class _Encoder:
         s = self.settings
         if s.kind == KIND:
             chosen, rejected, cut = encode_pair(self.chat, payload, s.seq_len, s.truncate)
-            return [chosen, rejected], cut
-        ids, mask = self.chat.encode(*parse_row(payload))
+            return [(*chosen, []), (*rejected, [])], cut
+        messages, start = parse_row(payload)
+        paths = row_images(payload)
+        messages = place_images(messages, len(paths))
+        if paths:
+            ids, mask, images, blocks = self.images.encode(self.chat, messages, start, paths,
+                                                           root)
+        else:
+            (ids, mask), images, blocks = self.chat.encode(messages, start), [], []
         cut = 0
         if s.seq_len is not None and len(ids) > s.seq_len:
-            ids, mask = truncate(ids, mask, s.seq_len, s.truncate)
+            ids, mask, kept = truncate_blocks(ids, mask, s.seq_len, s.truncate, blocks)
+            images = [images[k] for k in kept]
             cut = 1
             if not mask.any():
-                raise RowError(f"no supervised token in the {s.seq_len} tokens --truncate "
+                raise RowError(f"no supervised token in the {len(ids)} tokens --truncate "
                                f"{s.truncate} keeps")
-        return [(ids, mask)], cut
+        return [(ids, mask, images)], cut
 
     def __call__(self, chunk: list[Item]) -> Chunk:
-        ids_list, masks, bad, truncated, rows = [], [], [], 0, 0
-        for where, payload in chunk:
+        docs: list[Doc] = []
+        bad, truncated, rows = [], 0, 0
+        for where, root, payload in chunk:
             try:
-                docs, cut = self.row(payload)
+                row_docs, cut = self.row(payload, root)
             except RowError as e:
                 bad.append((where, str(e)))
                 continue
-            ids_list += [ids for ids, _ in docs]
-            masks += [mask for _, mask in docs]
+            docs += row_docs
             truncated += cut
             rows += 1
-        lengths = np.array([len(x) for x in ids_list], dtype=np.int64)
-        return Chunk(_cat(ids_list, self.dtype), _cat(masks, np.dtype(np.uint8)), lengths, bad,
-                     truncated, rows)
+        lengths = np.array([len(ids) for ids, _, _ in docs], dtype=np.int64)
+        return Chunk(_cat([d[0] for d in docs], self.dtype),
+                     _cat([d[1] for d in docs], np.dtype(np.uint8)), lengths, bad, truncated,
+                     rows, [d[2] for d in docs])
 
 
 def _cat(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
@@ -165,7 +190,7 @@ def _pool(settings: Settings, dtype: str, workers: int) -> Iterator[ProcessPoolE
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _parquet_rows(path: str) -> Iterator[Item]:
+def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
     row = 0
@@ -177,15 +202,18 @@ def _parquet_rows(path: str) -> Iterator[Item]:
         raise DataError(f"input {path}: no rows")
 
 
-def _items(sources: list[tuple[str, str]], what: str = "chat") -> Iterator[Item]:
+def _items(sources: list[tuple[str, str]], what: str = "chat",
+           image_root: str | None = None) -> Iterator[Item]:
     for path, kind in sources:
+        root = image_root if image_root is not None else os.path.dirname(os.path.abspath(path))
         if kind in (".jsonl", ".jsonl.gz"):
-            yield from _jsonl_items(path, gz=kind == ".jsonl.gz")
+            rows = _jsonl_items(path, gz=kind == ".jsonl.gz")
         elif kind == ".parquet":
-            yield from _parquet_rows(path)
+            rows = _parquet_rows(path)
         else:
             raise DataError(f"input {path}: --format {what} reads .jsonl, .jsonl.gz and "
                             f".parquet rows, not {kind}")
+        yield from ((where, root, payload) for where, payload in rows)
 
 
 def _write(writer: MaskedWriter, chunks: Iterator[Chunk], skip_bad_rows: bool,
@@ -197,8 +225,9 @@ def _write(writer: MaskedWriter, chunks: Iterator[Chunk], skip_bad_rows: bool,
             raise DataError(f"{where}: {why} (--skip-bad-rows skips such rows; nothing "
                             "written)")
         ends = np.cumsum(chunk.lengths)
-        for lo, hi in zip((ends - chunk.lengths).tolist(), ends.tolist(), strict=True):
-            writer.add_document(chunk.tokens[lo:hi], chunk.masks[lo:hi])
+        for lo, hi, images in zip((ends - chunk.lengths).tolist(), ends.tolist(), chunk.images,
+                                  strict=True):
+            writer.add_document(chunk.tokens[lo:hi], chunk.masks[lo:hi], images)
         n = chunk.rows + len(chunk.bad)
         counts["rows"] += n
         counts["skipped_rows"] += len(chunk.bad)
@@ -211,11 +240,19 @@ def _write(writer: MaskedWriter, chunks: Iterator[Chunk], skip_bad_rows: bool,
 
 
 def _outputs(prefix: str) -> list[Path]:
+    """Every file a dataset has, the tokenizer folder last."""
     return [Path(f"{prefix}{ext}") for ext in (".bin", ".idx", f"{MASK_SUFFIX}.bin",
-                                               f"{MASK_SUFFIX}.idx", META_SUFFIX, ".tokenizer")]
+                                               f"{MASK_SUFFIX}.idx", *IMAGE_FILES, META_SUFFIX,
+                                               ".tokenizer")]
 
 
-def _check_options(mask: str, truncate_side: str, seq_len: int | None, workers: int) -> None:
+def _check_options(kind: str, mask: str, truncate_side: str, seq_len: int | None,
+                   workers: int) -> None:
+    if kind not in ("chat", KIND):
+        raise DataError(f"kind {kind!r}: expected chat or {KIND}")
+    if kind == KIND and mask != "completion":
+        raise DataError(f"--format {KIND} masks the completion (chosen, rejected), not "
+                        f"--mask {mask}")
     if mask not in MASK_MODES:
         raise DataError(f"--mask {mask}: expected one of {', '.join(MASK_MODES)}")
     if truncate_side not in TRUNCATE_SIDES:
@@ -247,22 +284,51 @@ def _meta(settings: Settings, counts: dict[str, int], documents: int) -> dict[st
             "chat_template": "override" if settings.template is not None else "tokenizer"}
 
 
+def _images_meta(rows: ImageRows, count: int) -> dict[str, Any]:
+    """``meta["images"]`` (:mod:`composer.data.masked`), for a dataset with images."""
+    if not count:
+        return {}
+    v = rows.vision
+    return {"images": {"count": count, "settings": dataclasses.asdict(rows.settings),
+                       "image_token_id": v.pad, "vision_start_token_id": v.start,
+                       "vision_end_token_id": v.end}}
+
+
+def _check_images(kind: str, tok: HFTokenizer, image_root: str | None,
+                  min_pixels: int | None, max_pixels: int | None) -> None:
+    """Refuse image options that cannot work before any row is read (the settings are built,
+    Pillow imported, only when a flag is given)."""
+    flags = [f for f, v in (("--image-root", image_root), ("--min-pixels", min_pixels),
+                            ("--max-pixels", max_pixels)) if v is not None]
+    if flags and kind != "chat":
+        raise DataError(f"{flags[0]} is for --format chat (rows with images)")
+    if image_root is not None and not Path(image_root).is_dir():
+        raise DataError(f"--image-root {image_root}: no such folder")
+    if min_pixels is not None or max_pixels is not None:
+        ImageRows(tok, min_pixels, max_pixels).settings  # noqa: B018 (validates)
+
+
+def _publish_tokenizer(tmp_tok: str, out_prefix: str) -> None:
+    _remove(f"{out_prefix}.tokenizer")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_tok, 0o777 & ~umask)
+    os.replace(tmp_tok, f"{out_prefix}.tokenizer")
+
+
 def prepare_chat(inputs: list[str], out_prefix: str, tokenizer: str,
                  chat_template: str | None = None, mask: str = "assistant",
                  skip_bad_rows: bool = False, workers: int = 1, seq_len: int | None = None,
                  truncate_side: str = "right", progress: Callable[[int], Any] | None = None,
-                 force: bool = False, kind: str = "chat") -> dict[str, Any]:
+                 force: bool = False, kind: str = "chat", image_root: str | None = None,
+                 min_pixels: int | None = None, max_pixels: int | None = None
+                 ) -> dict[str, Any]:
     """Render, tokenise and mask the chat rows of ``inputs`` into ``out_prefix`` (see the
     module docstring); ``progress`` is called with the rows done since its last call.
     ``kind="preference"``: preference rows, two documents each, the completion masked
     (:mod:`composer.data.preference`; ``mask`` must be ``completion``). Returns the counts."""
     start = time.perf_counter()
-    if kind not in ("chat", KIND):
-        raise DataError(f"kind {kind!r}: expected chat or {KIND}")
-    if kind == KIND and mask != "completion":
-        raise DataError(f"--format {KIND} masks the completion (chosen, rejected), not "
-                        f"--mask {mask}")
-    _check_options(mask, truncate_side, seq_len, workers)
+    _check_options(kind, mask, truncate_side, seq_len, workers)
     sources = _check_inputs(inputs)
     existing = [p for p in _outputs(out_prefix) if p.exists()]
     if existing and not force:
@@ -272,7 +338,9 @@ def prepare_chat(inputs: list[str], out_prefix: str, tokenizer: str,
     if isinstance(tok, ByteTokenizer):
         raise DataError(f"--format {kind} needs a tokenizer with a chat template; the byte "
                         "tokenizer has none")
-    settings = Settings(str(tok.folder), template, mask, seq_len, truncate_side, kind)
+    _check_images(kind, tok, image_root, min_pixels, max_pixels)
+    settings = Settings(str(tok.folder), template, mask, seq_len, truncate_side, kind,
+                        min_pixels, max_pixels)
     dtype = np.dtype(optimal_dtype(tok.vocab_size)).name
     encoder = _Encoder(settings, dtype, tok)  # a template that does not compile fails here
     folder = Path(os.path.abspath(out_prefix)).parent
@@ -287,59 +355,25 @@ def prepare_chat(inputs: list[str], out_prefix: str, tokenizer: str,
             Path(tmp_tok, "chat_template.jinja").write_text(template, encoding="utf-8")
         with MaskedWriter(out_prefix, dtype) as writer, \
                 _pool(settings, dtype, workers) as pool:
-            chunks = _encoded(_items(sources, kind), encoder, pool, workers, _encode_in_worker)
+            items = _items(sources, kind, image_root)
+            chunks = _encoded(items, encoder, pool, workers, _encode_in_worker)
             counts = _write(writer, chunks, skip_bad_rows, progress)
             if writer.n_documents == 0:
                 raise DataError(f"no {'pairs' if kind == KIND else 'conversations'}: all "
                                 f"{counts['rows']:,} rows were bad "
                                 "(nothing written)")
             meta = {**_meta(settings, counts, writer.n_documents), "tokenizer": tok.name,
-                    "inputs": [str(p) for p in inputs]}
+                    "inputs": [str(p) for p in inputs],
+                    **_images_meta(encoder.images, writer.n_images)}
             writer.finalize(meta)
         published = True
-        _remove(f"{out_prefix}.tokenizer")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_tok, 0o777 & ~umask)
-        os.replace(tmp_tok, f"{out_prefix}.tokenizer")
+        _publish_tokenizer(tmp_tok, out_prefix)
     except BaseException:
         _remove(*([tmp_tok] if tmp_tok else []),
-                *(_outputs(out_prefix)[:5] if published else []))
+                *(_outputs(out_prefix)[:-1] if published else []))
         if created and not any(folder.iterdir()):
             folder.rmdir()
         raise
     seconds = time.perf_counter() - start
     return {**meta, "n_documents": meta["documents"], "n_tokens": meta["tokens"],
             "dtype": dtype, "seconds": seconds, "tokens_per_s": meta["tokens"] / seconds}
-
-
-def inspect_chat(prefix: str) -> dict[str, Any]:
-    """A chat dataset's counts (``documents``, ``tokens``, ``supervised_tokens``; a dataset of
-    preference pairs also ``pairs``) and what made it (``PREFIX.chat.json``)."""
-    ds = MaskedDataset(prefix)
-    tokens = ds.tokens
-    pairs = {"kind": KIND, "pairs": ds.n_documents // 2} if ds.meta.get("kind") == KIND else {}
-    return {"format": ds.meta.get("format", "chat"), **pairs, "documents": ds.n_documents,
-            "tokens": tokens.n_tokens,
-            "supervised_tokens": ds.supervised_tokens(), "n_documents": ds.n_documents,
-            "n_sequences": tokens.n_sequences, "n_tokens": tokens.n_tokens,
-            "dtype": tokens.dtype.name, "tokenizer": describe_tokenizer(f"{prefix}.tokenizer"),
-            "bin_bytes": os.path.getsize(f"{prefix}.bin"),
-            **{k: ds.meta[k] for k in ("mask", "skipped_rows", "truncated", "seq_len",
-                                       "truncate", "chat_template") if k in ds.meta}}
-
-
-def row(prefix: str, i: int) -> dict[str, list[int]]:
-    """Conversation ``i`` (input order, bad rows left out) as token ids and loss mask; for a
-    dataset without a mask (text), every token is a target: an all-ones mask."""
-    ds: MaskedDataset | IndexedDataset = (MaskedDataset if is_masked(prefix)
-                                          else IndexedDataset)(prefix)
-    n = ds.n_documents
-    if not 0 <= i < n:
-        raise DataError(f"--row {i}: the dataset has {n:,} documents (0 to {n - 1:,})")
-    if isinstance(ds, MaskedDataset):
-        ids, mask = ds.document(i)
-    else:
-        ids = ds.document(i)
-        mask = np.ones(len(ids), dtype=np.uint8)
-    return {"token_ids": [int(x) for x in ids], "loss_mask": [int(x) for x in mask]}

@@ -32,16 +32,14 @@ from typing import Any
 
 import numpy as np
 
+from composer.settings import DataError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, n_seq, n_doc: 34 bytes
 DTYPES: dict[int, type[np.number]] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
                                       5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 CODES: dict[type[np.number], int] = {t: c for c, t in DTYPES.items()}
-
-
-class DataError(ValueError):
-    """A dataset, input file or tokenizer that cannot be used; the message is one line."""
 
 
 def optimal_dtype(vocab_size: int) -> type[np.number]:

@@ -54,6 +54,11 @@ def _field(record: dict[str, Any], field: str) -> list[dict[str, Any]]:
         raise RowError(str(e) if str(e).startswith(repr(field)) else f"{field}: {e}") from None
     if not messages and field != "prompt":
         raise RowError(f"{field!r} has no messages")
+    if any(isinstance(m.get("content"), list) and any(part["type"] == "image"
+                                                      for part in m["content"])
+           for m in messages):
+        raise RowError(f"{field}: image parts in preference pairs are not built yet (--format "
+                       "chat takes rows with images)")
     return messages
 
 
@@ -67,6 +72,9 @@ def parse_pair(record: Any) -> tuple[tuple[list[dict[str, Any]], int],
     if missing:
         raise RowError(f"no {' and no '.join(repr(f) for f in missing)} key (a preference row "
                        "has 'prompt', 'chosen' and 'rejected')")
+    if record.get("images"):
+        raise RowError("'images' in preference pairs are not built yet (--format chat takes "
+                       "rows with images)")
     prompt = _field(record, "prompt")
     return ((prompt + _field(record, "chosen"), len(prompt)),
             (prompt + _field(record, "rejected"), len(prompt)))

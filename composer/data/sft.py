@@ -13,19 +13,34 @@ Rows are visited in ``default_rng([seed, e]).permutation(n_rows)`` order in epoc
 :class:`composer.train.data.Rows`); global sample ``k`` is row ``k % n_rows`` of epoch
 ``k // n_rows``. A sample is ``(tokens, doc_ids, mask)``: int64 ``[seq_len]`` token ids, their
 documents within the row (0, 1, ...) and the loss mask (1: a supervised target).
+
+A dataset with images (:mod:`composer.data.chat_images`) gives ``(tokens, doc_ids, mask,
+images)``: ``images`` the row's images in the order their blocks appear in it, each
+``(pixel_values, (t, h, w))`` with ``pixel_values`` float32 ``[t*h*w, d_patch]`` computed from the
+stored pixels as :func:`composer.vision.preprocess.preprocess_images` computes it. Truncation
+never splits an image block: a cut inside one moves to its edge (the document keeps fewer than
+``seq_len`` tokens, and packs as that many), and the images outside the kept tokens are dropped.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from composer.data import chat
 from composer.data.chat import TRUNCATE_SIDES
+from composer.data.chat_images import Grid, Image, cut, truncate_blocks
 from composer.data.indexed import DataError
 from composer.data.masked import MaskedDataset
+
+if TYPE_CHECKING:
+    import torch
+
+Sample = tuple[Any, ...]
+"""``(tokens, doc_ids, mask)``, and ``images`` for a dataset with images (module docstring)."""
 
 
 def truncate(ids: np.ndarray, mask: np.ndarray, seq_len: int, side: str,
@@ -94,6 +109,11 @@ class SFTSamples:
                             "right|left cuts them)")
         self.truncated = int(long.size)
         lengths = np.minimum(raw, seq_len)
+        self.has_images = dataset.has_images
+        for i in long.tolist() if self.has_images else []:  # a cut may move to a block's edge
+            d = self.documents.start + i
+            lo, hi = cut(int(raw[i]), seq_len, truncate_side, dataset.image_blocks(d))
+            lengths[i] = hi - lo
         keep = np.flatnonzero(lengths > 0)  # an empty document has nothing to pack
         rows = best_fit_decreasing(lengths[keep], seq_len)
         if not rows:
@@ -111,23 +131,46 @@ class SFTSamples:
     def __len__(self) -> int:
         return self.n_rows
 
-    def row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Packed row ``r`` (packing order): tokens, doc ids, mask."""
+    def document(self, d: int) -> tuple[np.ndarray, np.ndarray, list[Image]]:
+        """Document ``d`` as it is packed: ids, mask and stored images, truncated."""
+        ids, mask = self.dataset.document(d)
+        name = f"{self.name}: document {d}"
+        blocks = self.dataset.image_blocks(d, ids)
+        if not blocks:
+            return *truncate(ids, mask, self.seq_len, self.side, name), []
+        try:
+            ids, mask, kept = truncate_blocks(ids, mask, self.seq_len, self.side, blocks)
+        except chat.RowError as e:
+            raise DataError(f"{name}: {e}") from None
+        images = self.dataset.images(d)
+        return ids, mask, [images[k] for k in kept]
+
+    def _patches(self, image: Image) -> tuple[torch.Tensor, Grid]:
+        import torch
+
+        from composer.vision.preprocess import image_patches
+
+        rows, grid = image_patches(np.asarray(image[0]), self.dataset.image_settings)
+        return torch.from_numpy(np.ascontiguousarray(rows)), grid
+
+    def row(self, r: int) -> Sample:
+        """Packed row ``r`` (packing order): tokens, doc ids, mask (and images)."""
         tokens = np.full(self.seq_len, self.pad_id, dtype=np.int64)
         docs = np.empty(self.seq_len, dtype=np.int64)
         mask = np.zeros(self.seq_len, dtype=np.int64)
+        images: list[tuple[torch.Tensor, Grid]] = []
         pos = 0
         for j, d in enumerate(self.row_docs[self.row_start[r]:self.row_start[r + 1]].tolist()):
-            ids, m = self.dataset.document(d)
-            ids, m = truncate(ids, m, self.seq_len, self.side, f"{self.name}: document {d}")
+            ids, m, stored = self.document(d)
             n = len(ids)
             tokens[pos:pos + n], mask[pos:pos + n], docs[pos:pos + n] = ids, m, j
+            images += [self._patches(image) for image in stored]
             pos += n
         if pos < self.seq_len:  # the padding is a document of its own
             docs[pos:] = self.row_start[r + 1] - self.row_start[r]
-        return tokens, docs, mask
+        return (tokens, docs, mask, images) if self.has_images else (tokens, docs, mask)
 
-    def __getitem__(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def __getitem__(self, k: int) -> Sample:
         e, i = divmod(int(k), self.n_rows)
         if e not in self._epochs:
             self._epochs = {e: np.random.default_rng([self.seed, e]).permutation(self.n_rows)}

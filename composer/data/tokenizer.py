@@ -143,6 +143,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` (a special token such as ``<|image_pad|>``), None without it."""
+        return self._tok.token_to_id(token)
+
     def encode_prompt(self, text: str) -> list[int]:
         """A generation prompt: the post-processor adds what the model expects around it (the
         BOS of Llama-3), as ``transformers``' ``tokenizer(text)`` does."""

@@ -9,17 +9,22 @@ tokens with their document ids), the built-in corpus when no data is named
 Global batch ``k`` is samples ``k*G .. (k+1)*G - 1`` of the source's order; data-parallel rank
 ``r`` reads only the contiguous ``r``-th share of it, cut into micro-batches. The data position
 is one number, the samples consumed, so a resumed run continues with the next unseen sample
-whatever its global batch size.
+whatever its global batch size. Samples of conversations with images carry them; a
+micro-batch's images are concatenated in the row-major order of their blocks
+(:attr:`Micro.pixel_values`, :attr:`Micro.image_grid_thw`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from composer.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 IGNORE_INDEX = -100  # composer.blocks.loss.IGNORE_INDEX (numpy only here)
 
@@ -45,6 +50,12 @@ class Micro:
     labels: np.ndarray | None = None
     """``(m, T)`` unshifted labels: the ids where the loss mask is 1, ``-100`` elsewhere (masked
     samples, the SFT objective); None: the ids themselves are the labels."""
+    pixel_values: torch.Tensor | None = None
+    """float32 ``[N, d_patch]``: the images of the rows, concatenated in row-major order of
+    their blocks (row 0's in the order they appear in it, then row 1's...); None when the
+    micro-batch has no image (:attr:`Batches.has_images` says whether the source can have)."""
+    image_grid_thw: torch.Tensor | None = None
+    """int64 ``[n, 3]``: each of those images' ``(t, h, w)`` in patches, in the same order."""
 
 
 class Rows:
@@ -64,12 +75,15 @@ class Rows:
 class Batches:
     """Global batches of ``global_batch`` samples of ``samples`` (anything indexable by the
     global sample number and returning ``(tokens, doc_ids or None)``, or ``(tokens, doc_ids,
-    mask)`` for masked samples: :class:`composer.data.sft.SFTSamples`)."""
+    mask)`` for masked samples, ``(tokens, doc_ids, mask, images)`` with images:
+    :class:`composer.data.sft.SFTSamples`). ``has_images``: the source carries images (for a
+    blend, any of its datasets), so any micro-batch may have some."""
 
     def __init__(self, samples, global_batch: int, vocab_size: int | None = None,
-                 name: str = "") -> None:
+                 name: str = "", has_images: bool = False) -> None:
         self.samples, self.global_batch = samples, global_batch
         self.vocab_size, self.name = vocab_size, name
+        self.has_images = has_images
 
     def local(self, consumed: int, dp: int, dp_rank: int, micro: int) -> list[Any]:
         """This data-parallel rank's micro-batches of the global batch after ``consumed``: its
@@ -93,19 +107,27 @@ class Batches:
             mask = np.stack([r[2] for r in rows])
             labels = np.where(mask != 0, ids, IGNORE_INDEX)
         self.check_vocab(ids, f"sample {start}")
-        return Micro(ids, docs, labels)
+        # a blend may mix datasets with images (4-tuples) and without (3-tuples)
+        images = [image for r in rows if len(r) > 3 for image in r[3]]
+        if not images:
+            return Micro(ids, docs, labels)
+        import torch
+
+        return Micro(ids, docs, labels, torch.cat([p for p, _ in images]),
+                     torch.tensor([list(g) for _, g in images], dtype=torch.int64))
 
 
 def blend_batches(parts: list[list], weights: list[float], name: str, global_batch: int,
-                  vocab_size: int) -> tuple[Batches, Batches | None]:
+                  vocab_size: int, has_images: bool = False) -> tuple[Batches, Batches | None]:
     """Training and validation batches of a blend: ``parts[0]`` holds each dataset's training
     samples, ``parts[1]`` its validation samples (validation only when every dataset has a
-    share), mixed by ``weights`` (:class:`composer.data.blend.Blend`)."""
+    share), mixed by ``weights`` (:class:`composer.data.blend.Blend`); ``has_images``: any
+    dataset carries images (:attr:`Batches.has_images`)."""
     from composer.data.blend import Blend
 
     samples = [s[0] if len(s) == 1 else Blend(s, weights) for s in parts if s]
-    train = Batches(samples[0], global_batch, vocab_size, name)
+    train = Batches(samples[0], global_batch, vocab_size, name, has_images)
     valid = None
     if len(parts[1]) == len(weights):
-        valid = Batches(samples[1], global_batch, vocab_size, name)
+        valid = Batches(samples[1], global_batch, vocab_size, name, has_images)
     return train, valid

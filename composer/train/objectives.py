@@ -185,8 +185,36 @@ def dataset_pad_id(prefix: str) -> int:
     return 0 if eod is None else int(eod)
 
 
+IMAGE_TOKENS = ("image_token_id", "vision_start_token_id", "vision_end_token_id")
+PATCH_SIZES = ("patch_size", "temporal_patch_size", "merge_size")
+
+
+def check_images(prefix: str, meta: dict[str, Any], cfg: ModelConfig) -> None:
+    """A dataset with images (``meta["images"]``, :mod:`composer.data.masked`) trains only a
+    model whose tower reads them as they were made: the same placeholder token ids, patch and
+    merge sizes (one-line :class:`ConfigError` naming both values)."""
+    info = meta["images"]
+    v = cfg.vision
+    if v is None:
+        raise ConfigError(f"--objective sft: {prefix} has {info['count']:,} images and the "
+                          "model has no vision tower (a text model)")
+    for key in IMAGE_TOKENS:
+        if info[key] != getattr(v, key):
+            raise ConfigError(f"--objective sft: {prefix} has {key} {info[key]}, the model's "
+                              f"vision.{key} is {getattr(v, key)} (prepare the data with the "
+                              "model's tokenizer)")
+    for key in PATCH_SIZES:
+        if info["settings"][key] != getattr(v, key):
+            raise ConfigError(f"--objective sft: {prefix}'s images have {key} "
+                              f"{info['settings'][key]}, the model's vision.{key} is "
+                              f"{getattr(v, key)} (prepare them with the model's "
+                              "preprocessor_config.json)")
+
+
 def open_sft_data(recipe: Recipe, cfg: ModelConfig) -> tuple[Batches, Batches | None, int]:
-    """Train (and validation) batches of packed masked conversations; rows of ``--seq-len``."""
+    """Train (and validation) batches of packed masked conversations; rows of ``--seq-len``.
+    A dataset with images is checked against the model's tower (:func:`check_images`) and
+    makes the batches' ``has_images``."""
     from composer.data.blend import parse_blend
     from composer.data.gpt import split_documents
     from composer.data.masked import MaskedDataset, is_masked
@@ -203,11 +231,15 @@ def open_sft_data(recipe: Recipe, cfg: ModelConfig) -> tuple[Batches, Batches | 
             raise ConfigError(f"--objective sft: {prefix} has no loss mask ({prefix}.mask.idx); "
                               "prepare it with `composer data prepare --format chat`")
     parts: list[list[SFTSamples]] = [[], []]
+    has_images = False
     for _, prefix in blend:
         ds = MaskedDataset(prefix)
         if ds.meta.get("kind") == "preference":
             raise ConfigError(f"--objective sft: {prefix} is a preference set (pairs of chosen "
                               "and rejected answers): train it with --objective dpo")
+        if ds.has_images:
+            check_images(prefix, ds.meta, cfg)
+            has_images = True
         ranges = split_documents(ds.n_documents, recipe.split)
         for which in (0, 1):
             if len(ranges[which]) or which == 0:
@@ -223,7 +255,7 @@ def open_sft_data(recipe: Recipe, cfg: ModelConfig) -> tuple[Batches, Batches | 
                   f"{recipe.seq_len} truncated (--truncate {recipe.truncate})", file=sys.stderr,
                   flush=True)
     train, valid = blend_batches(parts, [w for w, _ in blend], " + ".join(p for _, p in blend),
-                                 recipe.global_batch_size, cfg.vocab_size)
+                                 recipe.global_batch_size, cfg.vocab_size, has_images)
     return train, valid, recipe.seq_len
 
 

@@ -83,7 +83,7 @@ def image_inputs(run: Run, micro: list[Micro], training: bool = True) -> dict[st
     data that has some, runs the tower on its stand-in while the tower trains
     (:meth:`HybridModel.tower_stand_in`): every rank then reduces the same gradients, whichever
     ranks had the images, and no layout changes the update."""
-    grids = [mb.image_grid_thw for mb in micro if getattr(mb, "image_grid_thw", None) is not None]
+    grids = [mb.image_grid_thw for mb in micro if mb.image_grid_thw is not None]
     if not grids:
         if not training or not getattr(run.batches, "has_images", False):
             return {}

@@ -18,6 +18,10 @@ The result: ``pixel_values`` (sum over images of h*w / P^2, C*T*P*P) float32 and
 ``image_grid_thw`` (n_images, 3) int64, one row ``[1, h / P, w / P]`` per image. An image with
 h x w patches takes ``h * w / merge^2`` placeholder tokens in the prompt (:func:`n_placeholders`).
 Sizes in messages are PIL's ``WIDTHxHEIGHT``.
+
+The steps split in two public halves: :func:`resize_image` (1-2: uint8 ``(3, h, w)``, what a
+chat dataset with images stores) and :func:`image_patches` (3-4: what its reader computes), so
+that stored images train on exactly :func:`preprocess_images`'s values.
 """
 
 from __future__ import annotations
@@ -34,8 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from composer.data.indexed import DataError
-from composer.settings import ConfigError
+from composer.settings import ConfigError, DataError
 
 try:
     from PIL import Image, ImageOps, UnidentifiedImageError
@@ -274,14 +277,37 @@ def patchify(pixels: np.ndarray, s: ImageSettings) -> np.ndarray:
     return frames.reshape(gh * gw, c * t * p * p)
 
 
-def _normalized(image: Image.Image, size: tuple[int, int], s: ImageSettings) -> np.ndarray:
-    """Resized, rescaled and normalised (3, h, w) float32, in transformers' dtypes."""
-    height, width = size
-    resized = np.asarray(image.resize((width, height), resample=s.resample)).transpose(2, 0, 1)
-    x = (resized.astype(np.float64) * s.rescale_factor).astype(np.float32)
+def resize_image(image: ImageInput, settings: ImageSettings | None = None,
+                 index: int = 0) -> np.ndarray:
+    """Steps 1 and 2 (module docstring) of one image: uint8 ``(3, h, w)``, each side a multiple
+    of ``settings.factor``. What a dataset stores (3 bytes a pixel): :func:`image_patches` of
+    it is the image's part of :func:`preprocess_images`, bit for bit. ``index`` names an image
+    that is not a path in errors."""
+    s = settings or ImageSettings()
+    name, rgb = _rgb(index, image, s)
+    height, width = _resized_size(name, rgb.width, rgb.height, s)
+    return np.asarray(rgb.resize((width, height), resample=s.resample)).transpose(2, 0, 1)
+
+
+def _normalized(pixels: np.ndarray, s: ImageSettings) -> np.ndarray:
+    """uint8 (3, h, w) rescaled and normalised: float32, in transformers' dtypes."""
+    x = (pixels.astype(np.float64) * s.rescale_factor).astype(np.float32)
     mean = np.array(s.mean, dtype=np.float32)[:, None, None]
     std = np.array(s.std, dtype=np.float32)[:, None, None]
     return (x - mean) / std
+
+
+def image_patches(pixels: np.ndarray,
+                  settings: ImageSettings | None = None) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Steps 3 and 4 on :func:`resize_image`'s uint8 ``(3, h, w)``: the image's rows of
+    ``pixel_values`` (``h/P * w/P``, C*T*P*P) float32 and its grid ``(1, h/P, w/P)``."""
+    s = settings or ImageSettings()
+    if pixels.ndim != 3 or pixels.shape[0] != 3 or pixels.dtype != np.uint8 or \
+            pixels.shape[1] % s.factor or pixels.shape[2] % s.factor:
+        raise ImageError(f"resized pixels are uint8 (3, h, w) with h and w multiples of "
+                         f"{s.factor}, got {pixels.dtype} {tuple(pixels.shape)}")
+    grid = (1, pixels.shape[1] // s.patch_size, pixels.shape[2] // s.patch_size)
+    return patchify(_normalized(pixels, s), s), grid
 
 
 def preprocess_images(images: ImageInput | Sequence[ImageInput],
@@ -313,10 +339,9 @@ def preprocess_images(images: ImageInput | Sequence[ImageInput],
         images = [images]
     rows, grids = [], []
     for index, image in enumerate(images):
-        name, rgb = _rgb(index, image, s)
-        size = _resized_size(name, rgb.width, rgb.height, s)
-        rows.append(patchify(_normalized(rgb, size, s), s))
-        grids.append([1, size[0] // s.patch_size, size[1] // s.patch_size])
+        patches, grid = image_patches(resize_image(image, s, index), s)
+        rows.append(patches)
+        grids.append(list(grid))
     pixel_values = np.concatenate(rows) if rows else np.zeros((0, s.d_patch), np.float32)
     return (torch.from_numpy(np.ascontiguousarray(pixel_values)),
             torch.tensor(grids, dtype=torch.int64).reshape(-1, 3))

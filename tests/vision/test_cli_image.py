@@ -7,6 +7,7 @@ to its image's count."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -69,43 +70,25 @@ def test_image_errors_are_one_line(vlm, tmp_path, capsys):
         assert code == 2 and words in err and "\n" not in err, err
 
 
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
-    "{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif c.type == 'text' %}{{ c.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-"""Qwen-VL's way of writing an image in a user message: one placeholder between the markers."""
-
-
 def test_chat_with_images_expands_the_template_placeholders(vlm, tmp_path, capsys):
     import dataclasses
 
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     from composer.data.tokenizer import load_tokenizer
     from composer.vision.preprocess import ImageSettings, n_placeholders, preprocess_images
     from composer.zoo import get_preset
+    from tests.helpers import VL_SPECIALS, write_vl_tokenizer
 
-    specials = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>"]
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.train_from_iterator(["describe the two pictures"], tokenizers.trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
     folder = tmp_path / "ck"
     cfg = get_preset("qwen3.5-vl-debug").config()
-    ids = {t: tok.token_to_id(t) for t in specials}
+    tokenizer = write_vl_tokenizer(tmp_path / "tok", ["describe the two pictures"])
+    loaded = load_tokenizer(str(tokenizer))
+    ids = {t: loaded.token_id(t) for t in VL_SPECIALS}
     cfg = dataclasses.replace(cfg, vision=dataclasses.replace(
         cfg.vision, vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], image_token_id=ids["<|image_pad|>"]))
     composer.save(composer.build_model(cfg, seed=0), folder)
-    (folder / "tokenizer").mkdir()
-    tok.save(str(folder / "tokenizer" / "tokenizer.json"))
-    (folder / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-         "chat_template": TEMPLATE}))
+    shutil.copytree(tokenizer, folder / "tokenizer")
     _, png = vlm
     code = main(["generate", str(folder), "--chat", "--image", str(png), "--image", str(png),
                  "--prompt", "describe the two pictures", "--max-new-tokens", "3", "--json"])
@@ -116,7 +99,6 @@ def test_chat_with_images_expands_the_template_placeholders(vlm, tmp_path, capsy
                                                          merge_size=v.merge_size))
     n = n_placeholders(thw, v.merge_size)
     block = [v.vision_start_token_id, *[v.image_token_id] * n[0], v.vision_end_token_id]
-    loaded = load_tokenizer(str(folder / "tokenizer"))
     head = loaded.encode("<|im_start|>user\n")
     tail = loaded.encode("describe the two pictures<|im_end|>\n<|im_start|>assistant\n")
     assert out["prompt_token_ids"] == head + block + block + tail

@@ -18,6 +18,8 @@ from transformers import (
     DeepseekV3Config,
     Glm4MoeConfig,
     JambaConfig,
+    Lfm2Config,
+    Lfm2MoeConfig,
     LlamaConfig,
     Mamba2Config,
     MiniMaxM2Config,
@@ -45,6 +47,14 @@ _NEMOTRON_COMMON = dict(
     num_nextn_predict_layers=0,
 )
 _P_H_4B_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+# Fields shared by every LFM2 config.json (LiquidAI/LFM2-350M, -700M, -1.2B, -2.6B).
+_LFM2_COMMON = dict(
+    vocab_size=65536, num_hidden_layers=16, num_key_value_heads=8, norm_eps=1e-5,
+    conv_L_cache=3, conv_bias=False, block_multiple_of=256, block_ffn_dim_multiplier=1.0,
+    block_auto_adjust_ff_dim=True, rope_theta=1000000.0, tie_embedding=True,
+    max_position_embeddings=128000)
+_LFM2_ATTN_16 = [2, 5, 8, 10, 12, 14]
 
 # name -> (transformers config class, kwargs as in the id's config.json)
 PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
@@ -216,6 +226,29 @@ PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
         linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
         shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
         rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # LiquidAI/LFM2-{350M,700M,1.2B} config.json (the older field names: block_ff_dim,
+    # full_attn_idxs, tie_embedding, a top-level rope_theta) and LiquidAI/LFM2-2.6B's
+    # (layer_types, the width adjustment off).
+    "lfm2-350m": (Lfm2Config, dict(_LFM2_COMMON, hidden_size=1024, num_attention_heads=16,
+                                   block_ff_dim=6656, full_attn_idxs=_LFM2_ATTN_16)),
+    "lfm2-700m": (Lfm2Config, dict(_LFM2_COMMON, hidden_size=1536, num_attention_heads=24,
+                                   block_ff_dim=10240, full_attn_idxs=_LFM2_ATTN_16)),
+    "lfm2-1.2b": (Lfm2Config, dict(_LFM2_COMMON, hidden_size=2048, num_attention_heads=32,
+                                   block_ff_dim=12288, full_attn_idxs=_LFM2_ATTN_16)),
+    "lfm2-2.6b": (Lfm2Config, dict(
+        _LFM2_COMMON, hidden_size=2048, num_attention_heads=32, num_hidden_layers=30,
+        block_ff_dim=10752, intermediate_size=10752, block_auto_adjust_ff_dim=False,
+        layer_types=["full_attention" if i in (2, 5, 9, 13, 17, 21, 24, 27) else "conv"
+                     for i in range(30)])),
+    # LiquidAI/LFM2-8B-A1B config.json (Lfm2MoeForCausalLM).
+    "lfm2-8b-a1b": (Lfm2MoeConfig, dict(
+        vocab_size=65536, hidden_size=2048, intermediate_size=7168, moe_intermediate_size=1792,
+        num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=8, norm_eps=1e-5,
+        conv_L_cache=3, conv_bias=False, rope_theta=1000000.0, num_dense_layers=2,
+        num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, use_expert_bias=True,
+        routed_scaling_factor=1.0, max_position_embeddings=128000, tie_word_embeddings=True,
+        layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv"
+                     for i in range(24)])),
 }
 
 LLAMA_3_1_8B_TOTAL = 8_030_261_248
@@ -418,6 +451,32 @@ def qwen3_5_moe_kwargs(cfg: ModelConfig) -> dict:
     return out
 
 
+def lfm2_kwargs(cfg: ModelConfig) -> dict:
+    a, mlp, s = cfg.attention, cfg.mlp, cfg.shortconv
+    assert a is not None and mlp is not None and s is not None and a.qk_norm
+    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    assert set(kinds) == {"C-", "*-"} and mlp.activation == "swiglu"
+    return dict(_attention_kwargs(cfg), num_hidden_layers=len(kinds),
+                layer_types=["conv" if k == "C-" else "full_attention" for k in kinds],
+                intermediate_size=mlp.d_ff, block_auto_adjust_ff_dim=False,
+                norm_eps=cfg.norm_eps, conv_L_cache=s.d_conv, conv_bias=s.bias)
+
+
+def lfm2_moe_kwargs(cfg: ModelConfig) -> dict:
+    a, mlp, e, s = cfg.attention, cfg.mlp, cfg.moe, cfg.shortconv
+    assert a is not None and e is not None and s is not None and a.qk_norm
+    assert e.score_func == "sigmoid" and e.n_shared_experts == 0
+    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    return dict(_attention_kwargs(cfg), num_hidden_layers=len(kinds),
+                layer_types=["conv" if k[0] == "C" else "full_attention" for k in kinds],
+                num_dense_layers=sum(k[1] == "-" for k in kinds),
+                intermediate_size=mlp.d_ff if mlp is not None else e.d_ff,
+                moe_intermediate_size=e.d_ff, num_experts=e.n_experts,
+                num_experts_per_tok=e.top_k, norm_topk_prob=e.renormalize,
+                use_expert_bias=e.score_correction_bias, norm_eps=cfg.norm_eps,
+                conv_L_cache=s.d_conv, conv_bias=s.bias)
+
+
 DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "nemotron-h-debug": (NemotronHConfig, nemotron_h_kwargs),
     "nemotron-3-nano-debug": (NemotronHConfig, nemotron_h_kwargs),
@@ -434,6 +493,8 @@ DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "jamba-debug": (JambaConfig, jamba_kwargs),
     "qwen3.5-debug": (Qwen3_5TextConfig, qwen3_next_kwargs),
     "qwen3.5-moe-debug": (Qwen3_5MoeTextConfig, qwen3_5_moe_kwargs),
+    "lfm2-debug": (Lfm2Config, lfm2_kwargs),
+    "lfm2-moe-debug": (Lfm2MoeConfig, lfm2_moe_kwargs),
 }
 
 

@@ -5,6 +5,7 @@ from composer.convert.deepseek_v3 import DeepseekV3Adapter, DeepseekV32Adapter
 from composer.convert.glm4_moe import Glm4MoeAdapter
 from composer.convert.granite import BambaAdapter, GraniteMoeHybridAdapter
 from composer.convert.jamba import JambaAdapter
+from composer.convert.lfm2 import Lfm2Adapter, Lfm2MoeAdapter
 from composer.convert.llama import LlamaAdapter
 from composer.convert.mamba2 import Mamba2Adapter
 from composer.convert.minimax_m2 import MiniMaxM2Adapter
@@ -37,4 +38,6 @@ ADAPTERS: list[Adapter] = [
     # The Hub's Qwen3.5 checkpoints: the text model above plus the vision tower.
     Qwen3_5VLAdapter(),
     Qwen3_5MoeVLAdapter(),
+    Lfm2Adapter(),
+    Lfm2MoeAdapter(),
 ]
