@@ -30,6 +30,7 @@ def _collect() -> dict[str, Preset]:
     from composer.zoo import (
         deepseek_v3,
         glm4_moe,
+        jamba,
         lfm2,
         llama,
         mamba2,
@@ -43,7 +44,7 @@ def _collect() -> dict[str, Preset]:
 
     presets: dict[str, Preset] = {}
     for module in (nemotron_h, llama, qwen3, mixtral, mamba2, deepseek_v3, glm4_moe, minimax_m2,
-                   olmo_hybrid, qwen3_next, lfm2):
+                   olmo_hybrid, qwen3_next, lfm2, jamba):
         for preset in module.PRESETS:
             assert preset.name not in presets, preset.name
             presets[preset.name] = preset

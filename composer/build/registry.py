@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from composer.blocks import attention, gdn, mamba2, mla, mlp, moe, shortconv
+from composer.blocks import attention, gdn, mamba1, mamba2, mla, mlp, moe, shortconv
 from composer.blocks.kind import KINDS, LayerKind, halo
 from composer.blocks.layer import Layer
 from composer.blocks.plan import LayoutRule
@@ -120,5 +120,6 @@ def layout_rules(cfg: ModelConfig) -> list[LayoutRule]:
 __all__ = ["REGISTRY", "SECTIONS", "build_layer", "halo", "layer_kind", "layout_rules", "register",
            "unregister"]
 
-for _kind in (mamba2.KIND, attention.KIND, mlp.KIND, moe.KIND, gdn.KIND, mla.KIND, shortconv.KIND):
+for _kind in (mamba2.KIND, attention.KIND, mlp.KIND, moe.KIND, gdn.KIND, mla.KIND, shortconv.KIND,
+              mamba1.KIND):
     register(_kind)

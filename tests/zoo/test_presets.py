@@ -17,6 +17,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     Glm4MoeConfig,
+    JambaConfig,
     Lfm2Config,
     Lfm2MoeConfig,
     LlamaConfig,
@@ -203,6 +204,15 @@ PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
     "olmo-hybrid-7b": (OlmoHybridConfig, dict()),
     # text_config of Qwen/Qwen3.5-27B and Qwen/Qwen3.5-35B-A3B (THUDM slime's
     # scripts/models/qwen3.5-27B.sh and qwen3.5-35B-A3B.sh); the text models only.
+    # ai21labs/AI21-Jamba-1.5-Mini config.json (transcribed in sdpython/experimental-experiment,
+    # torch_models/llm_model_helper.py).
+    "jamba-1.5-mini": (JambaConfig, dict(
+        vocab_size=65536, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, attn_layer_offset=4, attn_layer_period=8,
+        expert_layer_offset=1, expert_layer_period=2, num_experts=16, num_experts_per_tok=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_dt_rank=256, mamba_expand=2,
+        mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)),
     "qwen3.5-27b": (Qwen3_5TextConfig, dict(
         vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
         num_attention_heads=24, num_key_value_heads=4, head_dim=256, full_attention_interval=4,
@@ -418,6 +428,23 @@ def qwen3_next_kwargs(cfg: ModelConfig) -> dict:
     return out
 
 
+def jamba_kwargs(cfg: ModelConfig) -> dict:
+    """The debug preset's layers as JambaConfig's periods: attention every 4th HF layer from 2,
+    a MoE every 2nd from 1."""
+    a, m, e = cfg.attention, cfg.mamba1, cfg.moe
+    assert a is not None and m is not None and e is not None and a.position == "none"
+    assert m.inner_norms == "learned" and not e.renormalize and e.d_ff == cfg.mlp.d_ff
+    layers = cfg.parsed.layers
+    assert layers == "S-SE*-SE", "the mapping below is this pattern's"
+    return dict(_attention_kwargs(cfg), num_hidden_layers=len(layers) // 2,
+                attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+                expert_layer_offset=1, num_experts=e.n_experts, num_experts_per_tok=e.top_k,
+                intermediate_size=e.d_ff, mamba_d_state=m.d_state, mamba_d_conv=m.d_conv,
+                mamba_expand=m.d_inner // cfg.d_model, mamba_dt_rank=m.dt_rank,
+                mamba_conv_bias=m.conv_bias, mamba_proj_bias=m.proj_bias,
+                rms_norm_eps=cfg.norm_eps)
+
+
 def qwen3_5_moe_kwargs(cfg: ModelConfig) -> dict:
     out = qwen3_next_kwargs(cfg)
     assert out.pop("mlp_only_layers") == []
@@ -463,6 +490,7 @@ DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "minimax-m2-debug": (MiniMaxM2Config, minimax_m2_kwargs),
     "olmo-hybrid-debug": (OlmoHybridConfig, olmo_hybrid_kwargs),
     "qwen3-next-debug": (Qwen3NextConfig, qwen3_next_kwargs),
+    "jamba-debug": (JambaConfig, jamba_kwargs),
     "qwen3.5-debug": (Qwen3_5TextConfig, qwen3_next_kwargs),
     "qwen3.5-moe-debug": (Qwen3_5MoeTextConfig, qwen3_5_moe_kwargs),
     "lfm2-debug": (Lfm2Config, lfm2_kwargs),

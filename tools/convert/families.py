@@ -4,6 +4,7 @@ from composer.convert.base import Adapter
 from composer.convert.deepseek_v3 import DeepseekV3Adapter, DeepseekV32Adapter
 from composer.convert.glm4_moe import Glm4MoeAdapter
 from composer.convert.granite import BambaAdapter, GraniteMoeHybridAdapter
+from composer.convert.jamba import JambaAdapter
 from composer.convert.lfm2 import Lfm2Adapter, Lfm2MoeAdapter
 from composer.convert.llama import LlamaAdapter
 from composer.convert.mamba2 import Mamba2Adapter
@@ -24,6 +25,7 @@ ADAPTERS: list[Adapter] = [
     NemotronHAdapter(),
     BambaAdapter(),
     GraniteMoeHybridAdapter(),
+    JambaAdapter(),
     DeepseekV3Adapter(),
     DeepseekV32Adapter(),
     Glm4MoeAdapter(),
