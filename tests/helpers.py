@@ -262,3 +262,18 @@ def write_vl_tokenizer(folder: Path, corpus: list[str], specials: list[str] = VL
     if preprocessor is not None:
         (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     return folder
+
+
+def adamw_losses(model: torch.nn.Module, ids: torch.Tensor, steps: int,
+                 lr: float = 3e-3) -> list[float]:
+    """The loss of each of ``steps`` AdamW steps of ``model`` on the fixed rows ``ids`` (its
+    own labels): the "a tiny model learns" check of the block tests."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        out = model(ids, ids)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    return losses

@@ -24,6 +24,7 @@ from composer.config import (
 )
 from composer.kernels import gdn as gdn_kernels
 from composer.kernels.gdn import gdn_chunked, gdn_recurrent_ref
+from tests.helpers import adamw_losses
 
 F64 = torch.float64
 # transformers picks fla's kernels when it is importable, and those need CUDA.
@@ -316,14 +317,7 @@ def test_model_trains() -> None:
     model = build_model(cfg, seed=4)
     assert model.layers["0"].mixer.A_log.dtype == torch.float32
     ids = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(5))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        out = model(ids, ids)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-        losses.append(out.loss.item())
+    losses = adamw_losses(model, ids, 30)
     assert losses[-1] < 0.5 * losses[0], losses
 
 

@@ -28,7 +28,7 @@ from composer.kernels.selective_scan import (
     selective_scan_torch,
 )
 from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
-from tests.helpers import randomize, rel_err
+from tests.helpers import adamw_losses, randomize, rel_err
 
 F64 = torch.float64
 # transformers picks mamba_ssm / causal_conv1d when they import, and those need CUDA.
@@ -319,14 +319,7 @@ def test_model_trains_and_bf16() -> None:
     cfg = _model_cfg()
     model = build_model(cfg, seed=4)
     ids = torch.randint(0, 61, (4, 24), generator=torch.Generator().manual_seed(5))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(25):
-        out = model(ids, ids)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-        losses.append(out.loss.item())
+    losses = adamw_losses(model, ids, 25)
     assert losses[-1] < 0.5 * losses[0], losses
     mixer = _mixer(_cfg())
     with torch.no_grad():
