@@ -313,7 +313,9 @@ def _used_sections(pattern: Any) -> set[str]:
     except PatternError:
         return set()
     needs = symbol_sections()
-    used = {needs[s] for s in parsed.layers + "".join(parsed.mtp) if s in needs}
+    used = {needs[s] for s in parsed.symbols_used() if s in needs}
+    if any(t.startswith("[") for t in parsed.tokens_used()):
+        used.add("parallel")
     return used | ({"mtp"} if parsed.mtp else set())
 
 
@@ -411,14 +413,15 @@ def validate(cfg: ModelConfig) -> None:
     if post != sorted(set(post)) or any(not 0 <= i < n_layers for i in post):
         raise ConfigError(f"post_norm_layers {post} must be increasing layer indices in "
                           f"[0, {n_layers})")
-    for sym in sorted(set(pattern.layers + "".join(pattern.mtp))):
+    for sym in sorted(pattern.symbols_used()):
         section = symbol_sections().get(sym)
         if section and getattr(cfg, section) is None:
             raise ConfigError(f"pattern symbol {sym!r} needs the '{section}' section, which is "
                               f"None; {_how_to_give(section, cfg.d_model)}")
     if pattern.mtp and cfg.mtp is None:
-        raise ConfigError(f"the multi-token-prediction parts ('/{pattern.mtp[0]}') need the "
-                          "'mtp' section, which is None")
+        part = "".join(pattern.mtp[0])
+        raise ConfigError(f"the multi-token-prediction parts ('/{part}') need the 'mtp' section, "
+                          "which is None")
     if cfg.mtp is not None:
         _validate_mtp(cfg.mtp, cfg)
     if cfg.vision is not None:

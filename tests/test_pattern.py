@@ -1,4 +1,5 @@
-"""The layer-pattern language: round trip, repetition, segments, MTP, every error, fuzz."""
+"""The layer-pattern language: round trip, repetition, segments, MTP, parallel groups, shared
+layers, every error, fuzz."""
 
 import random
 import re
@@ -23,6 +24,12 @@ from composer import pattern as pattern_mod
         ("M||M", "M||M"),
         ("G+D", "G+D"),
         ("(M)x 1 2", "MMMMMMMMMMMM"),
+        ("([M*]-)x2", "[M*]-[M*]-"),
+        ("[ M * ]-|[*-]", "[M*]-|[*-]"),
+        ("({a:[M*]}-)x2", "{a:[M*]}-{a}-"),
+        ("(MM{a:*}MM{b:*})x2", "MM{a:*}MM{b:*}MM{a}MM{b}"),
+        ("{ a1_x : * }M{a1_x}|{ a1_x }", "{a1_x:*}M{a1_x}|{a1_x}"),
+        ("[M*]-/*-", "[M*]-/*-"),
     ],
 )
 def test_parse_and_format(text, flat):
@@ -34,16 +41,31 @@ def test_parse_and_format(text, flat):
 
 def test_structure():
     p = parse_pattern("(M-)x2*|E-/*E/*E")
-    assert p.segments == ("M-M-*", "E-")
-    assert p.mtp == ("*E", "*E")
-    assert p.layers == "M-M-*E-"
+    assert p.segments == (tuple("M-M-*"), tuple("E-"))
+    assert p.mtp == (tuple("*E"), tuple("*E"))
+    assert p.layers == tuple("M-M-*E-")
     assert p.symbols == list("M-M-*E-")
+    assert p.shared == (None,) * 7 and p.shared_uses() == {}
     assert p.n_layers == 7
     assert dict(p.counts()) == {"M": 2, "-": 3, "*": 1, "E": 1}
     assert [p.segment_of(i) for i in range(7)] == [0, 0, 0, 0, 0, 1, 1]
     assert isinstance(p, Pattern)
     with pytest.raises(IndexError):
         p.segment_of(7)
+
+
+def test_groups_and_shared_layers():
+    p = parse_pattern("({a:[M*]}-)x2 M{b:*}|{a}{b}/[*-]")
+    assert p.segments == (("[M*]", "-", "[M*]", "-", "M", "*"), ("[M*]", "*"))
+    assert p.layers[0] == "[M*]" and p.n_layers == 8 and p.mtp == (("[*-]",),)
+    assert p.shared == ("a", None, "a", None, None, "b", "a", "b")
+    assert p.shared_uses() == {"a": [0, 2, 6], "b": [5, 7]}
+    assert dict(p.counts()) == {"[M*]": 3, "-": 2, "M": 1, "*": 2}
+    assert p.tokens_used() == ("[M*]", "-", "M", "*", "[*-]")
+    assert p.symbols_used() == ("M", "*", "-")
+    assert pattern_mod.branches_of("[M*]") == ("M", "*") and pattern_mod.branches_of("M") == ("M",)
+    assert p.format() == "{a:[M*]}-{a}-M{b:*}|{a}{b}/[*-]"
+    assert parse_pattern(p.format()) == p
 
 
 def test_cap_on_expansion():
@@ -78,6 +100,29 @@ def test_cap_on_expansion():
         ("M/*E/*-", "every MTP part must equal the first", "*", 6),
         ("/*E", "the main pattern has no layer", "/", 1),
         ("||", "the main pattern has no layer", "|", 1),
+        ("M[M]", "a parallel group '[..]' needs at least two layer symbols", "[", 2),
+        ("[]", "a parallel group '[..]' needs at least two layer symbols", "[", 1),
+        ("[MM]", "'M' appears twice in one parallel group", "M", 3),
+        ("[M(*)x2]", "a parallel group holds layer symbols only", "(", 3),
+        ("[M[*-]]", "a parallel group holds layer symbols only", "[", 3),
+        ("[M|*]", "a parallel group holds layer symbols only", "|", 3),
+        ("[MQ]", "invalid symbol", "Q", 3),
+        ("-[M*", "unclosed '['", "[", 2),
+        ("M*]", "unmatched ']'", "]", 3),
+        ("M}", "unmatched '}'", "}", 2),
+        ("M:*", "':' is only allowed in a shared layer", ":", 2),
+        ("M{a:*", "unclosed '{'", "{", 2),
+        ("{a:*{b}}", "unclosed '{'", "{", 1),
+        ("M{a}{a:*}", "shared layer {a} is used before its definition", "{", 2),
+        ("{a:*}{a:M}", "shared layer 'a' is defined as '*' at column 1", "{", 6),
+        ("{A:*}", "a shared layer is '{a:T}'", "A", 2),
+        ("{1a:*}", "a shared layer is '{a:T}'", "1", 2),
+        ("{a b:*}", "a shared layer is '{a:T}'", "b", 4),
+        ("{a:}", "shared layer 'a' has no layer after ':'", "}", 4),
+        ("{a:Q}", "invalid symbol", "Q", 4),
+        ("{a:*-}", "a shared layer holds one layer symbol or one '[..]' group", "-", 5),
+        ("{a:[M*] *}", "a shared layer holds one layer symbol or one '[..]' group", "*", 9),
+        ("{a:*}/{a}", "shared layers are only allowed in the main pattern", "{", 7),
     ],
 )
 def test_errors_name_character_and_column(text, message, char, col):
@@ -110,9 +155,10 @@ def test_pattern_error_is_value_error():
 
 def test_fuzz_only_pattern_error_escapes():
     rng = random.Random(1234)
-    alphabet = list("M*-EGD+|/()x0123456789 \tQ²٣") + ["x10", "(M)x", "((", "))", "x99999"]
+    alphabet = list("M*-EGD+|/()x0123456789 \tQ²٣[]{}:ab") + [
+        "x10", "(M)x", "((", "))", "x99999", "[M*]", "{a:", "{b}", "{a:[*-]}"]
     n_ok = 0
-    for _ in range(5000):
+    for _ in range(8000):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
         try:
             p = parse_pattern(text)

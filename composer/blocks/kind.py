@@ -124,7 +124,7 @@ registry (``composer/build/registry.py``), which collects the records from the b
 def kinds_of(cfg: Any) -> list[LayerKind]:
     """The kinds ``cfg``'s pattern uses (its MTP parts too), each once, in order."""
     pattern = cfg.parsed
-    return [KINDS[s] for s in dict.fromkeys(pattern.layers + "".join(pattern.mtp)) if s in KINDS]
+    return [KINDS[s] for s in pattern.symbols_used() if s in KINDS]
 
 
 def halo(cfg: Any) -> tuple[int, str | None]:

@@ -133,8 +133,8 @@ def has_cache(mixer: nn.Module) -> bool:
 def time_ops(mixer: nn.Module) -> list[tuple[str, TimeMixingOp]]:
     """``(name, op)`` of the mixer's declared time-mixing ops (:attr:`Mixer.ops`)."""
     out = []
-    for name in declared(mixer, "ops"):
-        op = getattr(mixer, name)
+    for name in declared(mixer, "ops"):  # a dotted name is a branch's op (a parallel group)
+        op = mixer.get_submodule(name)
         if not isinstance(op, TimeMixingOp):
             raise TypeError(f"{type(mixer).__name__}.{name} is declared in ops but is a "
                             f"{type(op).__name__}, not a TimeMixingOp")

@@ -24,7 +24,7 @@ from composer.blocks.model import HybridModel
 from composer.blocks.plan import named_state
 from composer.blocks.protocol import declared, plan_of
 from composer.build.init import init_weights, load_weights, stored_dtypes
-from composer.build.registry import REGISTRY, build_layer, layer_kind, layout_rules
+from composer.build.registry import build_layer, layer_kind, layout_rules
 from composer.config import ModelConfig
 from composer.portable import (
     CONFIG_FILE,
@@ -47,8 +47,8 @@ def check_buildable(cfg: ModelConfig) -> None:
     """Validate ``cfg`` and check that every symbol of its pattern (MTP parts too) has a block."""
     cfg.validate()
     pattern = cfg.parsed
-    for sym in dict.fromkeys(pattern.layers + "".join(pattern.mtp)):
-        layer_kind(sym)
+    for token in pattern.tokens_used():
+        layer_kind(token)
 
 
 def mtp_layer_idx(cfg: ModelConfig, depth: int, j: int) -> int:
@@ -152,7 +152,7 @@ def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
     by_kind: dict[str, int] = {"embedding": model.embed.weight.numel()}
     inactive = sum(_inactive_expert_params(layer.mixer, cfg) for layer in model.all_layers())
     for layer in model.layers.values():
-        name = f"{layer.symbol} {REGISTRY[layer.symbol].name}"
+        name = f"{layer.symbol} {layer_kind(layer.symbol).name}"
         by_kind[name] = by_kind.get(name, 0) + sum(p.numel() for p in layer.parameters())
     vision = None
     if getattr(model, "visual", None) is not None:
@@ -162,14 +162,14 @@ def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
     if not cfg.tie_embeddings:
         by_kind["lm head"] = model.lm_head.weight.numel()
     for d, depth in enumerate(model.mtp or ()):
-        by_kind[f"MTP depth {d + 1} ({pattern.mtp[d]})"] = sum(p.numel()
+        by_kind[f"MTP depth {d + 1} ({''.join(pattern.mtp[d])})"] = sum(p.numel()
                                                                for p in depth.parameters())
     total = sum(p.numel() for p in model.parameters())
     assert total == sum(by_kind.values()), "parameter accounting out of step with the model"
     head = 2 * cfg.d_model * cfg.vocab_size
     mtp = [2 * (2 * cfg.d_model) * cfg.d_model + head
-           + sum(REGISTRY[s].flops_per_token(cfg, seq_len) for s in part) for part in pattern.mtp]
-    forward = head + sum(REGISTRY[s].flops_per_token(cfg, seq_len) for s in pattern.layers)
+           + sum(layer_kind(s).flops_per_token(cfg, seq_len) for s in part) for part in pattern.mtp]
+    forward = head + sum(layer_kind(s).flops_per_token(cfg, seq_len) for s in pattern.layers)
     forward += sum(mtp)
     return ModelStats(
         n_layers=pattern.n_layers,

@@ -17,17 +17,19 @@ recognised by the parser but has no record, so building it fails with a clear me
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from composer.blocks import attention, gdn, mamba1, mamba2, mla, mlp, moe, shortconv
+from composer.blocks.group import ParallelConfig, group_class, group_name, validate_parallel
 from composer.blocks.kind import KINDS, LayerKind, halo
 from composer.blocks.layer import Layer
 from composer.blocks.plan import LayoutRule
 from composer.config import SECTIONS, SYMBOL_SECTIONS, ConfigError, ModelConfig, Section
-from composer.pattern import MEGATRON_SYMBOLS, SYMBOLS, register_symbol
+from composer.pattern import MEGATRON_SYMBOLS, SYMBOLS, branches_of, register_symbol
 
 REGISTRY: dict[str, LayerKind] = KINDS
 """Pattern symbol -> its kind's record, in registration order (built-in kinds first)."""
@@ -92,12 +94,26 @@ def unregister(symbol: str) -> None:
 
 
 def layer_kind(symbol: str) -> LayerKind:
+    """The record of a pattern token: a symbol's, or a parallel group's (``"[M*]"``, made from
+    its branches' records)."""
+    if symbol.startswith("["):
+        return _group_kind(symbol)
     kind = REGISTRY.get(symbol)
     if kind is None:
         what = SYMBOLS.get(symbol, "unknown")
         raise ConfigError(f"pattern symbol {symbol!r} ({what}) is recognised but not built yet; "
                           f"built symbols: {' '.join(REGISTRY)}")
     return kind
+
+
+@functools.cache
+def _group_kind(token: str) -> LayerKind:
+    branches = [layer_kind(s) for s in branches_of(token)]
+
+    def widest_halo(cfg: Any) -> int:
+        return max(k.halo_width(cfg) for k in branches)
+
+    return LayerKind(token, group_name(token), group_class(token), halo=widest_halo)
 
 
 def build_layer(cfg: ModelConfig, layer_idx: int, symbol: str) -> Layer:
@@ -109,7 +125,7 @@ def build_layer(cfg: ModelConfig, layer_idx: int, symbol: str) -> Layer:
 def _kinds(cfg: ModelConfig) -> list[LayerKind]:
     """The kinds the pattern uses (its MTP parts too), each once, in order."""
     pattern = cfg.parsed
-    return [layer_kind(s) for s in dict.fromkeys(pattern.layers + "".join(pattern.mtp))]
+    return [layer_kind(s) for s in pattern.symbols_used()]
 
 
 def layout_rules(cfg: ModelConfig) -> list[LayoutRule]:
@@ -123,3 +139,4 @@ __all__ = ["REGISTRY", "SECTIONS", "build_layer", "halo", "layer_kind", "layout_
 for _kind in (mamba2.KIND, attention.KIND, mlp.KIND, moe.KIND, gdn.KIND, mla.KIND, shortconv.KIND,
               mamba1.KIND):
     register(_kind)
+SECTIONS["parallel"] = Section(ParallelConfig, validate_parallel)  # the '[..]' groups' multipliers

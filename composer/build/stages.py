@@ -16,7 +16,7 @@ from torch import nn
 
 from composer.blocks.model import HybridModel
 from composer.build.builder import build_model
-from composer.build.registry import REGISTRY
+from composer.build.registry import layer_kind
 from composer.config import ModelConfig
 from composer.parallel.mesh import LayoutError, ParallelDims
 from composer.parallel.pipeline import SCHEDULES, embed_on_last, prune, rank_stages
@@ -35,7 +35,7 @@ class StageInfo:
 
 
 def _layer_flops(cfg: ModelConfig, seq_len: int) -> list[int]:
-    return [REGISTRY[s].flops_per_token(cfg, seq_len) for s in cfg.parsed.layers]
+    return [layer_kind(s).flops_per_token(cfg, seq_len) for s in cfg.parsed.layers]
 
 
 def _balance(costs: list[int], parts: int, tail: int) -> list[int]:

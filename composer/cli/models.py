@@ -70,11 +70,11 @@ def stats_dict(cfg: ModelConfig, seq_len: int) -> dict[str, Any]:
 
 
 def print_stats(info: dict[str, Any]) -> None:
-    from composer.build.registry import REGISTRY
+    from composer.build.registry import layer_kind
 
     rows = [("pattern", info["pattern"]), ("layers", str(info["n_layers"]))]
     for sym, n in info["layer_counts"].items():
-        rows.append((f"  {sym} {REGISTRY[sym].name}", str(n)))
+        rows.append((f"  {sym} {layer_kind(sym).name}", str(n)))
     rows.append(("parameters", ""))
     for kind, n in info["params_by_kind"].items():
         rows.append((f"  {kind}", f"{n:,}"))

@@ -150,7 +150,7 @@ def test_portable_checkpoint_round_trip(tmp_path):
     model = build_model(tiny("M*/*-"), seed=2)
     composer.save(model, tmp_path / "ckpt")
     back = composer.load(tmp_path / "ckpt")
-    assert back.config.parsed.mtp == ("*-",)
+    assert back.config.parsed.mtp == (("*", "-"),)
     ids = torch.randint(0, 97, (2, 7))
     assert torch.equal(back(ids, ids).mtp_loss, model(ids, ids).mtp_loss)
 

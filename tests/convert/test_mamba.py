@@ -250,7 +250,7 @@ def test_infer_adapter(preset, family):
     assert adapter.family == family
     out = adapter.config_to_hf(cfg, {})
     if family == "nemotron-h":  # the list as 5.24 writes it, and the legacy string for others
-        pattern = cfg.parsed.layers
+        pattern = "".join(cfg.parsed.layers)
         assert out["hybrid_override_pattern"] == pattern
         assert out["num_hidden_layers"] == len(pattern)
         assert [t[0] for t in out["layers_block_type"]] == \

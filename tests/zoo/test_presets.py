@@ -259,10 +259,16 @@ LLAMA_3_1_8B_TOTAL = 8_030_261_248
 
 def _layers(cfg: ModelConfig, block: str) -> int:
     """Number of HF decoder layers in a homogeneous pattern of ``block`` repeated."""
-    layers = cfg.parsed.layers
+    layers = "".join(cfg.parsed.layers)
     n = len(layers) // len(block)
     assert layers == block * n, f"{cfg.pattern!r} is not a stack of {block!r}"
     return n
+
+
+def _pairs(cfg: ModelConfig) -> list[str]:
+    """The pattern as consecutive two-symbol strings (``["*-", "*E", ...]``)."""
+    layers = cfg.parsed.layers
+    return ["".join(layers[i:i + 2]) for i in range(0, len(layers), 2)]
 
 
 def _attention_kwargs(cfg: ModelConfig) -> dict:
@@ -276,7 +282,7 @@ def _attention_kwargs(cfg: ModelConfig) -> dict:
 def nemotron_h_kwargs(cfg: ModelConfig) -> dict:
     a, m = cfg.attention, cfg.mamba
     assert a is not None and m is not None and a.position == "none"
-    kw = dict(_attention_kwargs(cfg), hybrid_override_pattern=cfg.parsed.layers,
+    kw = dict(_attention_kwargs(cfg), hybrid_override_pattern="".join(cfg.parsed.layers),
               attention_bias=a.qkv_bias, layer_norm_epsilon=cfg.norm_eps,
               mamba_num_heads=m.n_heads, mamba_head_dim=m.d_head, n_groups=m.n_groups,
               ssm_state_size=m.d_state, conv_kernel=m.d_conv, chunk_size=m.chunk_size,
@@ -359,8 +365,8 @@ def deepseek_v3_kwargs(cfg: ModelConfig) -> dict:
     assert m is not None and e is not None and cfg.mlp is not None
     return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                 intermediate_size=cfg.mlp.d_ff, moe_intermediate_size=e.d_ff,
-                num_hidden_layers=cfg.parsed.layers.count("+"),
-                first_k_dense_replace=cfg.parsed.layers.count("-"),
+                num_hidden_layers="".join(cfg.parsed.layers).count("+"),
+                first_k_dense_replace="".join(cfg.parsed.layers).count("-"),
                 num_attention_heads=m.n_heads, num_key_value_heads=m.n_heads,
                 q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                 qk_nope_head_dim=m.d_head_nope, qk_rope_head_dim=m.d_head_rope,
@@ -373,7 +379,7 @@ def glm4_moe_kwargs(cfg: ModelConfig) -> dict:
     a, mlp, e = cfg.attention, cfg.mlp, cfg.moe
     assert a is not None and mlp is not None and e is not None and not a.out_bias
     assert e.score_func == "sigmoid" and e.score_correction_bias and e.d_ff_shared is None
-    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    kinds = _pairs(cfg)
     return dict(_attention_kwargs(cfg), num_hidden_layers=len(kinds),
                 first_k_dense_replace=kinds.count("*-"), intermediate_size=mlp.d_ff,
                 attention_bias=a.qkv_bias, use_qk_norm=a.qk_norm,
@@ -396,7 +402,7 @@ def minimax_m2_kwargs(cfg: ModelConfig) -> dict:
 def olmo_hybrid_kwargs(cfg: ModelConfig) -> dict:
     a, mlp, d = cfg.attention, cfg.mlp, cfg.gdn
     assert a is not None and mlp is not None and d is not None and a.qk_norm_scope == "all"
-    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    kinds = _pairs(cfg)
     assert set(kinds) == {"G-", "*-"} and mlp.activation == "swiglu"
     return dict(_attention_kwargs(cfg), num_hidden_layers=len(kinds),
                 layer_types=["linear_attention" if k == "G-" else "full_attention"
@@ -411,7 +417,7 @@ def olmo_hybrid_kwargs(cfg: ModelConfig) -> dict:
 def qwen3_next_kwargs(cfg: ModelConfig) -> dict:
     a, d, e, mlp = cfg.attention, cfg.gdn, cfg.moe, cfg.mlp
     assert a is not None and d is not None and a.output_gate and cfg.norm_zero_centered
-    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    kinds = _pairs(cfg)
     out = dict(_attention_kwargs(cfg), num_hidden_layers=len(kinds),
                layer_types=["linear_attention" if k[0] == "G" else "full_attention"
                             for k in kinds], rms_norm_eps=cfg.norm_eps,
@@ -434,7 +440,7 @@ def jamba_kwargs(cfg: ModelConfig) -> dict:
     a, m, e = cfg.attention, cfg.mamba1, cfg.moe
     assert a is not None and m is not None and e is not None and a.position == "none"
     assert m.inner_norms == "learned" and not e.renormalize and e.d_ff == cfg.mlp.d_ff
-    layers = cfg.parsed.layers
+    layers = "".join(cfg.parsed.layers)
     assert layers == "S-SE*-SE", "the mapping below is this pattern's"
     return dict(_attention_kwargs(cfg), num_hidden_layers=len(layers) // 2,
                 attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
@@ -454,7 +460,7 @@ def qwen3_5_moe_kwargs(cfg: ModelConfig) -> dict:
 def lfm2_kwargs(cfg: ModelConfig) -> dict:
     a, mlp, s = cfg.attention, cfg.mlp, cfg.shortconv
     assert a is not None and mlp is not None and s is not None and a.qk_norm
-    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    kinds = _pairs(cfg)
     assert set(kinds) == {"C-", "*-"} and mlp.activation == "swiglu"
     return dict(_attention_kwargs(cfg), num_hidden_layers=len(kinds),
                 layer_types=["conv" if k == "C-" else "full_attention" for k in kinds],
@@ -466,7 +472,7 @@ def lfm2_moe_kwargs(cfg: ModelConfig) -> dict:
     a, mlp, e, s = cfg.attention, cfg.mlp, cfg.moe, cfg.shortconv
     assert a is not None and e is not None and s is not None and a.qk_norm
     assert e.score_func == "sigmoid" and e.n_shared_experts == 0
-    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    kinds = _pairs(cfg)
     return dict(_attention_kwargs(cfg), num_hidden_layers=len(kinds),
                 layer_types=["conv" if k[0] == "C" else "full_attention" for k in kinds],
                 num_dense_layers=sum(k[1] == "-" for k in kinds),
@@ -543,7 +549,7 @@ def test_published_preset_matches_transformers_count(name: str) -> None:
     config_cls, kwargs = PUBLISHED[name]
     hf = hf_model(config_cls, kwargs)
     if config_cls is NemotronHConfig:  # same layer order, and no MTP layers on either side
-        assert hf.config.hybrid_override_pattern == get_preset(name).config().parsed.layers
+        assert hf.config.hybrid_override_pattern == "".join(get_preset(name).config().parsed.layers)
         assert not get_preset(name).config().parsed.mtp
         assert not any(n.startswith(("mtp", "model.mtp")) for n, _ in hf.named_parameters())
     assert our_count(name) == sum(p.numel() for p in hf.parameters())

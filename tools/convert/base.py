@@ -97,7 +97,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 def without_mtp(cfg: ModelConfig) -> ModelConfig:
     """``cfg`` with the multi-token-prediction parts of its pattern removed."""
-    return dataclasses.replace(cfg, pattern="|".join(cfg.parsed.segments))
+    return dataclasses.replace(cfg, pattern=dataclasses.replace(cfg.parsed, mtp=()).format())
 
 
 def max_positions(cfg: ModelConfig, default: int) -> int:

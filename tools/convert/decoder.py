@@ -87,7 +87,7 @@ class DecoderAdapter(Adapter):
     def layer_kinds(self, cfg: ModelConfig) -> list[bool]:
         """Per HF layer, whether it is sparse; raises if the pattern is not ``(*-|*E)*``."""
         layers = cfg.parsed.layers
-        pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
+        pairs = ["".join(layers[i:i + 2]) for i in range(0, len(layers), 2)]
         if len(layers) % 2 or any(p not in ("*-", "*E") for p in pairs):
             raise layer_pattern_error(self.family, cfg.pattern, "every layer must be '*-' or '*E'")
         return [p == "*E" for p in pairs]

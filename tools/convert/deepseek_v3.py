@@ -220,7 +220,7 @@ class DeepseekV3Adapter(Adapter):
     def layer_kinds(self, cfg: ModelConfig) -> list[bool]:
         """Per HF layer, whether it is MoE: the pattern must be ``(+-)*(+E)*``."""
         layers = cfg.parsed.layers
-        pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
+        pairs = ["".join(layers[i:i + 2]) for i in range(0, len(layers), 2)]
         sparse = [p == "+E" for p in pairs]
         if len(layers) % 2 or any(p not in ("+-", "+E") for p in pairs) or \
                 sparse != sorted(sparse):
@@ -231,7 +231,7 @@ class DeepseekV3Adapter(Adapter):
     def mtp_depths(self, cfg: ModelConfig) -> int:
         """The number of MTP layers; raises unless every MTP part is ``+E``."""
         parts = cfg.parsed.mtp
-        if parts and parts[0] != "+E":
+        if parts and parts[0] != ("+", "E"):
             raise layer_pattern_error(self.family, cfg.pattern, "its MTP layers are '+E' "
                                       "(MLA + MoE), one part per layer")
         return len(parts)
@@ -373,7 +373,7 @@ class DeepseekV32Adapter(DeepseekV3Adapter):
     def layer_kinds(self, cfg: ModelConfig) -> list[bool]:
         """Per HF layer, whether it is MoE: the pattern must be ``(+-|+E)*``."""
         layers = cfg.parsed.layers
-        pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
+        pairs = ["".join(layers[i:i + 2]) for i in range(0, len(layers), 2)]
         if len(layers) % 2 or any(p not in ("+-", "+E") for p in pairs):
             raise layer_pattern_error(self.family, cfg.pattern, "it must be '+-' (dense MLP) "
                                       "and '+E' (MoE) layers")

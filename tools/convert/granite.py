@@ -177,7 +177,7 @@ class HybridMambaAdapter(Adapter):
         """The mixer symbols and the one MLP symbol; raises unless the pattern is ``((M|*)X)*``
         with the same ``X`` (one of ``mlp_symbols``) in every layer."""
         layers = cfg.parsed.layers
-        mixers, mlps = layers[0::2], set(layers[1::2])
+        mixers, mlps = "".join(layers[0::2]), set(layers[1::2])
         if (len(layers) % 2 or set(mixers) - set("M*") or len(mlps) != 1
                 or not mlps <= set(self.mlp_symbols)):
             want = " or ".join(f"'M{s}'/'*{s}'" for s in self.mlp_symbols)

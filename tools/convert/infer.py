@@ -78,7 +78,7 @@ def closeness(adapter: Adapter, cfg: ModelConfig, problem: str) -> tuple[int, in
     """A sort key, smallest first: families whose layer kinds cover the model's pattern, then
     those whose refusal is not about the pattern, then those with the fewest kinds the model
     does not use (the family's order in :data:`ADAPTERS` breaks ties)."""
-    used = set("".join(cfg.parsed.layers) + "".join(cfg.parsed.mtp))
+    used = set(cfg.parsed.symbols_used())
     kinds = set(adapter.symbols)
     return (not used <= kinds, "cannot be written as" in problem, len(kinds - used))
 

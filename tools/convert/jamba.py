@@ -134,7 +134,7 @@ class JambaAdapter(Adapter):
         """Per HF layer: attention or not, MoE or not; raises unless the pattern is made of
         ``S-``, ``SE``, ``*-``, ``*E``."""
         layers = cfg.parsed.layers
-        pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
+        pairs = ["".join(layers[i:i + 2]) for i in range(0, len(layers), 2)]
         if cfg.parsed.mtp or len(layers) % 2 or any(
                 p[0] not in "S*" or p[1] not in "-E" for p in pairs):
             raise layer_pattern_error(self.family, cfg.pattern, "every layer must be 'S-', "

@@ -154,7 +154,7 @@ class Lfm2Adapter(Adapter):
         """Per HF layer, its type and its feed-forward symbol; raises unless each layer is a
         ``C`` or ``*`` followed by one of :attr:`ffn_symbols`."""
         layers = cfg.parsed.layers
-        pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
+        pairs = ["".join(layers[i:i + 2]) for i in range(0, len(layers), 2)]
         if (len(layers) % 2 or cfg.parsed.mtp
                 or any(p[0] not in "C*" or p[1] not in self.ffn_symbols for p in pairs)):
             shapes = " or ".join(f"'{m}{f}'" for f in self.ffn_symbols for m in "C*")

@@ -202,7 +202,7 @@ class NemotronHAdapter(Adapter):
         out["layers_block_type"] = [SYMBOL_TO_TYPE[s] for s in symbols]
         # Not read by transformers 5.24 (which writes only the list) but by older loaders.
         if not base or "hybrid_override_pattern" in base:
-            out["hybrid_override_pattern"] = symbols
+            out["hybrid_override_pattern"] = "".join(symbols)
         if not base or "num_hidden_layers" in base:
             out["num_hidden_layers"] = len(symbols)
         out["layer_norm_epsilon"] = cfg.norm_eps

@@ -152,7 +152,7 @@ class OlmoHybridAdapter(Adapter):
         """Per HF layer, its type; raises unless the pattern is ``(G-|*-)*`` with exactly the
         attention layers post-norm."""
         layers = cfg.parsed.layers
-        pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
+        pairs = ["".join(layers[i:i + 2]) for i in range(0, len(layers), 2)]
         if len(layers) % 2 or any(p not in ("G-", "*-") for p in pairs) or cfg.parsed.mtp:
             raise layer_pattern_error(self.family, cfg.pattern,
                                       "every layer must be 'G-' (gated delta net) or '*-'")

@@ -173,7 +173,7 @@ class Qwen3NextAdapter(Adapter):
     def layer_kinds(self, cfg: ModelConfig) -> list[tuple[str, str]]:
         """Per HF layer ``(mixer, ffn)``; raises unless the pattern is ``((G|*)(E|-))*``."""
         layers = cfg.parsed.layers
-        pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
+        pairs = ["".join(layers[i:i + 2]) for i in range(0, len(layers), 2)]
         ffns = "E-" if self.has_moe and self.has_dense else ("E" if self.has_moe else "-")
         if len(layers) % 2 or any(len(p) != 2 or p[0] not in "G*" or p[1] not in ffns
                                   for p in pairs):
@@ -183,7 +183,7 @@ class Qwen3NextAdapter(Adapter):
 
     def _check(self, cfg: ModelConfig, kinds: list[tuple[str, str]]) -> None:
         mtp = cfg.parsed.mtp
-        if mtp and (len(mtp) > 1 or mtp[0] != "*" + kinds[0][1]):
+        if mtp and (len(mtp) > 1 or mtp[0] != ("*", kinds[0][1])):
             raise layer_pattern_error(self.family, cfg.pattern, "its one MTP layer is full "
                                       f"attention and layer 0's feed-forward: '/*{kinds[0][1]}'")
         problems = []

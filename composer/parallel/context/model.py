@@ -170,7 +170,9 @@ def apply_cp(model: nn.Module, dims: ParallelDims) -> CPContext:
         variants = _op_variants(mixer)
         if variants is not None:  # the ops swapped for their variants, which hold the context
             for name, factory in variants:
-                setattr(mixer, name, factory(getattr(mixer, name), cp))
+                owner, _, leaf = name.rpartition(".")  # "0.core": a parallel group's branch
+                parent = mixer.get_submodule(owner) if owner else mixer
+                setattr(parent, leaf, factory(getattr(parent, leaf), cp))
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         mtp.rows = CPDepthRows(cp)
