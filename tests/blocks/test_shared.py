@@ -67,6 +67,17 @@ def test_stored_once_counted_once_and_the_gradient_is_the_sum_over_uses() -> Non
         torch.testing.assert_close(p.grad, twin.layers.get_parameter(name).grad)
 
 
+def test_save_and_load_keep_one_copy(tmp_path) -> None:
+    model = _model("{a:*}-{a}-")
+    composer.save(model, tmp_path / "ck")
+    back = composer.load(tmp_path / "ck").to(F64)
+    assert back.state_dict().keys() == model.state_dict().keys()
+    assert back.layers["0"].mixer is back.layers["2"].mixer is back.shared.a.mixer
+    ids = torch.randint(0, 61, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), model(ids), rtol=0, atol=0)
+
+
 def test_each_use_decodes_with_its_own_state() -> None:
     model = _model("{a:*}M{a}-{m:M}{m}").eval()
     ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(5))
