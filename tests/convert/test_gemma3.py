@@ -143,3 +143,21 @@ def test_export_refuses_what_gemma3_cannot_express():
     cfg.pattern = "W-*E"
     with pytest.raises(ConfigError, match="every layer must be 'W-' or '\\*-'"):
         Gemma3Adapter().config_to_hf(cfg, {})
+
+
+@pytest.mark.parametrize("name", ["gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b"])
+def test_presets_export_the_published_config(name):
+    """Each preset, written by the converter, is the published config where it matters (the
+    layer types, window, scale, RoPE per layer type, widths); the counts are in test_presets."""
+    from transformers import Gemma3TextConfig
+
+    from composer.zoo import get_preset
+    from tests.zoo.test_presets import PUBLISHED
+
+    want = Gemma3TextConfig(**PUBLISHED[name][1])
+    got = Gemma3TextConfig(**Gemma3Adapter().config_to_hf(get_preset(name).config(), {}))
+    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters",
+                "head_dim", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps",
+                "hidden_activation"):
+        assert getattr(got, key) == getattr(want, key), key
