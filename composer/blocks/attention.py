@@ -1,10 +1,9 @@
 """Causal self-attention: MHA / GQA / MQA, RoPE or no position embedding, optional qk-norm.
 
 Vaswani et al. 2017 §3.2: ``softmax(q k^T * scale + causal_mask) v`` per head, with key/value heads
-shared by ``n_heads / n_kv_heads`` query heads (GQA, Ainslie et al. 2023). RoPE (Su et al. 2021)
-in the rotate-half layout that transformers and Megatron use: channel ``i`` pairs with
-``i + d_rot/2``; only the first ``rotary_fraction * d_head`` channels rotate. Llama-3 frequency
-scaling divides low frequencies by ``factor`` and blends the middle band. qk-norm is an RMSNorm
+shared by ``n_heads / n_kv_heads`` query heads (GQA, Ainslie et al. 2023). RoPE
+(:mod:`composer.blocks.rope`: rotate-half layout, ``linear`` / ``llama3`` / ``yarn`` scaling)
+rotates the first ``rotary_fraction * d_head`` channels of each head. qk-norm is an RMSNorm
 applied before RoPE, over each head's channels (``qk_norm_scope: head``, Qwen3, GLM-4.5) or over
 the whole q / k projection at once (``all``, MiniMax-M2: one RMS across every head, a weight per
 channel of every head).
@@ -27,17 +26,16 @@ Legend: B batch, T time, D model width, H query heads, K kv heads, E head width.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from composer.blocks.cache import KVState, Step, StepContext, attention_mask
+from composer.blocks.attn_core import CausalAttention
+from composer.blocks.cache import KVState, Step
 from composer.blocks.kind import LayerKind
-from composer.blocks.mrope import mrope_cos_sin, mrope_rows
+from composer.blocks.mrope import mrope_rows
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import (
     ZEROS,
@@ -48,23 +46,19 @@ from composer.blocks.plan import (
     ParallelPlan,
     init_module,
 )
-from composer.blocks.protocol import TimeMixingOp
+from composer.blocks.rope import (  # noqa: F401  (re-exported: the rotary code lived here)
+    RopeScaling,
+    Rotary,
+    apply_rope,
+    rope_cos_sin,
+    rope_cos_sin_at,
+    rope_frequencies,
+    rope_gain,
+    rotate_pairs_ref,
+)
 from composer.config import ConfigError, ModelConfig, positive
-from composer.kernels import sdpa_context
-from composer.kernels.packing import doc_positions
-from composer.kernels.sdpa import doc_sdpa
 
 # ---------------------------------------------------------------- the kind's config section
-
-
-@dataclass
-class RopeScaling:
-    """Llama-3 style frequency scaling of RoPE (``rope_type: llama3`` in transformers)."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
 
 
 @dataclass
@@ -98,11 +92,23 @@ class AttentionConfig:
     mrope_interleaved: bool = True
     """Qwen3.5's interleaved sections (frequency ``i`` reads row ``i % 3`` within the sections);
     False: Qwen2-VL's contiguous blocks."""
+    window: int | None = None
+    """The sliding window of the ``W`` layers (transformers' ``sliding_window``): a query sees
+    itself and the ``window - 1`` tokens before it. ``*`` layers ignore it."""
+    window_rope_theta: float | None = None
+    """The RoPE base of the ``W`` layers, which then rotate without ``rope_scaling`` (Gemma 3's
+    ``rope_local_base_freq``); None: the same RoPE as the ``*`` layers (gpt-oss)."""
+    sinks: bool = False
+    """A learned sink logit per query head (``mixer.sinks`` ``[n_heads]``, gpt-oss) joins every
+    softmax denominator (:mod:`composer.blocks.attn_core`); ``*`` and ``W`` layers alike."""
 
 
 def validate_attention(a: AttentionConfig, cfg: ModelConfig) -> None:
     d_model = cfg.d_model
-    positive(a, "attention.", ("n_heads", "n_kv_heads", "d_head", "rope_theta", "softmax_scale"))
+    positive(a, "attention.", ("n_heads", "n_kv_heads", "d_head", "rope_theta", "softmax_scale",
+                               "window", "window_rope_theta"))
+    if "W" in cfg.parsed.symbols_used() and a.window is None:
+        raise ConfigError("pattern symbol 'W' (sliding-window attention) needs attention.window")
     kv = a.n_kv_heads or a.n_heads
     if a.n_heads % kv:
         raise ConfigError(f"attention.n_heads ({a.n_heads}) must be divisible by "
@@ -115,6 +121,9 @@ def validate_attention(a: AttentionConfig, cfg: ModelConfig) -> None:
     if not 0.0 < a.rotary_fraction <= 1.0 or rotary % 2:
         raise ConfigError(f"attention.rotary_fraction ({a.rotary_fraction}) must be in (0, 1] "
                           f"and rotate an even number of the {d_head} head channels")
+    if a.rope_scaling is not None:
+        positive(a.rope_scaling, "attention.rope_scaling.", (
+            "factor", "original_max_position", "beta_fast", "beta_slow", "attention_factor"))
     if a.mrope_section is not None:
         if a.position != "rope":
             raise ConfigError("attention.mrope_section needs attention.position 'rope'")
@@ -124,154 +133,18 @@ def validate_attention(a: AttentionConfig, cfg: ModelConfig) -> None:
             raise ConfigError(f"attention.{exc}") from None
 
 
+def rope_of(a: AttentionConfig, windowed: bool) -> tuple[float, RopeScaling | None]:
+    """The RoPE base and scaling of a ``*`` layer, or of a ``W`` one (``window_rope_theta``
+    unscaled, when set)."""
+    if windowed and a.window_rope_theta is not None:
+        return a.window_rope_theta, None
+    return a.rope_theta, a.rope_scaling
+
+
 def d_head_of(cfg: ModelConfig) -> int:
     a = cfg.attention
     assert a is not None
     return a.d_head or cfg.d_model // a.n_heads
-
-
-def rope_frequencies(d_rot: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies ``theta^(-2i/d_rot)``, with Llama-3 scaling when given (fp64)."""
-    # an explicit CPU device: the model may be built under a meta-device context
-    inv_freq = 1.0 / theta ** (torch.arange(0, d_rot, 2, dtype=torch.float64, device="cpu") / d_rot)
-    if scaling is None:
-        return inv_freq
-    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(middle, blended, out)
-
-
-def rope_cos_sin(t: int, inv_freq: torch.Tensor, device: torch.device,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``/``sin`` tables ``[T, d_rot]`` in at least fp32 math, cast to ``dtype``."""
-    math_dtype = torch.promote_types(dtype, torch.float32)
-    pos = torch.arange(t, device=device, dtype=math_dtype)
-    angles = torch.outer(pos, inv_freq.to(device=device, dtype=math_dtype))
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rope_cos_sin_at(pos_BT: torch.Tensor, inv_freq: torch.Tensor,
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rope_cos_sin` at per-row positions: ``[B, 1, T, d_rot]`` tables (one per row,
-    shared by the heads) for integer positions ``pos_BT``; the same products as there."""
-    math_dtype = torch.promote_types(dtype, torch.float32)
-    angles = pos_BT.to(math_dtype)[..., None] * inv_freq.to(pos_BT.device, math_dtype)
-    angles = torch.cat([angles, angles], dim=-1)[:, None]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x_BHTE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    d_rot = cos.shape[-1]
-    half = d_rot // 2
-    if d_rot == x_BHTE.shape[-1]:  # the whole head rotates: no slicing, one concat
-        return x_BHTE * cos + torch.cat([-x_BHTE[..., half:], x_BHTE[..., :half]], -1) * sin
-    rot, rest = x_BHTE[..., :d_rot], x_BHTE[..., d_rot:]
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
-
-
-class Rotary:
-    """One mixer's RoPE: inverse frequencies ``inv_freq`` (fp64, on the CPU) and the gain of the
-    cos/sin tables (YaRN's attention factor for multi-latent attention; 1 otherwise). Holds no
-    parameters: the table of the last length is kept while the length, device and dtype
-    repeat (a training run asks for one length)."""
-
-    def __init__(self, inv_freq: torch.Tensor, gain: float = 1.0,
-                 mrope_section: list[int] | None = None, mrope_interleaved: bool = True) -> None:
-        self.inv_freq, self.gain = inv_freq, gain
-        self._table: tuple | None = None
-        self.mrope_section, self.mrope_interleaved = mrope_section, mrope_interleaved
-
-    def mrope(self, pos_3BT: torch.Tensor, dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """M-RoPE tables at the three position rows ``pos_3BT`` (``mrope_section`` set)."""
-        assert self.mrope_section is not None
-        cos, sin = mrope_cos_sin(pos_3BT, self.inv_freq, self.mrope_section,
-                                 interleaved=self.mrope_interleaved, dtype=dtype)
-        return self._gain(cos), self._gain(sin)
-
-    def table(self, t: int, device: torch.device,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``/``sin`` ``[T, d_rot]`` at positions ``0 .. t - 1``."""
-        key = (t, device, dtype)
-        if self._table is None or self._table[0] != key:
-            cos, sin = rope_cos_sin(t, self.inv_freq, device, dtype)
-            self._table = (key, self._gain(cos), self._gain(sin))
-        return self._table[1], self._table[2]
-
-    def at(self, pos_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``/``sin`` ``[B, 1, T, d_rot]`` at per-row integer positions ``pos_BT``."""
-        cos, sin = rope_cos_sin_at(pos_BT, self.inv_freq, dtype)
-        return self._gain(cos), self._gain(sin)
-
-    def for_call(self, like: torch.Tensor, doc_ids: torch.Tensor | None,
-                 step: Step | None, positions: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tables of one call on ``like`` ``[B, H, T, E]``: the decoding step's positions,
-        or the M-RoPE rows ``positions`` ``[3, B, T]`` of a forward with images, or positions
-        restarting at each document, or ``0 .. T - 1``."""
-        if step is not None:
-            pos_3BT = step.ctx.pos_3BT
-            if pos_3BT is not None and self.mrope_section is not None:
-                return self.mrope(pos_3BT, like.dtype)
-            return self.at(step.ctx.pos_BT, like.dtype)
-        if positions is not None and self.mrope_section is not None:
-            return self.mrope(positions, like.dtype)
-        if doc_ids is not None:
-            return self.at(doc_positions(doc_ids), like.dtype)
-        return self.table(like.shape[2], like.device, like.dtype)
-
-    def _gain(self, table: torch.Tensor) -> torch.Tensor:
-        return table * self.gain if self.gain != 1.0 else table
-
-
-class CausalAttention(TimeMixingOp):
-    """The time mixing of :class:`Attention`: RoPE, then causal (or block-diagonal, by
-    ``doc_ids``) SDPA; with a decoding ``step`` the new keys and values go into its
-    :class:`~composer.blocks.cache.KVState` and the queries attend to every real slot so far.
-    Context parallelism replaces it by ``kv_gather`` (:mod:`composer.parallel.context.
-    attention`)."""
-
-    context = "kv_gather"
-
-    def forward(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
-                rotary: Rotary | None, scale: float, *, doc_ids: torch.Tensor | None = None,
-                step: Step | None = None, positions: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """``o [B, H, T, E]`` from q ``[B, H, T, E]``, k and v ``[B, K, T, E]`` before RoPE
-        (``positions``: M-RoPE rows, :meth:`Rotary.for_call`)."""
-        if rotary is not None:
-            cos, sin = rotary.for_call(q_BHTE, doc_ids, step, positions)
-            q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
-        if step is not None:
-            return _cached_attention(q_BHTE, k_BKTE, v_BKTE, step.state, step.ctx, scale)
-        if doc_ids is not None:  # block-diagonal causal: each document attends to itself only
-            return doc_sdpa(q_BHTE, k_BKTE, v_BKTE, doc_ids, scale)
-        with sdpa_context(q_BHTE):  # flash first on CUDA; CPU untouched (kernels.sdpa)
-            return F.scaled_dot_product_attention(
-                q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=scale,
-                enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
-
-
-def _cached_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
-                      state: KVState, ctx: StepContext, scale: float) -> torch.Tensor:
-    """The new keys and values (after RoPE) written into slots ``ctx.start : ctx.end``, the
-    new queries attending to every real slot so far."""
-    state.k_BKSE[:, :, ctx.start:ctx.end] = k_BKTE
-    state.v_BKSE[:, :, ctx.start:ctx.end] = v_BKTE
-    k_BKSE, v_BKSE = state.k_BKSE[:, :, :ctx.end], state.v_BKSE[:, :, :ctx.end]
-    mask = attention_mask(ctx)
-    with sdpa_context(q_BHTE):
-        return F.scaled_dot_product_attention(
-            q_BHTE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=mask is None and ctx.start == 0,
-            scale=scale, enable_gqa=q_BHTE.shape[1] != k_BKSE.shape[1])
 
 
 class Attention(nn.Module):
@@ -282,6 +155,8 @@ class Attention(nn.Module):
     uses_positions = True
     """``forward`` takes ``doc_ids`` (the residual layer passes them only to mixers that do)."""
     ops = ("core",)
+    windowed = False
+    """A ``W`` layer (:class:`WindowedAttention`): ``attention.window`` and its RoPE."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -309,13 +184,18 @@ class Attention(nn.Module):
         self.rotary: Rotary | None = None
         if a.position == "rope":
             d_rot = int(self.d_head * a.rotary_fraction)
-            self.rotary = Rotary(rope_frequencies(d_rot, a.rope_theta, a.rope_scaling),
+            theta, scaling = rope_of(a, self.windowed)
+            self.rotary = Rotary(rope_frequencies(d_rot, theta, scaling), rope_gain(scaling),
                                  mrope_section=a.mrope_section,
                                  mrope_interleaved=a.mrope_interleaved)
-        self.core = CausalAttention()
+        if a.sinks:
+            self.sinks = nn.Parameter(torch.empty(self.n_heads))
+        self.window = a.window if self.windowed else None
+        self.core = CausalAttention(self.window)
 
     def init_rules(self) -> dict[str, Init]:
-        return {"*_proj.weight": Normal(self.init_std), "*_proj.bias": ZEROS}
+        return {"*_proj.weight": Normal(self.init_std), "*_proj.bias": ZEROS,
+                "sinks": Normal(self.init_std)}
 
     def lora_targets(self) -> dict[str, str]:
         """The projections LoRA may adapt (:mod:`composer.lora`): transformers' names."""
@@ -331,7 +211,7 @@ class Attention(nn.Module):
         ``positions``: the M-RoPE rows ``[3, B, T]`` of a forward with images."""
         q_BHTE, k_BKTE, v_BKTE, gate_BTX = self._project(x_BTD)
         o_BHTE = self.core(q_BHTE, k_BKTE, v_BKTE, self.rotary, self.scale, doc_ids=doc_ids,
-                           step=step, positions=positions)
+                           step=step, positions=positions, sinks=getattr(self, "sinks", None))
         return self._output(o_BHTE, gate_BTX)
 
     def _project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -363,20 +243,23 @@ class Attention(nn.Module):
 
     def init_cache(self, batch: int, max_len: int, device: torch.device,
                    dtype: torch.dtype) -> KVState:
-        """Preallocated keys and values for ``max_len`` slots (:mod:`composer.blocks.cache`)."""
+        """Preallocated keys and values for ``max_len`` slots, or a ring of ``min(window,
+        max_len)`` for a windowed layer (:mod:`composer.blocks.cache`)."""
         kv = self.k_proj.weight.shape[0] // self.d_head
-        shape = (batch, kv, max_len, self.d_head)
+        slots = max_len if self.window is None else min(self.window, max_len)
+        shape = (batch, kv, slots, self.d_head)
         return KVState(torch.zeros(shape, device=device, dtype=dtype),
                        torch.zeros(shape, device=device, dtype=dtype))
 
     def parallel_plan(self) -> ParallelPlan:
         """Heads split over ``tp``: q/k/v column parallel (k/v replicated, each rank keeping its
         head, when there are fewer kv heads than ranks), o row parallel; the qk-norms replicated
-        with partial gradients."""
+        with partial gradients; the sinks split with their query heads."""
         # with the output gate a head is 2 * d_head contiguous q rows: an even split keeps heads
         return ParallelPlan(colwise=("q_proj",), heads={"k_proj": self.n_kv_heads,
                                                         "v_proj": self.n_kv_heads},
-                            rowwise=("o_proj",), partial=("q_norm.weight", "k_norm.weight"))
+                            rowwise=("o_proj",), partial=("q_norm.weight", "k_norm.weight"),
+                            shard={"sinks": 0})
 
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Divisible | DivideEachOther | Unsplit]:
@@ -418,12 +301,14 @@ class Unsplit:
 
 def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfig, d_head: int,
                   eps: float = 1e-5, doc_ids: torch.Tensor | None = None,
-                  zero_centered: bool = False) -> torch.Tensor:
+                  zero_centered: bool = False, windowed: bool = False) -> torch.Tensor:
     """Plain-math twin of :class:`Attention`: explicit pair rotations, explicit mask, loops over
     heads. ``w`` holds ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` matrices (and optional
     ``*_bias``, ``q_norm``, ``k_norm``). With ``doc_ids`` (non-decreasing) positions count from
     each document's first token and keys of other documents are masked. With ``output_gate``
-    ``q_proj`` holds rows ``[q_h; g_h]`` per head; ``zero_centered`` qk-norms scale by ``1 + w``."""
+    ``q_proj`` holds rows ``[q_h; g_h]`` per head; ``zero_centered`` qk-norms scale by ``1 + w``.
+    ``windowed``: a ``W`` layer (keys ``window`` or more tokens back masked, its RoPE); ``w``'s
+    ``sinks`` (``[H]``): each head's softmax has an extra logit, dropped from the output."""
     b, t, _ = x.shape
     kv = a.n_kv_heads or a.n_heads
     q = x @ w["q_proj"].T + w.get("q_bias", 0)
@@ -452,34 +337,47 @@ def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfi
         first = torch.stack([torch.searchsorted(row, row, right=False) for row in doc_ids])
         pos = pos - first  # searchsorted: the index of the first token with the same id
         mask = mask.masked_fill(doc_ids[:, :, None] != doc_ids[:, None, :], float("-inf"))
+    if windowed:
+        mask = mask + torch.full((t, t), float("-inf"), dtype=x.dtype).tril(-a.window)
     if a.position == "rope":
         d_rot = int(d_head * a.rotary_fraction)
-        inv_freq = rope_frequencies(d_rot, a.rope_theta, a.rope_scaling).to(x.dtype)
-        q, k = _rotate_pairs(q, inv_freq, pos), _rotate_pairs(k, inv_freq, pos)
+        theta, scaling = rope_of(a, windowed)
+        inv_freq = rope_frequencies(d_rot, theta, scaling).to(x.dtype)
+        gain = rope_gain(scaling)  # YaRN scales cos and sin, so both rotated vectors
+        q, k = gain * rotate_pairs_ref(q, inv_freq, pos), gain * rotate_pairs_ref(k, inv_freq, pos)
     scale = a.softmax_scale if a.softmax_scale is not None else d_head**-0.5
     heads = []
     for h in range(a.n_heads):
         g = h // (a.n_heads // kv)
         scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) * scale + mask
-        o = torch.softmax(scores, -1) @ v[:, :, g]
+        if "sinks" in w:  # exp(sink) joins the denominator only
+            e = torch.exp(scores - scores.amax(-1, keepdim=True))
+            denom = e.sum(-1, keepdim=True) + torch.exp(w["sinks"][h] - scores.amax(-1, True))
+            o = (e / denom) @ v[:, :, g]
+        else:
+            o = torch.softmax(scores, -1) @ v[:, :, g]
         heads.append(o / (1 + torch.exp(-gates[h])) if gates else o)
     return torch.cat(heads, -1) @ w["o_proj"].T + w.get("o_bias", 0)
 
 
-def _rotate_pairs(x: torch.Tensor, inv_freq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs ``(i, i + d_rot/2)`` by angle ``pos * inv_freq[i]``, one at a time
-    (``pos`` ``[B, T]``)."""
-    out = x.clone()
-    half = inv_freq.shape[0]
-    pos = pos.to(x.dtype)[..., None]
-    for i in range(half):
-        ang = pos * inv_freq[i]
-        a, b = x[..., i], x[..., i + half]
-        out[..., i] = a * torch.cos(ang) - b * torch.sin(ang)
-        out[..., i + half] = a * torch.sin(ang) + b * torch.cos(ang)
-    return out
+class WindowedAttention(Attention):
+    """``W``: :class:`Attention` whose queries see the last ``attention.window`` tokens only
+    (the same parameters, keys and plan; RoPE from ``window_rope_theta`` when set); its
+    decoding cache is a ring of ``window`` slots."""
+
+    windowed = True
+
+    @staticmethod
+    def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+        """:meth:`Attention.flops_per_token` over the keys a query sees, ``min(seq_len,
+        window)``."""
+        a = cfg.attention
+        assert a is not None and a.window is not None
+        return Attention.flops_per_token(cfg, min(seq_len, a.window))
 
 
 KIND = LayerKind("*", "attention", Attention, "attention", AttentionConfig, validate_attention,
                  always=True)
 """``*``: causal self-attention (its section is present by default)."""
+WINDOW_KIND = LayerKind("W", "sliding-window attention", WindowedAttention, "attention")
+"""``W``: causal self-attention within ``attention.window`` (reads the ``attention`` section)."""

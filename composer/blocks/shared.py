@@ -29,12 +29,15 @@ from composer.blocks.protocol import declared
 
 
 class SharedLayer(nn.Module):
-    """``shared.a.norm.weight`` and ``shared.a.mixer.*``: a whole layer shared by its uses."""
+    """``shared.a.norm.weight``, ``shared.a.mixer.*`` (and ``shared.a.out_norm.weight`` with
+    sandwich norms): a whole layer shared by its uses."""
 
-    def __init__(self, norm: nn.Module, mixer: nn.Module) -> None:
+    def __init__(self, norm: nn.Module, mixer: nn.Module, out_norm: nn.Module | None = None
+                 ) -> None:
         super().__init__()
         self.norm = norm
         self.mixer = mixer
+        self.out_norm = out_norm
 
 
 def refer(module: nn.Module, name: str, target: nn.Module) -> None:
@@ -51,10 +54,13 @@ def share_layers(cfg: Any, layers: dict[int, nn.Module]) -> dict[str, nn.Module]
         first = layers[uses[0]]
         part = declared(first.mixer, "shared_part")
         if part is None:
-            owner = SharedLayer(first.norm, first.mixer)
+            out_norm = getattr(first, "out_norm", None)
+            owner = SharedLayer(first.norm, first.mixer, out_norm)
             for i in uses:
                 refer(layers[i], "norm", owner.norm)
                 refer(layers[i], "mixer", owner.mixer)
+                if out_norm is not None:
+                    refer(layers[i], "out_norm", out_norm)
         else:
             owner = getattr(first.mixer, part)
             for i in uses:
