@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from composer.blocks import attention, gdn, mamba1, mamba2, mla, mlp, moe, shortconv
+from composer.blocks import attention, gdn, kda, mamba1, mamba2, mla, mlp, moe, shortconv
 from composer.blocks.kind import KINDS, LayerKind, halo
 from composer.blocks.layer import Layer
 from composer.blocks.plan import LayoutRule
@@ -121,5 +121,5 @@ __all__ = ["REGISTRY", "SECTIONS", "build_layer", "halo", "layer_kind", "layout_
            "unregister"]
 
 for _kind in (mamba2.KIND, attention.KIND, mlp.KIND, moe.KIND, gdn.KIND, mla.KIND, shortconv.KIND,
-              mamba1.KIND):
+              mamba1.KIND, kda.KIND):
     register(_kind)
