@@ -5,6 +5,7 @@ from composer.convert.deepseek_v3 import DeepseekV3Adapter, DeepseekV32Adapter
 from composer.convert.glm4_moe import Glm4MoeAdapter
 from composer.convert.granite import BambaAdapter, GraniteMoeHybridAdapter
 from composer.convert.jamba import JambaAdapter
+from composer.convert.kimi_linear import KimiLinearAdapter
 from composer.convert.lfm2 import Lfm2Adapter, Lfm2MoeAdapter
 from composer.convert.llama import LlamaAdapter
 from composer.convert.mamba2 import Mamba2Adapter
@@ -40,4 +41,5 @@ ADAPTERS: list[Adapter] = [
     Qwen3_5MoeVLAdapter(),
     Lfm2Adapter(),
     Lfm2MoeAdapter(),
+    KimiLinearAdapter(),
 ]
