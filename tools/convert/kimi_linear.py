@@ -200,6 +200,8 @@ class KimiLinearAdapter(Adapter):
         out.update(num_hidden_layers=len(kinds), rms_norm_eps=cfg.norm_eps, hidden_act="silu",
                    linear_attn_config=lin, first_k_dense_replace=k)
         out.update({key: v for key, v in PUBLISHED.items() if key in base or not base})
+        if "pad_token_id" not in base:  # KimiLinearConfig's default 163839 needs its vocabulary
+            out["pad_token_id"] = None
         if "layer_types" in base:  # it would win over linear_attn_config
             out["layer_types"] = types
         if "mlp_layer_types" in base or ffn != ["dense"] * k + ["sparse"] * (len(ffn) - k):
