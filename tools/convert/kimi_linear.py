@@ -11,8 +11,10 @@ Layer kinds, as ``KimiLinearConfig.__post_init__`` decides them: ``layer_types``
 ``linear_attn_config``'s ``kda_layers`` / ``full_attn_layers`` (1-based); else every fourth layer
 from index 4 is full attention. MLP kinds: ``mlp_layer_types`` wins, else the first
 ``first_k_dense_replace`` (default 1) are dense. transformers ignores ``moe_layer_freq``, so a
-value other than 1 is refused, as is a router other than ``sigmoid``
-(``moe_router_activation_func``), and ``mla_use_nope`` false (transformers' MLA never rotates).
+value other than 1 is refused, as is a tied head (``KimiLinearForCausalLM`` ties nothing,
+whatever ``tie_word_embeddings`` says: it is read as untied and written back as it came), a
+router other than ``sigmoid`` (``moe_router_activation_func``), and ``mla_use_nope`` false
+(transformers' MLA never rotates).
 The config's aliases are read both ways (``num_experts`` / ``num_local_experts``,
 ``num_experts_per_token`` / ``num_experts_per_tok``, ``num_shared_experts`` /
 ``n_shared_experts``, ``moe_renormalize`` / ``norm_topk_prob``, ``num_expert_group`` /
@@ -150,7 +152,7 @@ class KimiLinearAdapter(Adapter):
             pattern="".join(("K" if t == LINEAR else "+") + ("-" if f == "dense" else "E")
                             for t, f in zip(types, ffn, strict=True)),
             d_model=require(hf, "hidden_size"), vocab_size=require(hf, "vocab_size"),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=eps,
+            tie_embeddings=False, norm_eps=eps,  # transformers never ties (no tied keys)
             init_std=float(hf.get("initializer_range", 0.02)), attention=None, mamba=None,
             mlp=mlp, moe=self._moe_from_hf(hf) if "sparse" in ffn else None, mla=mla, kda=kda)
 
@@ -190,6 +192,7 @@ class KimiLinearAdapter(Adapter):
         types, ffn = [t for t, _ in kinds], [f for _, f in kinds]
         self._check(cfg, types, ffn)
         out = common_to_hf(cfg, base, self.architectures[0], self.model_type)
+        out["tie_word_embeddings"] = bool(base.get("tie_word_embeddings", False))  # not read
         for key in ("dtype", "torch_dtype", "num_local_experts", "num_experts_per_tok",
                     "n_shared_experts", "norm_topk_prob", "n_group"):
             out.pop(key, None)
@@ -234,7 +237,9 @@ class KimiLinearAdapter(Adapter):
         return out
 
     def _check(self, cfg: ModelConfig, types: list[str], ffn: list[str]) -> None:
-        checks = [("norm_zero_centered=false", not cfg.norm_zero_centered),
+        checks = [("tie_embeddings=false (transformers never ties them)",
+                   not cfg.tie_embeddings),
+                  ("norm_zero_centered=false", not cfg.norm_zero_centered),
                   ("post_norm_layers=[]", not cfg.post_norm_layers)]
         if LINEAR in types:
             d = cfg.kda
