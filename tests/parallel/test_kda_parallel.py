@@ -1,7 +1,8 @@
 """Kimi delta attention under tensor parallelism (heads) and context parallelism (halo conv and
 chunk state passing, the gated delta net's variants) equals one process: the eval loss, every
 gradient (the replicated gate down-projections and norm weight included) and three AdamW
-steps, in fp64 (1e-10); packed documents that cross the cp ranks' chunks; gloo on CPU."""
+steps, in fp64 (1e-10), alone and in Kimi Linear's layout (KDA, NoPE MLA, MoE); packed
+documents that cross the cp ranks' chunks; gloo on CPU."""
 
 import numpy as np
 import pytest
@@ -21,15 +22,31 @@ def kda_cfg(n_heads: int = 4) -> dict:
         "attention": {"n_heads": 4, "n_kv_heads": 2}, "mlp": {"d_ff": 64}}).validate().to_dict()
 
 
+def kimi_cfg() -> dict:
+    """Kimi Linear's layout: KDA, then NoPE MLA (``mla.rope`` false), with MoE layers."""
+    return ModelConfig.from_dict({
+        "pattern": "K-+E", "d_model": 32, "vocab_size": 61,
+        "kda": {"n_heads": 2, "d_head": 8, "chunk_size": 4},
+        "mla": {"n_heads": 4, "kv_lora_rank": 16, "d_head_nope": 8, "d_head_rope": 4,
+                "d_head_v": 8, "rope": False},
+        "mlp": {"d_ff": 64}, "moe": {"n_experts": 4, "top_k": 2, "d_ff": 16,
+                                    "n_shared_experts": 1, "score_func": "sigmoid",
+                                    "score_correction_bias": True}}).validate().to_dict()
+
+
 DATA = np.random.default_rng(0).integers(0, 61, (8, 16))
-LAYOUTS = {"tp2": {"tp": 2}, "cp2": {"cp": 2}}
+LAYOUTS = {"tp2": {"tp": 2}, "cp2": {"cp": 2}, "kimi-tp2": {"tp": 2}, "kimi-cp2": {"cp": 2}}
+
+
+def _cfg(name: str) -> dict:
+    return kimi_cfg() if name.startswith("kimi") else kda_cfg()
 
 
 DOC_LAYOUTS = {"cp2-docs": {"cp": 2}, "cp2-adaptive-docs": {"cp": 2, "cp_adaptive": True}}
 
 
 def cases_in_ranks(names: list[str]) -> dict:
-    out = {name: layout_case(LAYOUTS[name], kda_cfg(), DATA, fp64=True) for name in names}
+    out = {name: layout_case(LAYOUTS[name], _cfg(name), DATA, fp64=True) for name in names}
     return out | {name: docs_case(lay, kda_cfg(), DOCS) for name, lay in DOC_LAYOUTS.items()}
 
 
@@ -41,7 +58,7 @@ def layouts() -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_kda_layout_equals_one_process_fp64(layouts: dict, name: str) -> None:
-    ref = layout_case({}, kda_cfg(), DATA, fp64=True)
+    ref = layout_case({}, _cfg(name), DATA, fp64=True)
     got = layouts[name]
     assert abs(got["eval"] - ref["eval"]) < 1e-10
     assert set(got["grads"]) == set(ref["grads"])
