@@ -32,6 +32,7 @@ def _collect() -> dict[str, Preset]:
         gemma3,
         glm4_moe,
         jamba,
+        kimi_linear,
         lfm2,
         llama,
         mamba2,
@@ -45,7 +46,7 @@ def _collect() -> dict[str, Preset]:
 
     presets: dict[str, Preset] = {}
     for module in (nemotron_h, llama, qwen3, mixtral, mamba2, deepseek_v3, glm4_moe, minimax_m2,
-                   olmo_hybrid, qwen3_next, lfm2, jamba, gemma3):
+                   olmo_hybrid, qwen3_next, lfm2, jamba, gemma3, kimi_linear):
         for preset in module.PRESETS:
             assert preset.name not in presets, preset.name
             presets[preset.name] = preset

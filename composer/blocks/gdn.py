@@ -125,11 +125,13 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 class HeadGatedRMSNorm(nn.Module):
     """``w * rms(x) * silu(z)`` over the last dim (one head), weight shared by the heads; the norm
-    in >= fp32 and cast back before the weight, as transformers' ``Qwen3NextRMSNormGated``."""
+    in >= fp32 and cast back before the weight, as transformers' ``Qwen3NextRMSNormGated``.
+    ``gate="sigmoid"`` gates with ``sigmoid(z)`` instead (Kimi delta attention's ``o_norm``)."""
 
-    def __init__(self, d: int, eps: float) -> None:
+    def __init__(self, d: int, eps: float, gate: str = "silu") -> None:
         super().__init__()
         self.eps = eps
+        self.act = F.silu if gate == "silu" else torch.sigmoid
         self.weight = nn.Parameter(torch.ones(d))
 
     def init_rules(self) -> dict[str, Init]:
@@ -139,7 +141,7 @@ class HeadGatedRMSNorm(nn.Module):
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(x.dtype)
-        return h * F.silu(gate.to(h.dtype))
+        return h * self.act(gate.to(h.dtype))
 
 
 class DeltaRule(LinearRecurrence):
@@ -327,6 +329,31 @@ class GatedDeltaNet(nn.Module):
         return 2 * proj + 2 * (2 * qk + vv) * d.d_conv + chunked // max(seq_len, 1)
 
 
+def conv_silu_ref(x_BTX: torch.Tensor, weights: dict[str, torch.Tensor],
+                  doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(causal depthwise conv(x))`` as a sum over taps (``conv1d.weight``, optional
+    ``conv1d.bias`` in ``weights``); no tap reads an earlier document."""
+    T = x_BTX.shape[1]
+    cw = weights["conv1d.weight"][:, 0, :]
+    taps = cw.shape[-1]
+    conv = torch.zeros_like(x_BTX)
+    for tap in range(taps):  # tap k multiplies the input K - 1 - k steps back
+        lag = taps - 1 - tap
+        if lag >= T:
+            continue
+        src = x_BTX[:, : T - lag]
+        if doc_ids is not None:
+            src = src * (doc_ids[:, : T - lag] == doc_ids[:, lag:])[..., None]
+        conv[:, lag:] = conv[:, lag:] + cw[:, tap] * src
+    if "conv1d.bias" in weights:
+        conv = conv + weights["conv1d.bias"]
+    return conv / (1 + torch.exp(-conv))
+
+
+def l2norm_ref(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
 def gdn_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig,
             doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-math twin of :class:`GatedDeltaNet`; ``weights`` uses its state-dict names.
@@ -341,24 +368,10 @@ def gdn_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig,
     qk, vv = _sizes(d)
     w = {name: weights[f"{name}_proj.weight"] for name in "qkvzba"}
     qkv = torch.cat([x @ w["q"].T, x @ w["k"].T, x @ w["v"].T], -1)
-    cw, taps = weights["conv1d.weight"][:, 0, :], d.d_conv
-    conv = torch.zeros_like(qkv)
-    for tap in range(taps):  # tap k multiplies the input K - 1 - k steps back
-        lag = taps - 1 - tap
-        if lag >= T:
-            continue
-        src = qkv[:, : T - lag]
-        if doc_ids is not None:
-            src = src * (doc_ids[:, : T - lag] == doc_ids[:, lag:])[..., None]
-        conv[:, lag:] = conv[:, lag:] + cw[:, tap] * src
-    if "conv1d.bias" in weights:
-        conv = conv + weights["conv1d.bias"]
-    qkv = conv / (1 + torch.exp(-conv))
+    qkv = conv_silu_ref(qkv, weights, doc_ids)
     q, k, v = qkv[..., :qk], qkv[..., qk : 2 * qk], qkv[..., 2 * qk :]
-    q = q.reshape(b, T, G, K)
-    k = k.reshape(b, T, G, K)
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
-    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+    q = l2norm_ref(q.reshape(b, T, G, K))
+    k = l2norm_ref(k.reshape(b, T, G, K))
     beta = 1 / (1 + torch.exp(-(x @ w["b"].T)))
     if d.allow_neg_eigval:
         beta = 2 * beta

@@ -10,6 +10,9 @@ by all heads (it cannot be folded into the latent):
     k_h     = [kn_h, rope(kr)],   q_h = [qn_h, rope(qr_h)]
     o       = o_proj(concat_h softmax(q_h k_h^T * scale + causal) v_h)
 
+``mla.rope: false`` (Kimi Linear's ``mla_use_nope``) leaves the ``R`` channels unrotated: a
+position-free MLA whose shared ``kr`` is one more key channel group.
+
 ``scale = (N + R)^-1/2``, times YaRN's ``mscale(factor, mscale_all_dim)^2`` when the RoPE uses
 YaRN (Peng et al. 2023) with ``mscale_all_dim``; YaRN also multiplies the cos/sin tables by its
 attention factor, which scales the RoPE channels only. RoPE is the rotate-half layout of
@@ -88,6 +91,9 @@ class MLAConfig:
     d_head_nope: int = 32
     d_head_rope: int = 16
     d_head_v: int = 32
+    rope: bool = True
+    """RoPE on the ``d_head_rope`` channels. ``False``: the NoPE MLA of Kimi Linear
+    (``mla_use_nope``): those channels, the shared key's included, pass unrotated."""
     rope_theta: float = 10000.0
     rope_scaling: YarnScaling | None = None
     norm_eps: float = 1e-6
@@ -199,14 +205,16 @@ class LatentAttention(TimeMixingOp):
         self.max_dense_len = max_dense_len
 
     def forward(self, qn_BHTN: torch.Tensor, qr_BHTR: torch.Tensor, c_BTC: torch.Tensor,
-                kr_BTR: torch.Tensor, expand: LatentExpand, rotary: Rotary, scale: float, *,
+                kr_BTR: torch.Tensor, expand: LatentExpand, rotary: Rotary | None, scale: float, *,
                 doc_ids: torch.Tensor | None = None, step: Step | None = None) -> torch.Tensor:
         """``o [B, H, T, V]`` from the query parts ``[B, H, T, N | R]``, the normalised latent
         ``[B, T, C]`` and the RoPE key ``[B, T, R]`` (both before RoPE)."""
         self.check_length(step.ctx.end if step is not None else qn_BHTN.shape[2])
-        cos, sin = rotary.for_call(qn_BHTN, doc_ids, step)
-        qr_BHTR = apply_rope(qr_BHTR, cos, sin)
-        kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
+        kr_B1TR = kr_BTR[:, None]
+        if rotary is not None:  # None: no position at all (mla.rope false)
+            cos, sin = rotary.for_call(qn_BHTN, doc_ids, step)
+            qr_BHTR = apply_rope(qr_BHTR, cos, sin)
+            kr_B1TR = apply_rope(kr_B1TR, cos, sin)
         mask = None
         if step is not None:
             state, ctx = step.state, step.ctx
@@ -275,7 +283,7 @@ class MLA(nn.Module):
         self.kv_a_norm = RMSNorm(m.kv_lora_rank, m.norm_eps)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, h * (self.d_nope + self.d_v), bias=False)
         self.o_proj = nn.Linear(h * self.d_v, d, bias=False)
-        self.rotary = Rotary(*mla_rope(m))
+        self.rotary = Rotary(*mla_rope(m)) if m.rope else None
         self.scale = mla_softmax_scale(m)
         self.core = LatentAttention(m.max_dense_len)
 
@@ -378,11 +386,14 @@ def mla_ref(x: torch.Tensor, w: dict[str, torch.Tensor], m: MLAConfig,
         pos = pos - first
         mask = mask.masked_fill(doc_ids[:, :, None] != doc_ids[:, None, :], float("-inf"))
     inv_freq, gain = mla_rope(m)
-    k_rope = _rotate_pairs(k_rope, inv_freq.to(x.dtype), pos) * gain
+
+    def rotate(y: torch.Tensor) -> torch.Tensor:
+        return _rotate_pairs(y, inv_freq.to(x.dtype), pos) * gain if m.rope else y
+
+    k_rope = rotate(k_rope)
     heads = []
     for i in range(h):
-        q_i = torch.cat([q[:, :, i, :n], _rotate_pairs(q[:, :, i, n:], inv_freq.to(x.dtype),
-                                                       pos) * gain], -1)
+        q_i = torch.cat([q[:, :, i, :n], rotate(q[:, :, i, n:])], -1)
         k_i = torch.cat([c @ w_kv[i, :n].T, k_rope], -1)
         v_i = c @ w_kv[i, n:].T
         scores = q_i @ k_i.transpose(1, 2) * mla_softmax_scale(m) + mask

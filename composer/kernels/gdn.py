@@ -15,6 +15,13 @@ caller, ``q`` scaled by ``scale`` (default ``K ** -0.5``) here, ``g <= 0`` the l
 q/k have ``G`` heads, v has ``H = G * R``; v-head ``h`` reads q/k head ``h // R``
 (``repeat_interleave``, transformers' and fla's convention).
 
+Kimi delta attention (KDA, :mod:`composer.blocks.kda`) is the same rule with a log decay per
+key channel, ``g [B, T, H, K]``: ``S_t = diag(exp(g_t)) S_{t-1}`` decays each row of the state
+by its own rate. Every function here takes either shape; below, a per-channel ``Γ`` gains a
+trailing ``K`` and sits inside the key sums (``A[t, j] = beta_t sum_k k_t k_j Γ[t, j, k]``),
+``exp(c)`` and ``exp(c_L - c)`` scale ``K`` (and ``Q``) per channel, and the chunk's decay
+``exp(c_L)`` scales the rows of ``S``.
+
 Chunked form. Inside a chunk of ``L`` steps, with ``c`` the cumulative sum of ``g`` from the
 chunk's start, ``Γ[t, j] = exp(c_t - c_j)`` for ``j <= t`` and ``S0`` the state entering it,
 unrolling the recurrence gives a unit lower-triangular system for the deltas ``U``:
@@ -70,27 +77,40 @@ def _heads_first(t_BT_: torch.Tensor, pad: int, L: int, dtype: torch.dtype) -> t
     return t.reshape(t.shape[0], t.shape[1], -1, L, *t.shape[3:])
 
 
-def _decays(g_BHNL: torch.Tensor, seg_BT: torch.Tensor | None, dtype: torch.dtype):
+def _decays(g_BHNL_: torch.Tensor, seg_BT: torch.Tensor | None, dtype: torch.dtype):
     """``Γ [B, H, N, L, S]`` (0 above the diagonal), ``exp(c) [B, H, N, L]`` and
-    ``exp(c_L - c) [B, H, N, L]``, masked across document boundaries when ``seg`` is given."""
-    b, _, n, L = g_BHNL.shape
-    c64 = g_BHNL.double().cumsum(-1)
-    diff = (c64[..., :, None] - c64[..., None, :]).to(dtype)
-    keep_LS = torch.ones(L, L, dtype=torch.bool, device=g_BHNL.device).tril_()
+    ``exp(c_L - c) [B, H, N, L]``, masked across document boundaries when ``seg`` is given. A
+    per-key-channel decay ``g [B, H, N, L, K]`` (KDA) gives each of them a trailing ``K``."""
+    if g_BHNL_.dim() == 4:  # the scalar decay as one channel
+        decay, from_start, to_end = _decays(g_BHNL_[..., None], seg_BT, dtype)
+        return decay[..., 0], from_start[..., 0], to_end[..., 0]
+    b, _, n, L, _ = g_BHNL_.shape
+    c64 = g_BHNL_.double().cumsum(-2)
+    diff = (c64[..., :, None, :] - c64[..., None, :, :]).to(dtype)
+    keep_LS = torch.ones(L, L, dtype=torch.bool, device=g_BHNL_.device).tril_()
     from_start = torch.exp(c64).to(dtype)
-    to_end = torch.exp(c64[..., -1:] - c64).to(dtype)
+    to_end = torch.exp(c64[..., -1:, :] - c64).to(dtype)
     if seg_BT is None:
-        return diff.masked_fill(~keep_LS, float("-inf")).exp(), from_start, to_end
+        return diff.masked_fill(~keep_LS[..., None], float("-inf")).exp(), from_start, to_end
     pad = n * L - seg_BT.shape[1]
     if pad:  # padding joins the last document
         seg_BT = torch.cat([seg_BT, seg_BT[:, -1:].expand(b, pad)], 1)
     seg_BNL = seg_BT.reshape(b, n, L)
     before_BN = torch.cat([seg_BNL[:, :1, 0], seg_BNL[:, :-1, -1]], 1)
     same_BNLS = (seg_BNL[..., :, None] == seg_BNL[..., None, :]) & keep_LS
-    decay = diff.masked_fill(~same_BNLS[:, None], float("-inf")).exp()
-    from_start = from_start.masked_fill((seg_BNL != before_BN[..., None])[:, None], 0.0)
-    to_end = to_end.masked_fill((seg_BNL != seg_BNL[..., -1:])[:, None], 0.0)
+    decay = diff.masked_fill(~same_BNLS[:, None, ..., None], float("-inf")).exp()
+    from_start = from_start.masked_fill((seg_BNL != before_BN[..., None])[:, None, ..., None],
+                                        0.0)
+    to_end = to_end.masked_fill((seg_BNL != seg_BNL[..., -1:])[:, None, ..., None], 0.0)
     return decay, from_start, to_end
+
+
+def _weighted(a_BHNLK: torch.Tensor, b_BHNSK: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """``(a b^T) * Γ`` ``[B, H, N, L, S]``; with a per-channel ``Γ [B, H, N, L, S, K]`` the
+    decay sits inside the key sum: ``sum_k a[l, k] b[s, k] Γ[l, s, k]``."""
+    if decay.dim() == a_BHNLK.dim():
+        return (a_BHNLK @ b_BHNSK.transpose(-1, -2)) * decay
+    return (a_BHNLK[..., :, None, :] * b_BHNSK[..., None, :, :] * decay).sum(-1)
 
 
 def gdn_chunked(
@@ -123,18 +143,20 @@ def gdn_chunked(
         beta = _heads_first(beta_BTH, pad, L, dtype)
         seg = None if doc_ids is None else doc_segments(doc_ids)
         decay, from_start, to_end = _decays(_heads_first(g_BTH, pad, L, dtype), seg, dtype)
+        if from_start.dim() == 4:  # scalar decay: broadcast over the key channels
+            from_start, to_end = from_start[..., None], to_end[..., None]
         k_beta = k * beta[..., None]
         # I + A, strictly lower (solve_triangular with unitriangular reads neither the diagonal
         # nor the upper triangle, both of which are 0 or ignored here).
-        A = (k_beta @ k.transpose(-1, -2)) * decay
+        A = _weighted(k_beta, k, decay)
         U0 = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False,
                                            unitriangular=True)
-        W = torch.linalg.solve_triangular(A, k_beta * from_start[..., None], upper=False,
+        W = torch.linalg.solve_triangular(A, k_beta * from_start, upper=False,
                                           unitriangular=True)
-        attn = (q @ k.transpose(-1, -2)) * decay
-        q_start = q * from_start[..., None]
-        k_end = k * to_end[..., None]
-        chunk_decay = from_start[..., -1, None, None]  # [B, H, N, 1, 1]
+        attn = _weighted(q, k, decay)
+        q_start = q * from_start
+        k_end = k * to_end
+        chunk_decay = from_start[..., -1, :, None]  # [B, H, N, 1 or K, 1]
         if initial_state_BHKV is None:
             S = v.new_zeros(b, H, K, V)
         else:
@@ -177,7 +199,7 @@ def gdn_recurrent_ref(
     for t in range(T):
         if doc_ids is not None and t > 0:
             S = S * (doc_ids[:, t] == doc_ids[:, t - 1]).to(dtype)[:, None, None, None]
-        S = torch.exp(g[:, t])[..., None, None] * S
+        S = _per_row(torch.exp(g[:, t])) * S
         pred = torch.einsum("bhkv,bhk->bhv", S, k[:, t])
         u = beta[:, t, :, None] * (v[:, t] - pred)
         S = S + k[:, t, :, :, None] * u[:, :, None, :]
@@ -186,6 +208,12 @@ def gdn_recurrent_ref(
     if return_final_state:
         return o, S
     return o
+
+
+def _per_row(decay: torch.Tensor) -> torch.Tensor:
+    """A step's decay ``[B, H]`` (one per head) or ``[B, H, K]`` (one per key channel, KDA) as
+    the factor of the state ``[B, H, K, V]``: per head, or per row of the state."""
+    return decay[..., None] if decay.dim() == 3 else decay[..., None, None]
 
 
 def gdn_step(q_B1GK: torch.Tensor, k_B1GK: torch.Tensor, v_B1HV: torch.Tensor,
@@ -206,7 +234,7 @@ def gdn_step(q_B1GK: torch.Tensor, k_B1GK: torch.Tensor, v_B1HV: torch.Tensor,
         S = state_BHKV  # updated in place
     else:
         S = state_BHKV.to(dtype).contiguous()
-    S.mul_(torch.exp(g_BH)[..., None, None])
+    S.mul_(_per_row(torch.exp(g_BH)))
     flat = S.view(b * H, K, V)
     pred_BHV = torch.bmm(k_BHK.reshape(b * H, 1, K), flat).view(b, H, V)
     u_BHV = beta_BH[..., None] * (v_BHV - pred_BHV)
@@ -226,8 +254,12 @@ def gdn_kernel(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, scale=None, initial_stat
     repeated to the v-heads first (not every fla release takes fewer q/k heads). Packed
     documents: the rows are flattened into one varlen batch (``cu_seqlens`` at every row and
     document start); a row's initial state goes to its first document, its final state is
-    that of its last."""
-    fn = probe.module("fla").chunk_gated_delta_rule
+    that of its last. A per-key-channel decay ``g [B, T, H, K]`` (KDA) goes to fla's
+    ``chunk_kda`` instead, with the same arguments (``g`` the log decay, already gated)."""
+    if g_BTH.dim() == 4:
+        fn = probe.module("fla_kda").chunk_kda
+    else:
+        fn = probe.module("fla").chunk_gated_delta_rule
     b, T, G, K = q_BTGK.shape
     H, V = v_BTHV.shape[2], v_BTHV.shape[3]
     R = H // G
@@ -264,7 +296,8 @@ def gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, chunk_size: int = 
     """The block's hook: :func:`gdn_kernel` for CUDA tensors of a kernel dtype when fla imports
     (and ``COMPOSER_DISABLE_KERNELS`` does not name it), else :func:`gdn_chunked`. CPU tensors
     never probe. Same semantics and return dtypes on both paths."""
-    if (probe.on_gpu(v_BTHV) and v_BTHV.dtype in KERNEL_DTYPES and probe.available("fla")):
+    name = "fla_kda" if g_BTH.dim() == 4 else "fla"
+    if probe.on_gpu(v_BTHV) and v_BTHV.dtype in KERNEL_DTYPES and probe.available(name):
         return gdn_kernel(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, scale, initial_state_BHKV,
                           return_final_state, doc_ids=doc_ids)
     return gdn_chunked(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, chunk_size, scale,

@@ -29,6 +29,7 @@ KERNELS: dict[str, str | None] = {
     "transformer_engine": "transformer_engine.pytorch",  # te.Linear (cuBLASLt, FP8)
     "flash": None,  # torch's own fused SDPA kernels: nothing to import, only a switch
     "fla": "fla.ops.gated_delta_rule",  # the chunked gated delta rule (Triton)
+    "fla_kda": "fla.ops.kda",  # the chunked Kimi delta attention (Triton)
 }
 """Kernel name -> the module whose successful import makes it available."""
 

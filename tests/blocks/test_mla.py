@@ -20,6 +20,9 @@ CASES = {
         n_heads=2, kv_lora_rank=10, d_head_nope=6, d_head_rope=8, d_head_v=4,
         rope_scaling=YarnScaling(factor=8.0, original_max_position=4, beta_fast=4.0,
                                  truncate=False)),
+    # Kimi Linear's NoPE MLA (mla_use_nope): the R channels pass unrotated
+    "full-q-nope": MLAConfig(n_heads=2, q_lora_rank=None, kv_lora_rank=16, d_head_nope=8,
+                             d_head_rope=4, d_head_v=8, rope=False),
 }
 
 
@@ -136,7 +139,7 @@ def ours_from_hf(hf_state: dict, m: MLAConfig, interleave: bool) -> dict:
 
 
 @pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "rotate-half"])
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].rope])
 def test_mla_matches_transformers(name, interleave):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
         DeepseekV3Attention,
@@ -181,3 +184,28 @@ def test_flops_and_plan():
     assert plan.colwise == ("q_b_proj", "kv_b_proj") and plan.rowwise == ("o_proj",)
     assert [r.problem({"tp": 8}) for r in MLA.layout_rules(cfg)] == \
         ["mla.n_heads (4) is not divisible by tp (8)"]
+
+
+def test_nope_mla_matches_transformers_kimi_linear():
+    """Kimi Linear's MLA (no RoPE anywhere; the shared key channels concatenated as they are)
+    equals ours with ``mla.rope`` false, its weights under our names (fp32, 1e-5)."""
+    from transformers import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
+
+    m = CASES["full-q-nope"]
+    hf_cfg = KimiLinearConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                              q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                              qk_rope_head_dim=4, v_head_dim=8, num_hidden_layers=1,
+                              layer_types=["full_attention"], vocab_size=16, pad_token_id=0)
+    hf_cfg._attn_implementation = "eager"
+    hf = KimiLinearAttention(hf_cfg, layer_idx=0).eval()
+    _randomize(hf, 4)
+    ours = MLA(_cfg(m))
+    rename = {"kv_a_proj_with_mqa.weight": "kv_a_proj.weight",
+              "kv_a_layernorm.weight": "kv_a_norm.weight"}
+    ours.load_state_dict({rename.get(k, k): v for k, v in hf.state_dict().items()}, strict=True)
+    x = torch.randn(2, 9, 32)
+    mask = torch.full((9, 9), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        want, _ = hf(x, attention_mask=mask)
+        torch.testing.assert_close(ours(x), want, atol=1e-5, rtol=1e-5)

@@ -1,6 +1,6 @@
 """PEFT interoperability: our LoRA adapters <-> a PEFT adapter folder, proven on logits against
-``peft.PeftModel`` on tiny random Llama, Qwen3, Nemotron-H, LFM2, Jamba and Gemma 3 models (fp32,
-1e-4)."""
+``peft.PeftModel`` on tiny random Llama, Qwen3, Nemotron-H, LFM2, Jamba, Gemma 3 and Kimi Linear
+models (fp32, 1e-4)."""
 
 from __future__ import annotations
 
@@ -82,8 +82,19 @@ def gemma3():
         layer_types=["sliding_attention", "full_attention"]))
 
 
+def kimi_linear():
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    return KimiLinearForCausalLM(KimiLinearConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16, q_lora_rank=None,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_experts=4,
+        num_experts_per_token=2, pad_token_id=0, linear_attn_config={
+            "head_dim": 8, "num_heads": 2, "kda_layers": [1], "full_attn_layers": [2]}))
+
+
 FAMILIES = {"llama": llama, "qwen3": qwen3, "nemotron-h": nemotron_h, "lfm2": lfm2,
-            "jamba": jamba, "gemma3": gemma3}
+            "jamba": jamba, "gemma3": gemma3, "kimi-linear": kimi_linear}
 # Our module names per family: attention q/v, an MLP projection, Mamba-2's fused in_proj,
 # the short convolution's in_proj (fused b/c/u) and out_proj, Mamba-1's in_proj ([x; z]),
 # x_proj and out_proj (peft refuses no Jamba module).
@@ -91,13 +102,15 @@ TARGETS = {"llama": ("q_proj", "v_proj", "down_proj"), "qwen3": ("q_proj", "k_pr
            "nemotron-h": ("in_proj", "q_proj", "o_proj", "up_proj"),
            "lfm2": ("in_proj", "out_proj", "o_proj", "gate_proj"),
            "jamba": ("in_proj", "x_proj", "out_proj", "v_proj", "gate_proj"),
-           "gemma3": ("q_proj", "o_proj", "up_proj")}
+           "gemma3": ("q_proj", "o_proj", "up_proj"),
+           "kimi-linear": ("q_proj", "o_proj", "g_a_proj", "b_proj", "kv_b_proj")}
 PEFT_TARGETS = {"llama": ["q_proj", "v_proj", "gate_proj", "down_proj"],
                 "qwen3": ["k_proj", "v_proj", "o_proj", "down_proj"],
                 "nemotron-h": ["in_proj", "v_proj", "down_proj"],
                 "lfm2": ["in_proj", "out_proj", "v_proj", "w2"],
                 "jamba": ["in_proj", "x_proj", "out_proj", "v_proj", "down_proj"],
-                "gemma3": ["k_proj", "v_proj", "gate_proj", "down_proj"]}
+                "gemma3": ["k_proj", "v_proj", "gate_proj", "down_proj"],
+                "kimi-linear": ["q_proj", "v_proj", "g_b_proj", "kv_a_proj_with_mqa", "o_proj"]}
 
 
 @pytest.fixture(params=list(FAMILIES))

@@ -1,6 +1,7 @@
 """composer.kernels on a GPU against the torch path (moved from bench/gpu_check.py's ``kernels``
 phase, which keeps only the timing): the SSD scan (mamba_ssm), causal conv + SiLU
-(causal_conv1d), SDPA per backend and the hook's choice, and whole
+(causal_conv1d), SDPA per backend and the hook's choice, the delta rule (fla's gated delta rule
+and Kimi delta attention kernels), and whole
 blocks (Mamba-2 mixer, attention) through their hooks, forward and backward, fp32 and bf16, each
 within ``TOL`` of an fp64 torch reference on the same rounded inputs. Skipped without CUDA, and
 per kernel when it does not import."""
@@ -112,3 +113,37 @@ def test_sdpa_backend_matches_fp64(dtype: torch.dtype, backend: str) -> None:
     assert compare(got, ref) <= TOL[dtype]
 
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("kernel", "per_channel"), [("fla", False), ("fla_kda", True)],
+                         ids=["gdn", "kda"])
+def test_delta_rule_kernel_matches_fp64(dtype: torch.dtype, kernel: str,
+                                        per_channel: bool) -> None:
+    """fla's ``chunk_gated_delta_rule`` (a decay per head) and ``chunk_kda`` (a decay per key
+    channel, Kimi delta attention) through ``kernels.gdn.gated_delta_rule``, packed documents
+    included, forward and backward against the fp64 torch path."""
+    from composer.kernels import gdn as kgdn
+
+    need(kernel)
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    b, T, H, K = S["b"], S["T"], S["heads"], S["d"] // 2
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=DEVICE)
+
+    decay = (r(b, T, H, K) if per_channel else r(b, T, H)) - 3
+    leaves = [r(b, T, H, K), r(b, T, H, K), r(b, T, H, K), decay, r(b, T, H)]
+    doc_ids = (torch.arange(T, device=DEVICE) >= T // 3).long().expand(b, T).contiguous()
+
+    def make(fn: Callable) -> Callable:
+        def run(q, k, v, a, beta):
+            dtype = torch.promote_types(v.dtype, torch.float32)
+            return fn(F.normalize(q.to(dtype), dim=-1), F.normalize(k.to(dtype), dim=-1), v,
+                      -F.softplus(a.to(dtype)), torch.sigmoid(beta.to(dtype)), doc_ids=doc_ids)
+        return run
+
+    rounded = [t.to(dtype) for t in leaves]
+    ref = fwd_bwd(make(lambda *a, **kw: kgdn.gdn_chunked(*a, 16, **kw)), rounded, torch.float64)
+    got = fwd_bwd(make(lambda *a, **kw: kgdn.gdn_kernel(*a, **kw)), rounded, dtype)
+    assert compare(got, ref) <= TOL[dtype]

@@ -33,6 +33,8 @@ VARIANTS = {
                                    "attention.rotary_fraction": 0.5, "post_norm_layers": [2, 3]}),
     "mla-plain-q": ("+-+E", {"mla.q_lora_rank": None}),
     "recurrent-only": ("MGMG", {"mamba.d_conv": 2, "gdn.allow_neg_eigval": True}),
+    "kimi-linear": ("K-+E", {"kda.n_heads": 2, "kda.d_head": 8, "kda.chunk_size": 4,
+                             "mla.rope": False, "mla.q_lora_rank": None}),
 }
 
 

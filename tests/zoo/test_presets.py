@@ -19,6 +19,7 @@ from transformers import (
     Gemma3TextConfig,
     Glm4MoeConfig,
     JambaConfig,
+    KimiLinearConfig,
     Lfm2Config,
     Lfm2MoeConfig,
     LlamaConfig,
@@ -241,6 +242,21 @@ PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
         block_ff_dim=10752, intermediate_size=10752, block_auto_adjust_ff_dim=False,
         layer_types=["full_attention" if i in (2, 5, 9, 13, 17, 21, 24, 27) else "conv"
                      for i in range(30)])),
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json (its fields as published: the
+    # linear_attn_config block, num_experts / num_experts_per_token / num_shared_experts).
+    "kimi-linear-48b-a3b": (KimiLinearConfig, dict(
+        vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
+        num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32, head_dim=72,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, mla_use_nope=True, first_k_dense_replace=1, moe_layer_freq=1,
+        num_experts=256, num_experts_per_token=8, num_shared_experts=1, moe_renormalize=True,
+        moe_router_activation_func="sigmoid", routed_scaling_factor=2.446, num_expert_group=1,
+        topk_group=1, use_grouped_topk=True, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        hidden_act="silu", model_max_length=1048576, bos_token_id=163584, eos_token_id=163586,
+        pad_token_id=163839, linear_attn_config={
+            "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4,
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+            "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)]})),
     # LiquidAI/LFM2-8B-A1B config.json (Lfm2MoeForCausalLM).
     "lfm2-8b-a1b": (Lfm2MoeConfig, dict(
         vocab_size=65536, hidden_size=2048, intermediate_size=7168, moe_intermediate_size=1792,
@@ -514,6 +530,23 @@ def gemma3_kwargs(cfg: ModelConfig) -> dict:
                 intermediate_size=mlp.d_ff, sliding_window=a.window, rms_norm_eps=cfg.norm_eps)
 
 
+def kimi_linear_kwargs(cfg: ModelConfig) -> dict:
+    k, m, mlp, e = cfg.kda, cfg.mla, cfg.mlp, cfg.moe
+    assert k is not None and m is not None and not m.rope and e.score_func == "sigmoid"
+    kinds = _pairs(cfg)
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=len(kinds),
+        tie_word_embeddings=cfg.tie_embeddings, rms_norm_eps=cfg.norm_eps, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, layer_types=[
+            "linear_attention" if p[0] == "K" else "full_attention" for p in kinds],
+        mlp_layer_types=["dense" if p[1] == "-" else "sparse" for p in kinds],
+        linear_num_heads=k.n_heads, linear_head_dim=k.d_head, linear_conv_kernel_dim=k.d_conv,
+        num_attention_heads=m.n_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.d_head_nope, qk_rope_head_dim=m.d_head_rope, v_head_dim=m.d_head_v,
+        intermediate_size=mlp.d_ff, moe_intermediate_size=e.d_ff, num_experts=e.n_experts,
+        num_experts_per_token=e.top_k, num_shared_experts=e.n_shared_experts)
+
+
 DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "nemotron-h-debug": (NemotronHConfig, nemotron_h_kwargs),
     "nemotron-3-nano-debug": (NemotronHConfig, nemotron_h_kwargs),
@@ -533,6 +566,7 @@ DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "lfm2-debug": (Lfm2Config, lfm2_kwargs),
     "lfm2-moe-debug": (Lfm2MoeConfig, lfm2_moe_kwargs),
     "gemma3-debug": (Gemma3TextConfig, gemma3_kwargs),
+    "kimi-linear-debug": (KimiLinearConfig, kimi_linear_kwargs),
 }
 
 

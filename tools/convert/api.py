@@ -335,7 +335,7 @@ def _export_targets(adapter: Adapter, cfg: ModelConfig, source: TensorSource, wh
     parts: dict[str, list] = {}
     for link in links:
         _, shape = part(our_shapes[link.ours], link.ours_idx, link.ours)
-        parts.setdefault(link.hf, []).append((link.hf_idx, shape))
+        parts.setdefault(link.hf, []).append((link.hf_idx, link.hf_shape or shape))
     hf_shapes = {name: assembled_shape(p) for name, p in parts.items()}
     return build_targets(links, "hf", hf_shapes, our_shapes)
 

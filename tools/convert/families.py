@@ -6,6 +6,7 @@ from composer.convert.gemma3 import Gemma3Adapter
 from composer.convert.glm4_moe import Glm4MoeAdapter
 from composer.convert.granite import BambaAdapter, GraniteMoeHybridAdapter
 from composer.convert.jamba import JambaAdapter
+from composer.convert.kimi_linear import KimiLinearAdapter
 from composer.convert.lfm2 import Lfm2Adapter, Lfm2MoeAdapter
 from composer.convert.llama import LlamaAdapter
 from composer.convert.mamba2 import Mamba2Adapter
@@ -42,4 +43,5 @@ ADAPTERS: list[Adapter] = [
     Lfm2Adapter(),
     Lfm2MoeAdapter(),
     Gemma3Adapter(),
+    KimiLinearAdapter(),
 ]

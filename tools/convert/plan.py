@@ -39,6 +39,9 @@ class Link:
     hf: str
     ours_idx: Index = ()
     hf_idx: Index = ()
+    hf_shape: tuple[int, ...] | None = None
+    """The HF tensor's shape when it holds our whole tensor's elements in another shape, the
+    same bytes row-major (Kimi Linear's ``A_log`` ``[1, 1, H, 1]``, ours ``[H]``)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,13 @@ def assembled_shape(parts: list[tuple[Index, tuple[int, ...]]]) -> tuple[int, ..
     return (rows, *shape0[1:])
 
 
+def _same_view(link: Link, a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whole tensors that a link declares as two shapes of the same elements."""
+    hf, ours = (a, b) if tuple(a) == link.hf_shape else (b, a)
+    return (link.hf_shape is not None and tuple(hf) == link.hf_shape
+            and link.ours_idx == link.hf_idx == () and _prod(hf) == _prod(ours))
+
+
 def build_targets(links: list[Link], target_side: str, target_shapes: dict[str, tuple[int, ...]],
                   source_shapes: dict[str, tuple[int, ...]],
                   source_files: dict[str, str] | None = None) -> list[Target]:
@@ -123,7 +133,7 @@ def build_targets(links: list[Link], target_side: str, target_shapes: dict[str, 
             src = getattr(link, src_side)
             src_offset, src_part = part(source_shapes[src], getattr(link, f"{src_side}_idx"), src)
             dst_offset, dst_part = part(shape, getattr(link, f"{target_side}_idx"), name)
-            if tuple(src_part) != tuple(dst_part):
+            if tuple(src_part) != tuple(dst_part) and not _same_view(link, src_part, dst_part):
                 where = f" (in {source_files[src]})" if source_files else ""
                 raise CheckpointError(
                     f"shape mismatch: {src!r}{_fmt(getattr(link, f'{src_side}_idx'))}{where} is "

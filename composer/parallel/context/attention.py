@@ -92,9 +92,11 @@ class GatheredLatent(nn.Module):
         _no_step(step)
         cp = self.cp
         self.op.check_length(cp.T)
-        cos, sin = rotary.at(cp.pos_BT, qn_BHTN.dtype)
-        qr_BHTR = apply_rope(qr_BHTR, cos, sin)
-        kr_B1TR = apply_rope(kr_BTR[:, None], cos, sin)
+        kr_B1TR = kr_BTR[:, None]
+        if rotary is not None:  # None: a NoPE MLA (mla.rope false)
+            cos, sin = rotary.at(cp.pos_BT, qn_BHTN.dtype)
+            qr_BHTR = apply_rope(qr_BHTR, cos, sin)
+            kr_B1TR = apply_rope(kr_B1TR, cos, sin)
         c_BSC, kr_B1SR = _gather(c_BTC, cp, 1), _gather(kr_B1TR, cp, 2)
         q_BHTQ, k_BHSQ, v_BHSV = latent_keys(qn_BHTN, qr_BHTR, c_BSC, kr_B1SR, expand)
         return _attend(q_BHTQ, k_BHSQ, v_BHSV, cp, scale)
