@@ -1,10 +1,9 @@
 """Causal self-attention: MHA / GQA / MQA, RoPE or no position embedding, optional qk-norm.
 
 Vaswani et al. 2017 §3.2: ``softmax(q k^T * scale + causal_mask) v`` per head, with key/value heads
-shared by ``n_heads / n_kv_heads`` query heads (GQA, Ainslie et al. 2023). RoPE (Su et al. 2021)
-in the rotate-half layout that transformers and Megatron use: channel ``i`` pairs with
-``i + d_rot/2``; only the first ``rotary_fraction * d_head`` channels rotate. Llama-3 frequency
-scaling divides low frequencies by ``factor`` and blends the middle band. qk-norm is an RMSNorm
+shared by ``n_heads / n_kv_heads`` query heads (GQA, Ainslie et al. 2023). RoPE
+(:mod:`composer.blocks.rope`: rotate-half layout, ``linear`` / ``llama3`` / ``yarn`` scaling)
+rotates the first ``rotary_fraction * d_head`` channels of each head. qk-norm is an RMSNorm
 applied before RoPE, over each head's channels (``qk_norm_scope: head``, Qwen3, GLM-4.5) or over
 the whole q / k projection at once (``all``, MiniMax-M2: one RMS across every head, a weight per
 channel of every head).
@@ -27,7 +26,6 @@ Legend: B batch, T time, D model width, H query heads, K kv heads, E head width.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,7 +35,7 @@ from torch import nn
 
 from composer.blocks.cache import KVState, Step, StepContext, attention_mask
 from composer.blocks.kind import LayerKind
-from composer.blocks.mrope import mrope_cos_sin, mrope_rows
+from composer.blocks.mrope import mrope_rows
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import (
     ZEROS,
@@ -49,22 +47,21 @@ from composer.blocks.plan import (
     init_module,
 )
 from composer.blocks.protocol import TimeMixingOp
+from composer.blocks.rope import (  # noqa: F401  (re-exported: the rotary code lived here)
+    RopeScaling,
+    Rotary,
+    apply_rope,
+    rope_cos_sin,
+    rope_cos_sin_at,
+    rope_frequencies,
+    rope_gain,
+    rotate_pairs_ref,
+)
 from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import sdpa_context
-from composer.kernels.packing import doc_positions
 from composer.kernels.sdpa import doc_sdpa
 
 # ---------------------------------------------------------------- the kind's config section
-
-
-@dataclass
-class RopeScaling:
-    """Llama-3 style frequency scaling of RoPE (``rope_type: llama3`` in transformers)."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
 
 
 @dataclass
@@ -115,6 +112,9 @@ def validate_attention(a: AttentionConfig, cfg: ModelConfig) -> None:
     if not 0.0 < a.rotary_fraction <= 1.0 or rotary % 2:
         raise ConfigError(f"attention.rotary_fraction ({a.rotary_fraction}) must be in (0, 1] "
                           f"and rotate an even number of the {d_head} head channels")
+    if a.rope_scaling is not None:
+        positive(a.rope_scaling, "attention.rope_scaling.", (
+            "factor", "original_max_position", "beta_fast", "beta_slow", "attention_factor"))
     if a.mrope_section is not None:
         if a.position != "rope":
             raise ConfigError("attention.mrope_section needs attention.position 'rope'")
@@ -128,108 +128,6 @@ def d_head_of(cfg: ModelConfig) -> int:
     a = cfg.attention
     assert a is not None
     return a.d_head or cfg.d_model // a.n_heads
-
-
-def rope_frequencies(d_rot: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies ``theta^(-2i/d_rot)``, with Llama-3 scaling when given (fp64)."""
-    # an explicit CPU device: the model may be built under a meta-device context
-    inv_freq = 1.0 / theta ** (torch.arange(0, d_rot, 2, dtype=torch.float64, device="cpu") / d_rot)
-    if scaling is None:
-        return inv_freq
-    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(middle, blended, out)
-
-
-def rope_cos_sin(t: int, inv_freq: torch.Tensor, device: torch.device,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``/``sin`` tables ``[T, d_rot]`` in at least fp32 math, cast to ``dtype``."""
-    math_dtype = torch.promote_types(dtype, torch.float32)
-    pos = torch.arange(t, device=device, dtype=math_dtype)
-    angles = torch.outer(pos, inv_freq.to(device=device, dtype=math_dtype))
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rope_cos_sin_at(pos_BT: torch.Tensor, inv_freq: torch.Tensor,
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rope_cos_sin` at per-row positions: ``[B, 1, T, d_rot]`` tables (one per row,
-    shared by the heads) for integer positions ``pos_BT``; the same products as there."""
-    math_dtype = torch.promote_types(dtype, torch.float32)
-    angles = pos_BT.to(math_dtype)[..., None] * inv_freq.to(pos_BT.device, math_dtype)
-    angles = torch.cat([angles, angles], dim=-1)[:, None]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x_BHTE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    d_rot = cos.shape[-1]
-    half = d_rot // 2
-    if d_rot == x_BHTE.shape[-1]:  # the whole head rotates: no slicing, one concat
-        return x_BHTE * cos + torch.cat([-x_BHTE[..., half:], x_BHTE[..., :half]], -1) * sin
-    rot, rest = x_BHTE[..., :d_rot], x_BHTE[..., d_rot:]
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
-
-
-class Rotary:
-    """One mixer's RoPE: inverse frequencies ``inv_freq`` (fp64, on the CPU) and the gain of the
-    cos/sin tables (YaRN's attention factor for multi-latent attention; 1 otherwise). Holds no
-    parameters: the table of the last length is kept while the length, device and dtype
-    repeat (a training run asks for one length)."""
-
-    def __init__(self, inv_freq: torch.Tensor, gain: float = 1.0,
-                 mrope_section: list[int] | None = None, mrope_interleaved: bool = True) -> None:
-        self.inv_freq, self.gain = inv_freq, gain
-        self._table: tuple | None = None
-        self.mrope_section, self.mrope_interleaved = mrope_section, mrope_interleaved
-
-    def mrope(self, pos_3BT: torch.Tensor, dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """M-RoPE tables at the three position rows ``pos_3BT`` (``mrope_section`` set)."""
-        assert self.mrope_section is not None
-        cos, sin = mrope_cos_sin(pos_3BT, self.inv_freq, self.mrope_section,
-                                 interleaved=self.mrope_interleaved, dtype=dtype)
-        return self._gain(cos), self._gain(sin)
-
-    def table(self, t: int, device: torch.device,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``/``sin`` ``[T, d_rot]`` at positions ``0 .. t - 1``."""
-        key = (t, device, dtype)
-        if self._table is None or self._table[0] != key:
-            cos, sin = rope_cos_sin(t, self.inv_freq, device, dtype)
-            self._table = (key, self._gain(cos), self._gain(sin))
-        return self._table[1], self._table[2]
-
-    def at(self, pos_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``/``sin`` ``[B, 1, T, d_rot]`` at per-row integer positions ``pos_BT``."""
-        cos, sin = rope_cos_sin_at(pos_BT, self.inv_freq, dtype)
-        return self._gain(cos), self._gain(sin)
-
-    def for_call(self, like: torch.Tensor, doc_ids: torch.Tensor | None,
-                 step: Step | None, positions: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tables of one call on ``like`` ``[B, H, T, E]``: the decoding step's positions,
-        or the M-RoPE rows ``positions`` ``[3, B, T]`` of a forward with images, or positions
-        restarting at each document, or ``0 .. T - 1``."""
-        if step is not None:
-            pos_3BT = step.ctx.pos_3BT
-            if pos_3BT is not None and self.mrope_section is not None:
-                return self.mrope(pos_3BT, like.dtype)
-            return self.at(step.ctx.pos_BT, like.dtype)
-        if positions is not None and self.mrope_section is not None:
-            return self.mrope(positions, like.dtype)
-        if doc_ids is not None:
-            return self.at(doc_positions(doc_ids), like.dtype)
-        return self.table(like.shape[2], like.device, like.dtype)
-
-    def _gain(self, table: torch.Tensor) -> torch.Tensor:
-        return table * self.gain if self.gain != 1.0 else table
 
 
 class CausalAttention(TimeMixingOp):
@@ -310,7 +208,7 @@ class Attention(nn.Module):
         if a.position == "rope":
             d_rot = int(self.d_head * a.rotary_fraction)
             self.rotary = Rotary(rope_frequencies(d_rot, a.rope_theta, a.rope_scaling),
-                                 mrope_section=a.mrope_section,
+                                 rope_gain(a.rope_scaling), mrope_section=a.mrope_section,
                                  mrope_interleaved=a.mrope_interleaved)
         self.core = CausalAttention()
 
@@ -455,7 +353,8 @@ def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfi
     if a.position == "rope":
         d_rot = int(d_head * a.rotary_fraction)
         inv_freq = rope_frequencies(d_rot, a.rope_theta, a.rope_scaling).to(x.dtype)
-        q, k = _rotate_pairs(q, inv_freq, pos), _rotate_pairs(k, inv_freq, pos)
+        gain = rope_gain(a.rope_scaling)  # YaRN scales cos and sin, so both rotated vectors
+        q, k = gain * rotate_pairs_ref(q, inv_freq, pos), gain * rotate_pairs_ref(k, inv_freq, pos)
     scale = a.softmax_scale if a.softmax_scale is not None else d_head**-0.5
     heads = []
     for h in range(a.n_heads):
@@ -464,20 +363,6 @@ def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfi
         o = torch.softmax(scores, -1) @ v[:, :, g]
         heads.append(o / (1 + torch.exp(-gates[h])) if gates else o)
     return torch.cat(heads, -1) @ w["o_proj"].T + w.get("o_bias", 0)
-
-
-def _rotate_pairs(x: torch.Tensor, inv_freq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs ``(i, i + d_rot/2)`` by angle ``pos * inv_freq[i]``, one at a time
-    (``pos`` ``[B, T]``)."""
-    out = x.clone()
-    half = inv_freq.shape[0]
-    pos = pos.to(x.dtype)[..., None]
-    for i in range(half):
-        ang = pos * inv_freq[i]
-        a, b = x[..., i], x[..., i + half]
-        out[..., i] = a * torch.cos(ang) - b * torch.sin(ang)
-        out[..., i + half] = a * torch.sin(ang) + b * torch.cos(ang)
-    return out
 
 
 KIND = LayerKind("*", "attention", Attention, "attention", AttentionConfig, validate_attention,

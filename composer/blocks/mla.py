@@ -36,7 +36,6 @@ V value width, Q = N + R query/key width.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +48,7 @@ from composer.blocks.kind import LayerKind
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Divisible, Init, Normal, ParallelPlan, init_module
 from composer.blocks.protocol import TimeMixingOp
+from composer.blocks.rope import yarn_frequencies, yarn_mscale
 from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import sdpa_context
 from composer.kernels.sdpa import doc_sdpa
@@ -118,33 +118,6 @@ def default_mla(d_model: int) -> MLAConfig:
     kv latent of ``d_model / 4`` (at ``d_model`` 256, the dataclass's defaults)."""
     width = d_model if isinstance(d_model, int) and d_model > 0 else 256
     return MLAConfig(n_heads=max(1, width // 64), kv_lora_rank=max(8, width // 4))
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 when not stretched)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def yarn_frequencies(d_rot: int, theta: float, y: YarnScaling) -> torch.Tensor:
-    """YaRN inverse frequencies (fp64): interpolated by ``factor`` below the ``beta_slow``
-    correction dimension, extrapolated above ``beta_fast``, a linear ramp between."""
-    dims = torch.arange(0, d_rot, 2, dtype=torch.float64, device="cpu")
-    extrapolated = 1.0 / theta ** (dims / d_rot)
-    interpolated = extrapolated / y.factor
-
-    def correction_dim(n_rotations: float) -> float:
-        ratio = y.original_max_position / (n_rotations * 2 * math.pi)
-        return d_rot * math.log(ratio) / (2 * math.log(theta))
-
-    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
-    if y.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, d_rot - 1)
-    if low == high:
-        high += 0.001  # as transformers: avoids a zero-width ramp
-    ramp = (torch.arange(d_rot // 2, dtype=torch.float64, device="cpu") - low) / (high - low)
-    ramp = ramp.clamp(0, 1)
-    return interpolated * ramp + extrapolated * (1 - ramp)
 
 
 def mla_rope(m: MLAConfig) -> tuple[torch.Tensor, float]:

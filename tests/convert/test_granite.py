@@ -144,11 +144,11 @@ def test_refusals():
         GraniteMoeHybridAdapter().config_from_hf(
             mamba(intermediate_size=16, shared_intermediate_size=24, num_local_experts=0,
                   hidden_act="gelu", layer_types=["mamba"] * 3))
-    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
         GraniteMoeHybridAdapter().config_from_hf(
             mamba(intermediate_size=16, shared_intermediate_size=24, num_local_experts=0,
                   layer_types=["attention"] * 3, position_embedding_type="rope",
-                  rope_parameters={"rope_type": "yarn", "factor": 2.0}))
+                  rope_parameters={"rope_type": "longrope", "factor": 2.0}))
 
 
 @pytest.mark.parametrize("family", ["bamba", "granite"])

@@ -102,12 +102,14 @@ def without_mtp(cfg: ModelConfig) -> ModelConfig:
 
 def max_positions(cfg: ModelConfig, default: int) -> int:
     """``max_position_embeddings`` for a fresh export: the length a scaled RoPE (Llama-3's or
-    YaRN's, attention or MLA) is scaled to, ``original_max_position * factor`` (DeepSeek-V3's
+    YaRN's, attention or MLA; linear scaling has no original length) is scaled to,
+    ``original_max_position * factor`` (DeepSeek-V3's
     163840; transformers warns when it is not above the original length), else the HF config
     class's ``default`` (what transformers assumes without the field). Our config has no
     sequence limit of its own."""
     scaling = [s for s in (cfg.attention and cfg.attention.rope_scaling,
-                           cfg.mla and cfg.mla.rope_scaling) if s is not None]
+                           cfg.mla and cfg.mla.rope_scaling)
+               if s is not None and getattr(s, "rope_type", "yarn") != "linear"]
     if not scaling:
         return default
     return max(int(s.original_max_position * s.factor) for s in scaling)
@@ -188,23 +190,61 @@ def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def rope_scaling_from_hf(params: dict[str, Any]) -> RopeScaling | None:
+    """The scaling of one ``rope_parameters`` dict (:func:`rope_parameters`): None for
+    ``default``; ``linear``, ``llama3`` and ``yarn`` carried field by field."""
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        return None
+    if rope_type == "linear":
+        return RopeScaling(rope_type="linear", factor=float(params["factor"]))
+    if rope_type == "llama3":
+        return RopeScaling(factor=float(params["factor"]),
+                           low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                           high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                           original_max_position=int(params["original_max_position_embeddings"]))
+    if rope_type == "yarn":
+        def opt(key: str) -> float | None:
+            return None if params.get(key) is None else float(params[key])
+
+        return RopeScaling(rope_type="yarn", factor=float(params["factor"]),
+                           original_max_position=int(params["original_max_position_embeddings"]),
+                           beta_fast=float(params.get("beta_fast") or 32.0),
+                           beta_slow=float(params.get("beta_slow") or 1.0),
+                           attention_factor=opt("attention_factor"), mscale=opt("mscale"),
+                           mscale_all_dim=opt("mscale_all_dim"),
+                           truncate=bool(params.get("truncate", True)))
+    raise ConfigError(f"config.json: rope type {rope_type!r} is not supported yet "
+                      "(supported: default, linear, llama3, yarn)")
+
+
+def rope_scaling_to_hf(s: RopeScaling | None) -> dict[str, Any]:
+    """The ``rope_parameters`` entries of ``s`` (besides ``rope_theta``); the inverse of
+    :func:`rope_scaling_from_hf`."""
+    if s is None:
+        return {"rope_type": "default"}
+    if s.rope_type == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    if s.rope_type == "llama3":
+        return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position}
+    out: dict[str, Any] = {"rope_type": "yarn", "factor": s.factor,
+                           "original_max_position_embeddings": s.original_max_position,
+                           "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
+                           "truncate": s.truncate}
+    for key in ("attention_factor", "mscale", "mscale_all_dim"):
+        if getattr(s, key) is not None:
+            out[key] = getattr(s, key)
+    return out
+
+
 def attention_from_hf(hf: dict[str, Any], *, qk_norm: bool = False, position: str = "rope",
                       default_theta: float = 10000.0) -> AttentionConfig:
     n_heads = require(hf, "num_attention_heads")
     d_model = require(hf, "hidden_size")
     params = rope_parameters(hf)
-    rope_type = params.get("rope_type", "default")
-    scaling = None
-    if position == "rope":
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                factor=float(params["factor"]),
-                low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-                original_max_position=int(params["original_max_position_embeddings"]))
-        elif rope_type != "default":
-            raise ConfigError(f"config.json: rope type {rope_type!r} is not supported yet "
-                              "(supported: default, llama3)")
+    scaling = rope_scaling_from_hf(params) if position == "rope" else None
     bias = bool(hf.get("attention_bias", False))
     return AttentionConfig(
         n_heads=n_heads,
@@ -229,11 +269,7 @@ def attention_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
                head_dim=a.d_head or cfg.d_model // a.n_heads, attention_bias=a.qkv_bias)
     if a.position == "rope":
         params: dict[str, Any] = {"rope_type": "default", "rope_theta": a.rope_theta}
-        if a.rope_scaling is not None:
-            s = a.rope_scaling
-            params.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
-                          high_freq_factor=s.high_freq_factor,
-                          original_max_position_embeddings=s.original_max_position)
+        params.update(rope_scaling_to_hf(a.rope_scaling))
         if a.rotary_fraction != 1.0:
             params["partial_rotary_factor"] = a.rotary_fraction
         out["rope_parameters"] = params
