@@ -3,6 +3,7 @@
 from composer.convert.base import Adapter
 from composer.convert.deepseek_v3 import DeepseekV3Adapter, DeepseekV32Adapter
 from composer.convert.glm4_moe import Glm4MoeAdapter
+from composer.convert.gpt_oss import GptOssAdapter
 from composer.convert.granite import BambaAdapter, GraniteMoeHybridAdapter
 from composer.convert.jamba import JambaAdapter
 from composer.convert.lfm2 import Lfm2Adapter, Lfm2MoeAdapter
@@ -40,4 +41,5 @@ ADAPTERS: list[Adapter] = [
     Qwen3_5MoeVLAdapter(),
     Lfm2Adapter(),
     Lfm2MoeAdapter(),
+    GptOssAdapter(),
 ]
