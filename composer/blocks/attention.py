@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from composer.blocks.cache import KVState, Step, StepContext, attention_mask
+from composer.blocks.attn_core import CausalAttention
+from composer.blocks.cache import KVState, Step
 from composer.blocks.kind import LayerKind
 from composer.blocks.mrope import mrope_rows
 from composer.blocks.norm import RMSNorm
@@ -46,7 +46,6 @@ from composer.blocks.plan import (
     ParallelPlan,
     init_module,
 )
-from composer.blocks.protocol import TimeMixingOp
 from composer.blocks.rope import (  # noqa: F401  (re-exported: the rotary code lived here)
     RopeScaling,
     Rotary,
@@ -58,8 +57,6 @@ from composer.blocks.rope import (  # noqa: F401  (re-exported: the rotary code 
     rotate_pairs_ref,
 )
 from composer.config import ConfigError, ModelConfig, positive
-from composer.kernels import sdpa_context
-from composer.kernels.sdpa import doc_sdpa
 
 # ---------------------------------------------------------------- the kind's config section
 
@@ -95,11 +92,23 @@ class AttentionConfig:
     mrope_interleaved: bool = True
     """Qwen3.5's interleaved sections (frequency ``i`` reads row ``i % 3`` within the sections);
     False: Qwen2-VL's contiguous blocks."""
+    window: int | None = None
+    """The sliding window of the ``W`` layers (transformers' ``sliding_window``): a query sees
+    itself and the ``window - 1`` tokens before it. ``*`` layers ignore it."""
+    window_rope_theta: float | None = None
+    """The RoPE base of the ``W`` layers, which then rotate without ``rope_scaling`` (Gemma 3's
+    ``rope_local_base_freq``); None: the same RoPE as the ``*`` layers (gpt-oss)."""
+    sinks: bool = False
+    """A learned sink logit per query head (``mixer.sinks`` ``[n_heads]``, gpt-oss) joins every
+    softmax denominator (:mod:`composer.blocks.attn_core`); ``*`` and ``W`` layers alike."""
 
 
 def validate_attention(a: AttentionConfig, cfg: ModelConfig) -> None:
     d_model = cfg.d_model
-    positive(a, "attention.", ("n_heads", "n_kv_heads", "d_head", "rope_theta", "softmax_scale"))
+    positive(a, "attention.", ("n_heads", "n_kv_heads", "d_head", "rope_theta", "softmax_scale",
+                               "window", "window_rope_theta"))
+    if "W" in cfg.parsed.layers + "".join(cfg.parsed.mtp) and a.window is None:
+        raise ConfigError("pattern symbol 'W' (sliding-window attention) needs attention.window")
     kv = a.n_kv_heads or a.n_heads
     if a.n_heads % kv:
         raise ConfigError(f"attention.n_heads ({a.n_heads}) must be divisible by "
@@ -124,52 +133,18 @@ def validate_attention(a: AttentionConfig, cfg: ModelConfig) -> None:
             raise ConfigError(f"attention.{exc}") from None
 
 
+def rope_of(a: AttentionConfig, windowed: bool) -> tuple[float, RopeScaling | None]:
+    """The RoPE base and scaling of a ``*`` layer, or of a ``W`` one (``window_rope_theta``
+    unscaled, when set)."""
+    if windowed and a.window_rope_theta is not None:
+        return a.window_rope_theta, None
+    return a.rope_theta, a.rope_scaling
+
+
 def d_head_of(cfg: ModelConfig) -> int:
     a = cfg.attention
     assert a is not None
     return a.d_head or cfg.d_model // a.n_heads
-
-
-class CausalAttention(TimeMixingOp):
-    """The time mixing of :class:`Attention`: RoPE, then causal (or block-diagonal, by
-    ``doc_ids``) SDPA; with a decoding ``step`` the new keys and values go into its
-    :class:`~composer.blocks.cache.KVState` and the queries attend to every real slot so far.
-    Context parallelism replaces it by ``kv_gather`` (:mod:`composer.parallel.context.
-    attention`)."""
-
-    context = "kv_gather"
-
-    def forward(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
-                rotary: Rotary | None, scale: float, *, doc_ids: torch.Tensor | None = None,
-                step: Step | None = None, positions: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """``o [B, H, T, E]`` from q ``[B, H, T, E]``, k and v ``[B, K, T, E]`` before RoPE
-        (``positions``: M-RoPE rows, :meth:`Rotary.for_call`)."""
-        if rotary is not None:
-            cos, sin = rotary.for_call(q_BHTE, doc_ids, step, positions)
-            q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
-        if step is not None:
-            return _cached_attention(q_BHTE, k_BKTE, v_BKTE, step.state, step.ctx, scale)
-        if doc_ids is not None:  # block-diagonal causal: each document attends to itself only
-            return doc_sdpa(q_BHTE, k_BKTE, v_BKTE, doc_ids, scale)
-        with sdpa_context(q_BHTE):  # flash first on CUDA; CPU untouched (kernels.sdpa)
-            return F.scaled_dot_product_attention(
-                q_BHTE, k_BKTE, v_BKTE, is_causal=True, scale=scale,
-                enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1])
-
-
-def _cached_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
-                      state: KVState, ctx: StepContext, scale: float) -> torch.Tensor:
-    """The new keys and values (after RoPE) written into slots ``ctx.start : ctx.end``, the
-    new queries attending to every real slot so far."""
-    state.k_BKSE[:, :, ctx.start:ctx.end] = k_BKTE
-    state.v_BKSE[:, :, ctx.start:ctx.end] = v_BKTE
-    k_BKSE, v_BKSE = state.k_BKSE[:, :, :ctx.end], state.v_BKSE[:, :, :ctx.end]
-    mask = attention_mask(ctx)
-    with sdpa_context(q_BHTE):
-        return F.scaled_dot_product_attention(
-            q_BHTE, k_BKSE, v_BKSE, attn_mask=mask, is_causal=mask is None and ctx.start == 0,
-            scale=scale, enable_gqa=q_BHTE.shape[1] != k_BKSE.shape[1])
 
 
 class Attention(nn.Module):
@@ -180,6 +155,8 @@ class Attention(nn.Module):
     uses_positions = True
     """``forward`` takes ``doc_ids`` (the residual layer passes them only to mixers that do)."""
     ops = ("core",)
+    windowed = False
+    """A ``W`` layer (:class:`WindowedAttention`): ``attention.window`` and its RoPE."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -207,13 +184,18 @@ class Attention(nn.Module):
         self.rotary: Rotary | None = None
         if a.position == "rope":
             d_rot = int(self.d_head * a.rotary_fraction)
-            self.rotary = Rotary(rope_frequencies(d_rot, a.rope_theta, a.rope_scaling),
-                                 rope_gain(a.rope_scaling), mrope_section=a.mrope_section,
+            theta, scaling = rope_of(a, self.windowed)
+            self.rotary = Rotary(rope_frequencies(d_rot, theta, scaling), rope_gain(scaling),
+                                 mrope_section=a.mrope_section,
                                  mrope_interleaved=a.mrope_interleaved)
-        self.core = CausalAttention()
+        if a.sinks:
+            self.sinks = nn.Parameter(torch.empty(self.n_heads))
+        self.window = a.window if self.windowed else None
+        self.core = CausalAttention(self.window)
 
     def init_rules(self) -> dict[str, Init]:
-        return {"*_proj.weight": Normal(self.init_std), "*_proj.bias": ZEROS}
+        return {"*_proj.weight": Normal(self.init_std), "*_proj.bias": ZEROS,
+                "sinks": Normal(self.init_std)}
 
     def lora_targets(self) -> dict[str, str]:
         """The projections LoRA may adapt (:mod:`composer.lora`): transformers' names."""
@@ -229,7 +211,7 @@ class Attention(nn.Module):
         ``positions``: the M-RoPE rows ``[3, B, T]`` of a forward with images."""
         q_BHTE, k_BKTE, v_BKTE, gate_BTX = self._project(x_BTD)
         o_BHTE = self.core(q_BHTE, k_BKTE, v_BKTE, self.rotary, self.scale, doc_ids=doc_ids,
-                           step=step, positions=positions)
+                           step=step, positions=positions, sinks=getattr(self, "sinks", None))
         return self._output(o_BHTE, gate_BTX)
 
     def _project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -261,20 +243,23 @@ class Attention(nn.Module):
 
     def init_cache(self, batch: int, max_len: int, device: torch.device,
                    dtype: torch.dtype) -> KVState:
-        """Preallocated keys and values for ``max_len`` slots (:mod:`composer.blocks.cache`)."""
+        """Preallocated keys and values for ``max_len`` slots, or a ring of ``min(window,
+        max_len)`` for a windowed layer (:mod:`composer.blocks.cache`)."""
         kv = self.k_proj.weight.shape[0] // self.d_head
-        shape = (batch, kv, max_len, self.d_head)
+        slots = max_len if self.window is None else min(self.window, max_len)
+        shape = (batch, kv, slots, self.d_head)
         return KVState(torch.zeros(shape, device=device, dtype=dtype),
                        torch.zeros(shape, device=device, dtype=dtype))
 
     def parallel_plan(self) -> ParallelPlan:
         """Heads split over ``tp``: q/k/v column parallel (k/v replicated, each rank keeping its
         head, when there are fewer kv heads than ranks), o row parallel; the qk-norms replicated
-        with partial gradients."""
+        with partial gradients; the sinks split with their query heads."""
         # with the output gate a head is 2 * d_head contiguous q rows: an even split keeps heads
         return ParallelPlan(colwise=("q_proj",), heads={"k_proj": self.n_kv_heads,
                                                         "v_proj": self.n_kv_heads},
-                            rowwise=("o_proj",), partial=("q_norm.weight", "k_norm.weight"))
+                            rowwise=("o_proj",), partial=("q_norm.weight", "k_norm.weight"),
+                            shard={"sinks": 0})
 
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Divisible | DivideEachOther | Unsplit]:
@@ -316,12 +301,14 @@ class Unsplit:
 
 def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfig, d_head: int,
                   eps: float = 1e-5, doc_ids: torch.Tensor | None = None,
-                  zero_centered: bool = False) -> torch.Tensor:
+                  zero_centered: bool = False, windowed: bool = False) -> torch.Tensor:
     """Plain-math twin of :class:`Attention`: explicit pair rotations, explicit mask, loops over
     heads. ``w`` holds ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` matrices (and optional
     ``*_bias``, ``q_norm``, ``k_norm``). With ``doc_ids`` (non-decreasing) positions count from
     each document's first token and keys of other documents are masked. With ``output_gate``
-    ``q_proj`` holds rows ``[q_h; g_h]`` per head; ``zero_centered`` qk-norms scale by ``1 + w``."""
+    ``q_proj`` holds rows ``[q_h; g_h]`` per head; ``zero_centered`` qk-norms scale by ``1 + w``.
+    ``windowed``: a ``W`` layer (keys ``window`` or more tokens back masked, its RoPE); ``w``'s
+    ``sinks`` (``[H]``): each head's softmax has an extra logit, dropped from the output."""
     b, t, _ = x.shape
     kv = a.n_kv_heads or a.n_heads
     q = x @ w["q_proj"].T + w.get("q_bias", 0)
@@ -350,21 +337,47 @@ def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfi
         first = torch.stack([torch.searchsorted(row, row, right=False) for row in doc_ids])
         pos = pos - first  # searchsorted: the index of the first token with the same id
         mask = mask.masked_fill(doc_ids[:, :, None] != doc_ids[:, None, :], float("-inf"))
+    if windowed:
+        mask = mask + torch.full((t, t), float("-inf"), dtype=x.dtype).tril(-a.window)
     if a.position == "rope":
         d_rot = int(d_head * a.rotary_fraction)
-        inv_freq = rope_frequencies(d_rot, a.rope_theta, a.rope_scaling).to(x.dtype)
-        gain = rope_gain(a.rope_scaling)  # YaRN scales cos and sin, so both rotated vectors
+        theta, scaling = rope_of(a, windowed)
+        inv_freq = rope_frequencies(d_rot, theta, scaling).to(x.dtype)
+        gain = rope_gain(scaling)  # YaRN scales cos and sin, so both rotated vectors
         q, k = gain * rotate_pairs_ref(q, inv_freq, pos), gain * rotate_pairs_ref(k, inv_freq, pos)
     scale = a.softmax_scale if a.softmax_scale is not None else d_head**-0.5
     heads = []
     for h in range(a.n_heads):
         g = h // (a.n_heads // kv)
         scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) * scale + mask
-        o = torch.softmax(scores, -1) @ v[:, :, g]
+        if "sinks" in w:  # exp(sink) joins the denominator only
+            e = torch.exp(scores - scores.amax(-1, keepdim=True))
+            denom = e.sum(-1, keepdim=True) + torch.exp(w["sinks"][h] - scores.amax(-1, True))
+            o = (e / denom) @ v[:, :, g]
+        else:
+            o = torch.softmax(scores, -1) @ v[:, :, g]
         heads.append(o / (1 + torch.exp(-gates[h])) if gates else o)
     return torch.cat(heads, -1) @ w["o_proj"].T + w.get("o_bias", 0)
+
+
+class WindowedAttention(Attention):
+    """``W``: :class:`Attention` whose queries see the last ``attention.window`` tokens only
+    (the same parameters, keys and plan; RoPE from ``window_rope_theta`` when set); its
+    decoding cache is a ring of ``window`` slots."""
+
+    windowed = True
+
+    @staticmethod
+    def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+        """:meth:`Attention.flops_per_token` over the keys a query sees, ``min(seq_len,
+        window)``."""
+        a = cfg.attention
+        assert a is not None and a.window is not None
+        return Attention.flops_per_token(cfg, min(seq_len, a.window))
 
 
 KIND = LayerKind("*", "attention", Attention, "attention", AttentionConfig, validate_attention,
                  always=True)
 """``*``: causal self-attention (its section is present by default)."""
+WINDOW_KIND = LayerKind("W", "sliding-window attention", WindowedAttention, "attention")
+"""``W``: causal self-attention within ``attention.window`` (reads the ``attention`` section)."""

@@ -8,7 +8,8 @@ before time in the conv windows: causal_conv1d's ``causal_conv1d_update(x, conv_
 allocated once, at its final size (a CUDA graph can capture the decoding step).
 
 - ``*`` attention, :class:`KVState`: keys (after RoPE) and values ``[B, K, S, E]``; grows
-  with ``S``.
+  with ``S``. ``W`` (sliding window): the same, ``min(window, S)`` slots used as a ring
+  (:mod:`composer.blocks.attn_core`); constant.
 - ``+`` multi-latent attention, :class:`LatentState`: the normalised kv latent ``[B, S, C]``
   and the shared RoPE key ``[B, S, R]``; grows with ``S``, ``C + R`` numbers per token.
 - ``M`` Mamba-2, :class:`RecurrentState`: conv window ``[B, X, d_conv - 1]``, SSM state

@@ -121,5 +121,5 @@ __all__ = ["REGISTRY", "SECTIONS", "build_layer", "halo", "layer_kind", "layout_
            "unregister"]
 
 for _kind in (mamba2.KIND, attention.KIND, mlp.KIND, moe.KIND, gdn.KIND, mla.KIND, shortconv.KIND,
-              mamba1.KIND):
+              mamba1.KIND, attention.WINDOW_KIND):
     register(_kind)

@@ -152,6 +152,7 @@ def _adaptive_meta(cp: CPContext, device: torch.device) -> None:
     k_doc, k_pos = doc.reshape(-1), pos.reshape(-1)
     mask = (q_doc[:, None] == k_doc[None, :]) & (k_pos[None, :] <= q_pos[:, None])
     cp.extra["mask"] = mask[None, None]
+    cp.extra["dist"] = (q_pos[:, None] - k_pos[None, :])[None, None]  # for sliding windows
     cp.extra["rows"] = _piece_rows(layout, cp.rank, device)
     mine = [layout.pieces[i] for i in layout.of_rank(cp.rank)]
     starts = torch.repeat_interleave(torch.tensor([p.doc_start for p in mine]),

@@ -29,18 +29,19 @@ def _gather(x: torch.Tensor, cp: CPContext, dim: int) -> torch.Tensor:
 
 
 def _attend(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor, cp: CPContext,
-            scale: float) -> torch.Tensor:
+            scale: float, window: int | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's queries against the gathered keys: :func:`chunk_attention` in the 2N-chunk
     layout; in the adaptive one, masked to the same document and earlier positions
-    (``cp.extra["mask"]``, :mod:`.adaptive`)."""
-    if cp.layout is None:
-        return chunk_attention(q_BHTE, k_BKSE, v_BKSE, cp, scale)
-    from composer.kernels import sdpa_context
+    (``cp.extra["mask"]``, :mod:`.adaptive`), and to the ``window`` when given."""
+    from composer.blocks.attn_core import attend
 
-    with sdpa_context(q_BHTE):
-        return F.scaled_dot_product_attention(
-            q_BHTE, k_BKSE, v_BKSE, attn_mask=cp.extra["mask"], scale=scale,
-            enable_gqa=q_BHTE.shape[1] != k_BKSE.shape[1])
+    if cp.layout is None:
+        return chunk_attention(q_BHTE, k_BKSE, v_BKSE, cp, scale, window, sinks)
+    mask = cp.extra["mask"]
+    if window is not None:
+        mask = mask & (cp.extra["dist"] < window)
+    return attend(q_BHTE, k_BKSE, v_BKSE, scale, mask=mask, sinks=sinks)
 
 
 class GatheredKV(nn.Module):
@@ -54,8 +55,10 @@ class GatheredKV(nn.Module):
 
     def forward(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
                 rotary: Any, scale: float, *, doc_ids: torch.Tensor | None = None,
-                step: Any = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """The op's output for this rank's tokens (``doc_ids``: the rows' own are in ``cp``)."""
+                step: Any = None, positions: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """The op's output for this rank's tokens (``doc_ids``: the rows' own are in ``cp``);
+        the op's sliding window and the mixer's ``sinks`` apply as in one process."""
         from composer.blocks.attention import apply_rope
 
         _no_step(step)
@@ -66,7 +69,8 @@ class GatheredKV(nn.Module):
         if rotary is not None:
             cos, sin = rotary.at(cp.pos_BT, q_BHTE.dtype)
             q_BHTE, k_BKTE = apply_rope(q_BHTE, cos, sin), apply_rope(k_BKTE, cos, sin)
-        return _attend(q_BHTE, _gather(k_BKTE, cp, 2), _gather(v_BKTE, cp, 2), cp, scale)
+        return _attend(q_BHTE, _gather(k_BKTE, cp, 2), _gather(v_BKTE, cp, 2), cp, scale,
+                       getattr(self.op, "window", None), sinks)
 
 
 class GatheredLatent(nn.Module):
@@ -101,15 +105,16 @@ register_variant("latent_gather", GatheredLatent)
 
 
 def chunk_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
-                    cp: CPContext, scale: float) -> torch.Tensor:
+                    cp: CPContext, scale: float, window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's queries (its two chunks) against every key of the rows: chunk ``c`` sees
-    keys ``[0, (c + 1) L)`` under the causal mask of global positions, and its own document's
-    only when the rows are packed."""
-    from composer.kernels import sdpa_context
+    keys ``[0, (c + 1) L)`` under the causal mask of global positions (less than ``window``
+    back, when given), and its own document's only when the rows are packed."""
+    from composer.blocks.attn_core import attend
 
     L = cp.L
     outs = []
-    if cp.seg_BT is None and q_BHTE.device.type == "cpu":
+    if cp.seg_BT is None and q_BHTE.device.type == "cpu" and window is None and sinks is None:
         # no mask at all: each chunk's keys as a causal diagonal block and an unmasked prefix,
         # merged by their log-sum-exps (memory linear in the keys; a boolean mask would be
         # converted to an L x (c + 1) L float bias and kept for the backward)
@@ -131,13 +136,13 @@ def chunk_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Te
         q = q_BHTE[:, :, slot * L:(slot + 1) * L]
         end = (c + 1) * L
         mask = torch.ones(L, end, dtype=torch.bool, device=q.device).tril_(c * L)
+        if window is not None:  # key j is seen by query c L + i when c L + i - j < window
+            mask &= ~torch.ones(L, end, dtype=torch.bool, device=q.device).tril_(c * L - window)
         if cp.seg_BT is not None:
             seg_q, seg_k = cp.seg_BT[:, c * L:end], cp.seg_BT[:, :end]
             mask = (mask & (seg_q[:, :, None] == seg_k[:, None, :]))[:, None]
-        with sdpa_context(q):
-            outs.append(F.scaled_dot_product_attention(
-                q, k_BKSE[:, :, :end], v_BKSE[:, :, :end], attn_mask=mask, scale=scale,
-                enable_gqa=q.shape[1] != k_BKSE.shape[1]))
+        outs.append(attend(q, k_BKSE[:, :, :end], v_BKSE[:, :, :end], scale, mask=mask,
+                           sinks=sinks))
     return torch.cat(outs, dim=2)
 
 
