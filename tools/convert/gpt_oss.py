@@ -18,7 +18,11 @@ ours ``experts.{gate,up}_proj [E, F, D]``, ``down_proj [E, D, F]`` and their ``*
 transpose and a de-interleave, which are not byte ranges, so they are derived tensors
 (:mod:`composer.convert.derived`), one expert at a time. The clamped SwiGLU's ``swiglu_limit`` /
 ``swiglu_alpha`` are ours by the same names. The head is untied; every norm uses
-``rms_norm_eps``; ``router_aux_loss_coef`` is our ``moe.aux_loss_coeff``.
+``rms_norm_eps``. transformers adds the load-balancing loss (``router_aux_loss_coef``, Switch
+style like ours) only with ``output_router_logits`` (false in the published configs), so our
+``moe.aux_loss_coeff`` is ``router_aux_loss_coef`` when that is true, else 0; an export with a
+nonzero coefficient writes both, one with 0 turns ``output_router_logits`` off and keeps the
+source's coefficient.
 
 The published checkpoints hold the experts in MXFP4 (``gate_up_proj_blocks [E, 2F, D/32, 16]``
 with ``gate_up_proj_scales [E, 2F, D/32]``, rows = output features, gate / up rows interleaved;
@@ -109,7 +113,8 @@ class GptOssAdapter(Adapter):
             d_ff=int(h["intermediate_size"]), activation="swiglu", score_func="topk_softmax",
             router_bias=True, expert_bias=True, swiglu_limit=float(h["swiglu_limit"]),
             swiglu_alpha=float(h["swiglu_alpha"]),
-            aux_loss_coeff=float(h["router_aux_loss_coef"]))
+            aux_loss_coeff=float(h["router_aux_loss_coef"]) if h.get("output_router_logits")
+            else 0.0)
         return ModelConfig(
             pattern="".join(SYMBOL[t] + "E" for t in types),
             d_model=require(h, "hidden_size"), vocab_size=require(h, "vocab_size"),
@@ -135,7 +140,11 @@ class GptOssAdapter(Adapter):
         out.update(num_hidden_layers=len(types), layer_types=types, rms_norm_eps=cfg.norm_eps,
                    num_local_experts=e.n_experts, num_experts_per_tok=e.top_k,
                    intermediate_size=e.d_ff, swiglu_limit=e.swiglu_limit,
-                   swiglu_alpha=e.swiglu_alpha, router_aux_loss_coef=e.aux_loss_coeff)
+                   swiglu_alpha=e.swiglu_alpha)
+        if e.aux_loss_coeff > 0:
+            out.update(router_aux_loss_coef=e.aux_loss_coeff, output_router_logits=True)
+        elif out.get("output_router_logits"):  # absent means false
+            out["output_router_logits"] = False
         if a.window is not None:
             out["sliding_window"] = a.window
         elif SLIDING not in types and "sliding_window" not in base:
