@@ -199,3 +199,17 @@ def test_refusals():
     cfg.pattern = "WE*-"
     with pytest.raises(ConfigError, match="every layer must be 'WE' or '\\*E'"):
         GptOssAdapter().config_to_hf(cfg, {})
+
+
+def test_packed_documents_equal_documents_alone():
+    """gpt-oss-debug (windowed and full attention with sinks, the gpt-oss MoE): two documents
+    packed in one row (positions restart, attention isolated) give each one's logits alone."""
+    from composer.zoo import get_preset
+
+    model = composer.build_model(get_preset("gpt-oss-debug").config(), seed=0).double().eval()
+    ids = torch.randint(0, 512, (1, 21), generator=torch.Generator().manual_seed(0))
+    doc_ids = torch.tensor([[0] * 12 + [1] * 9])  # longer than the window of 8
+    with torch.no_grad():
+        packed = model(ids, doc_ids=doc_ids)
+        alone = torch.cat([model(ids[:, :12]), model(ids[:, 12:])], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-10)
