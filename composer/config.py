@@ -145,6 +145,10 @@ class _ModelFields:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     embedding_multiplier: float = 1.0
+    embedding_multiplier_in_dtype: bool = False
+    """Round ``embedding_multiplier`` to the embedding's dtype before multiplying (Gemma's
+    ``sqrt(d_model)``: 55.4256 is 55.5 in bf16, as transformers computes it); False: the exact
+    multiplier (Granite)."""
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     """Logits are divided by this (Granite)."""
@@ -156,6 +160,11 @@ class _ModelFields:
     """0-based indices of the layers that normalise their mixer's *output* before the residual
     add, ``x + norm(mixer(x))`` (OLMo 2/3, OLMo-Hybrid's attention layers); every other layer is
     pre-norm, ``x + mixer(norm(x))``. Empty (the default) means all pre-norm."""
+    sandwich_norm: bool = False
+    """Every layer normalises both its input and its mixer's output, ``x + out_norm(mixer(
+    norm(x)))`` (Gemma 2/3: ``input_layernorm`` / ``post_attention_layernorm`` around attention,
+    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP); the second
+    norm is ``layers.i.out_norm.weight``. Exclusive with ``post_norm_layers``."""
     mtp: MTPConfig | None = field(default_factory=MTPConfig)
     """Read only when the pattern has multi-token-prediction parts (``"main/mtp"``)."""
     vision: VisionConfig | None = None
@@ -411,6 +420,9 @@ def validate(cfg: ModelConfig) -> None:
     if post != sorted(set(post)) or any(not 0 <= i < n_layers for i in post):
         raise ConfigError(f"post_norm_layers {post} must be increasing layer indices in "
                           f"[0, {n_layers})")
+    if post and cfg.sandwich_norm:
+        raise ConfigError("post_norm_layers and sandwich_norm exclude each other (a sandwich "
+                          "layer has both norms already)")
     for sym in sorted(set(pattern.layers + "".join(pattern.mtp))):
         section = symbol_sections().get(sym)
         if section and getattr(cfg, section) is None:

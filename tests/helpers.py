@@ -18,11 +18,12 @@ from safetensors import safe_open
 
 def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> None:
     """Random weights (not default init) so that a swapped or dropped tensor shows in logits;
-    norm-like vectors are centred on 1, buffers (e.g. score-correction biases) get noise too."""
+    norm-like vectors are centred on 1, buffers (e.g. score-correction biases) get noise too;
+    constants held as buffers (RoPE frequencies, Gemma's embedding scale) are kept."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if not p.is_floating_point() or "inv_freq" in name:
+            if not p.is_floating_point() or "inv_freq" in name or "embed_scale" in name:
                 continue
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32) * std
             centre = 1.0 if (p.ndim == 1 and ("norm" in name or name.endswith(".D"))) else 0.0

@@ -29,6 +29,7 @@ class Preset:
 def _collect() -> dict[str, Preset]:
     from composer.zoo import (
         deepseek_v3,
+        gemma3,
         glm4_moe,
         gpt_oss,
         jamba,
@@ -45,7 +46,7 @@ def _collect() -> dict[str, Preset]:
 
     presets: dict[str, Preset] = {}
     for module in (nemotron_h, llama, qwen3, mixtral, mamba2, deepseek_v3, glm4_moe, minimax_m2,
-                   olmo_hybrid, qwen3_next, lfm2, jamba, gpt_oss):
+                   olmo_hybrid, qwen3_next, lfm2, jamba, gemma3, gpt_oss):
         for preset in module.PRESETS:
             assert preset.name not in presets, preset.name
             presets[preset.name] = preset

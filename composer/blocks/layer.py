@@ -1,5 +1,6 @@
 """The residual block that every pattern symbol builds: ``x + m * mixer(norm(x))`` (pre-norm),
-or ``x + m * norm(mixer(x))`` for the layers listed in ``ModelConfig.post_norm_layers``.
+or ``x + m * norm(mixer(x))`` for the layers listed in ``ModelConfig.post_norm_layers``, or
+``x + m * out_norm(mixer(norm(x)))`` with ``ModelConfig.sandwich_norm`` (Gemma 2/3).
 
 One symbol is one such block (Megatron-Core's hybrid models): the mixer is a Mamba-2 mixer,
 attention, a dense MLP, an MoE or a user-registered kind. ``m`` is the residual multiplier (1
@@ -34,7 +35,8 @@ from composer.config import ModelConfig
 
 
 class Layer(nn.Module):
-    """``layers.i.norm.weight`` and ``layers.i.mixer.*``."""
+    """``layers.i.norm.weight`` and ``layers.i.mixer.*`` (and ``layers.i.out_norm.weight``:
+    sandwich norm)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, mixer: nn.Module, symbol: str) -> None:
         super().__init__()
@@ -44,6 +46,7 @@ class Layer(nn.Module):
         self.mixer = mixer
         self.residual_multiplier = cfg.residual_multiplier
         self.post_norm = layer_idx in cfg.post_norm_layers
+        self.out_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.sandwich_norm else None
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
                 step: Step | None = None, positions: torch.Tensor | None = None
@@ -54,6 +57,8 @@ class Layer(nn.Module):
     def _residual(self, x_BTD: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.post_norm:
             out = self.norm(out)
+        elif self.out_norm is not None:
+            out = self.out_norm(out)
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
         return x_BTD + out

@@ -22,8 +22,10 @@ from composer.config import ModelConfig, positive
 # ---------------------------------------------------------------- the kind's config section
 
 
-Activation = Literal["swiglu", "geglu", "relu2", "gelu", "gelu_tanh", "silu", "relu"]
-GATED_ACTIVATIONS = ("swiglu", "geglu")
+Activation = Literal["swiglu", "geglu", "geglu_tanh", "relu2", "gelu", "gelu_tanh", "silu",
+                     "relu"]
+GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
+"""``geglu_tanh``: GeGLU with the tanh approximation of GELU (Gemma's ``gelu_pytorch_tanh``)."""
 
 
 def is_gated(activation: str) -> bool:
@@ -51,6 +53,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "geglu": F.gelu,
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "geglu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu2": relu2,
     "relu": F.relu,
 }
@@ -62,7 +65,7 @@ def activation_ref(name: str, x: torch.Tensor) -> torch.Tensor:
         return x / (1 + torch.exp(-x))
     if name in ("geglu", "gelu"):
         return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
-    if name == "gelu_tanh":
+    if name in ("gelu_tanh", "geglu_tanh"):
         return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
     if name == "relu2":
         return torch.clamp(x, min=0) ** 2

@@ -150,7 +150,9 @@ def embed_tokens(embed: nn.Module, cfg: ModelConfig, input_ids: torch.Tensor) ->
     """The embedding of ``input_ids`` (``(B, T)``), times ``embedding_multiplier`` (the model's
     and a pipeline stage's input)."""
     x_BTD = embed(input_ids)
-    if cfg.embedding_multiplier != 1.0:
+    if cfg.embedding_multiplier != 1.0 and cfg.embedding_multiplier_in_dtype:
+        x_BTD = x_BTD * torch.tensor(cfg.embedding_multiplier, dtype=x_BTD.dtype)
+    elif cfg.embedding_multiplier != 1.0:
         x_BTD = x_BTD * cfg.embedding_multiplier
     return x_BTD
 

@@ -337,6 +337,8 @@ def _shard_layers(model: nn.Module, tp: TPContext) -> None:
 
     for layer in model.all_layers():
         tp.place(layer.norm, "weight", [Replicate()], grad=PARTIAL_IF_SP)
+        if layer.out_norm is not None:  # sandwich norm: on the reduced output, like norm
+            tp.place(layer.out_norm, "weight", [Replicate()], grad=PARTIAL_IF_SP)
         mixer = layer.mixer
         if plan_of(mixer) is None:
             raise LayoutError(f"{type(mixer).__name__} (symbol {layer.symbol!r}) declares no "

@@ -25,6 +25,7 @@ ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
         "qwen3.5-moe": "Qwen3_5MoeForCausalLM", "qwen3.5-vl": "Qwen3_5ForConditionalGeneration",
         "qwen3.5-moe-vl": "Qwen3_5MoeForConditionalGeneration", "lfm2": "Lfm2ForCausalLM",
         "lfm2-moe": "Lfm2MoeForCausalLM", "jamba": "JambaForCausalLM",
+        "gemma3": "Gemma3ForCausalLM",
         "gpt-oss": "GptOssForCausalLM"}
 
 

@@ -16,6 +16,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    Gemma3TextConfig,
     Glm4MoeConfig,
     GptOssConfig,
     JambaConfig,
@@ -260,6 +261,25 @@ PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
         routed_scaling_factor=1.0, max_position_embeddings=128000, tie_word_embeddings=True,
         layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv"
                      for i in range(24)])),
+    # google/gemma-3-1b-it config.json (Gemma3ForCausalLM), and the text_config of
+    # google/gemma-3-{4b,12b,27b}-it's (Gemma3ForConditionalGeneration; the fields it leaves out
+    # are Gemma3TextConfig's defaults: vocab 262208, head_dim 256, 8 / 4 heads).
+    "gemma3-1b": (Gemma3TextConfig, dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+        sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, max_position_embeddings=32768)),
+    "gemma3-4b": (Gemma3TextConfig, dict(
+        hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, sliding_window=1024,
+        rope_scaling={"factor": 8.0, "rope_type": "linear"})),
+    "gemma3-12b": (Gemma3TextConfig, dict(
+        hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=8, sliding_window=1024,
+        rope_scaling={"factor": 8.0, "rope_type": "linear"})),
+    "gemma3-27b": (Gemma3TextConfig, dict(
+        head_dim=128, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+        num_attention_heads=32, num_key_value_heads=16, query_pre_attn_scalar=168,
+        sliding_window=1024, rope_scaling={"factor": 8.0, "rope_type": "linear"})),
     # openai/gpt-oss-20b and openai/gpt-oss-120b config.json (GptOssForCausalLM).
     "gpt-oss-20b": (GptOssConfig, dict(
         _GPT_OSS_COMMON, num_hidden_layers=24, num_local_experts=32,
@@ -495,6 +515,15 @@ def lfm2_moe_kwargs(cfg: ModelConfig) -> dict:
                 conv_L_cache=s.d_conv, conv_bias=s.bias)
 
 
+def gemma3_kwargs(cfg: ModelConfig) -> dict:
+    a, mlp = cfg.attention, cfg.mlp
+    assert a is not None and mlp is not None and a.qk_norm and cfg.sandwich_norm
+    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    assert set(kinds) <= {"W-", "*-"} and mlp.activation == "geglu_tanh"
+    return dict(_attention_kwargs(cfg), num_hidden_layers=len(kinds),
+                layer_types=["sliding_attention" if k == "W-" else "full_attention"
+                             for k in kinds],
+                intermediate_size=mlp.d_ff, sliding_window=a.window, rms_norm_eps=cfg.norm_eps)
 def gpt_oss_kwargs(cfg: ModelConfig) -> dict:
     a, e = cfg.attention, cfg.moe
     assert a is not None and e is not None and a.sinks and a.qkv_bias and a.out_bias
@@ -528,6 +557,7 @@ DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "qwen3.5-moe-debug": (Qwen3_5MoeTextConfig, qwen3_5_moe_kwargs),
     "lfm2-debug": (Lfm2Config, lfm2_kwargs),
     "lfm2-moe-debug": (Lfm2MoeConfig, lfm2_moe_kwargs),
+    "gemma3-debug": (Gemma3TextConfig, gemma3_kwargs),
     "gpt-oss-debug": (GptOssConfig, gpt_oss_kwargs),
 }
 

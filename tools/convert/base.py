@@ -27,8 +27,9 @@ from composer.config import (
 )
 from composer.convert.plan import Link
 
-HF_ACT_TO_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
-GATED_TO_HF_ACT = {"swiglu": "silu", "geglu": "gelu"}
+HF_ACT_TO_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
+                   "gelu_pytorch_tanh": "geglu_tanh"}
+GATED_TO_HF_ACT = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_pytorch_tanh"}
 
 
 class Adapter(abc.ABC):

@@ -2,6 +2,7 @@
 
 from composer.convert.base import Adapter
 from composer.convert.deepseek_v3 import DeepseekV3Adapter, DeepseekV32Adapter
+from composer.convert.gemma3 import Gemma3Adapter
 from composer.convert.glm4_moe import Glm4MoeAdapter
 from composer.convert.gpt_oss import GptOssAdapter
 from composer.convert.granite import BambaAdapter, GraniteMoeHybridAdapter
@@ -41,5 +42,6 @@ ADAPTERS: list[Adapter] = [
     Qwen3_5MoeVLAdapter(),
     Lfm2Adapter(),
     Lfm2MoeAdapter(),
+    Gemma3Adapter(),
     GptOssAdapter(),
 ]

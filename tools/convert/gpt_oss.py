@@ -51,6 +51,7 @@ from composer.convert.base import (
     require,
 )
 from composer.convert.derived import Derived, DerivedSource, dequantize_mxfp4, read_slice
+from composer.convert.mamba_common import check_plain
 from composer.convert.plan import Link
 from composer.portable import DTYPE_NAMES, CheckpointError, TensorSource
 
@@ -155,8 +156,10 @@ class GptOssAdapter(Adapter):
 
     def _check(self, cfg: ModelConfig) -> None:
         a, e = cfg.attention, cfg.moe
+        check_plain(cfg, self.family)
         checks = [
             ("norm_zero_centered=false", not cfg.norm_zero_centered),
+            ("sandwich_norm=false", not cfg.sandwich_norm),
             ("post_norm_layers=[]", not cfg.post_norm_layers),
             ("attention.sinks=true", a.sinks),
             ("attention.qkv_bias=true", a.qkv_bias), ("attention.out_bias=true", a.out_bias),
