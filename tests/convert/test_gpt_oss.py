@@ -213,3 +213,23 @@ def test_packed_documents_equal_documents_alone():
         packed = model(ids, doc_ids=doc_ids)
         alone = torch.cat([model(ids[:, :12]), model(ids[:, 12:])], dim=1)
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-10)
+
+
+def test_mxfp4_dequantises_to_the_configs_dtype(randomize, tmp_path):
+    """The published configs say ``"torch_dtype": "bfloat16"``: the experts come out bf16 (FP4
+    values times powers of two are exact there), the other tensors keep their own dtype."""
+    _, folder = mxfp4_folder(randomize, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("dtype", None)
+    config["torch_dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(config))
+    notes = []
+    from_hf(folder, tmp_path / "ours", notify=notes.append)
+    assert "dequantised to bfloat16" in notes[0]
+    from_hf(tmp_path / "plain", tmp_path / "ours_plain")
+    ours, plain = (load_file(tmp_path / d / "model.safetensors") for d in ("ours", "ours_plain"))
+    for k in ours:
+        if ".experts." in k and not k.endswith("_bias"):
+            assert ours[k].dtype == torch.bfloat16 and torch.equal(ours[k].float(), plain[k]), k
+        else:
+            assert ours[k].dtype == plain[k].dtype, k
