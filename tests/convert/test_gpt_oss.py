@@ -112,7 +112,7 @@ def test_mxfp4_round_trip_is_exact():
     assert torch.equal(theirs, x.transpose(1, 2))
 
 
-def mxfp4_folder(randomize, tmp_path, drop: str | None = None):
+def mxfp4_folder(randomize, tmp_path, drop: str | None = None, flat: bool = False):
     """A tiny gpt-oss checkpoint whose experts are exactly representable, stored as the Hub
     stores them: MXFP4 blocks and scales, ``quantization_config``; and its plain twin."""
     model = gpt_oss(randomize, seed=6, hidden_size=64, intermediate_size=32)
@@ -127,6 +127,8 @@ def mxfp4_folder(randomize, tmp_path, drop: str | None = None):
         # on disk: rows = output features ([E, 2F, D] / [E, D, F]) in blocks of 32 inputs
         blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2).contiguous())
         tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        if flat:  # [E, rows, G * 16], as transformers holds them in memory
+            tensors[f"{name}_blocks"] = blocks.flatten(2)
     if drop:
         tensors = {k: v for k, v in tensors.items() if not k.endswith(drop)}
     folder = tmp_path / "mxfp4"
@@ -140,8 +142,9 @@ def mxfp4_folder(randomize, tmp_path, drop: str | None = None):
     return model, folder
 
 
-def test_mxfp4_import_dequantises_exactly_and_exports_plain(randomize, tmp_path):
-    model, folder = mxfp4_folder(randomize, tmp_path)
+@pytest.mark.parametrize("flat", [False, True], ids=["published", "flat-blocks"])
+def test_mxfp4_import_dequantises_exactly_and_exports_plain(randomize, tmp_path, flat):
+    model, folder = mxfp4_folder(randomize, tmp_path, flat=flat)
     notes = []
     from_hf(folder, tmp_path / "ours", notify=notes.append)
     assert notes == ["8 MXFP4 expert tensors dequantised to float32 on import (exact); the "

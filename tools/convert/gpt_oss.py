@@ -26,7 +26,8 @@ source's coefficient.
 
 The published checkpoints hold the experts in MXFP4 (``gate_up_proj_blocks [E, 2F, D/32, 16]``
 with ``gate_up_proj_scales [E, 2F, D/32]``, rows = output features, gate / up rows interleaved;
-``down_proj_blocks [E, D, F/32, 16]``, ``down_proj_scales``) and ``quantization_config``
+``down_proj_blocks [E, D, F/32, 16]``, ``down_proj_scales``; blocks flattened to
+``[E, rows, D/2]`` are read too) and ``quantization_config``
 (``quant_method: mxfp4``): dequantised on import (exactly) to the checkpoint's dtype (the
 config's ``dtype`` / ``torch_dtype``, else bf16) or ``--dtype``, with a one-line notice; blocks
 without their scales are refused. An export always writes plain tensors and no
@@ -310,16 +311,19 @@ def _plain_experts(source: TensorSource, prefix: str, leaf: str) -> dict[str, De
 def _mxfp4_experts(source: TensorSource, prefix: str, proj: str,
                    dtype: torch.dtype) -> dict[str, Derived]:
     blocks, scales = f"{prefix}.{proj}_blocks", f"{prefix}.{proj}_scales"
-    info = source.tensors[blocks]
-    if len(info.shape) != 4 or tuple(source.tensors[scales].shape) != tuple(info.shape[:3]):
-        raise CheckpointError(f"MXFP4 tensor {blocks!r} is {list(info.shape)} with scales "
-                              f"{list(source.tensors[scales].shape)}; expected [E, rows, G, B] "
-                              "and [E, rows, G]")
-    E, rows, G, B = info.shape
+    shape, s_shape = tuple(source.tensors[blocks].shape), tuple(source.tensors[scales].shape)
+    # [E, rows, G, B] as published, or [E, rows, G * B] as transformers holds them
+    if len(s_shape) != 3 or len(shape) not in (3, 4) or shape[:2] != s_shape[:2] \
+            or (len(shape) == 4 and shape[2] != s_shape[2]) or shape[2] % s_shape[2]:
+        raise CheckpointError(f"MXFP4 tensor {blocks!r} is {list(shape)} with scales "
+                              f"{list(s_shape)}; expected [E, rows, G, B] and [E, rows, G]")
+    E, rows, G = s_shape
+    B = shape[3] if len(shape) == 4 else shape[2] // G
     dname = DTYPE_NAMES[dtype]
 
     def expert(s: TensorSource, e: int) -> torch.Tensor:  # [rows, G * 2B]
-        return dequantize_mxfp4(read_slice(s, blocks, e), read_slice(s, scales, e), dtype)
+        packed = read_slice(s, blocks, e).reshape(rows, G, B)
+        return dequantize_mxfp4(packed, read_slice(s, scales, e), dtype)
 
     if proj == "down_proj":  # rows = D: already ours, [D, F]
         return {f"{prefix}.{e}.down_proj.weight": Derived(
