@@ -74,19 +74,22 @@ def kernels_on():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["mamba2", "attention"])
+@pytest.mark.parametrize("kind", ["mamba2", "attention", "window"])
 def test_block_dispatches_and_matches_fp64(kind: str, dtype: torch.dtype, kernels_on) -> None:
+    """``window``: sliding-window attention (``W``), SDPA with the window's boolean mask."""
     from composer import ModelConfig, apply_overrides
-    from composer.blocks.attention import Attention
+    from composer.blocks.attention import Attention, WindowedAttention
     from composer.blocks.mamba2 import Mamba2Mixer
 
     if DEVICE != "cuda":
         pytest.skip("CPU: the torch path by design")
-    cls, key = {"mamba2": (Mamba2Mixer, "mamba_ssm"), "attention": (Attention, "sdpa on GPU")}[kind]
+    cls, key = {"mamba2": (Mamba2Mixer, "mamba_ssm"), "attention": (Attention, "sdpa on GPU"),
+                "window": (WindowedAttention, "sdpa on GPU")}[kind]
     if key == "mamba_ssm" and not probe.available("mamba_ssm"):
         pytest.skip(f"mamba_ssm: {probe.why_unavailable('mamba_ssm')}")
-    cfg = apply_overrides(ModelConfig(pattern="M*"),
-                          [f"{k}={json.dumps(v)}" for k, v in BLOCK_SET.items()])
+    window = {"attention.window": 16 if TINY else 512}
+    cfg = apply_overrides(ModelConfig(pattern="M*W"),
+                          [f"{k}={json.dumps(v)}" for k, v in {**BLOCK_SET, **window}.items()])
     block = cls(cfg).to(DEVICE)
     block.reset_parameters(torch.Generator(device=DEVICE).manual_seed(3))
     g = torch.Generator(device=DEVICE).manual_seed(4)
