@@ -21,6 +21,7 @@ interleaved runs, and their median: the shared VMs drift) and the best's ratio t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -110,18 +111,21 @@ def _leaves_grads(experts: Experts, x: torch.Tensor, n: torch.Tensor, path: str,
 def parity_rows(device: str, dtypes: list[torch.dtype]) -> list[dict]:
     """``Experts._grouped`` (torch._grouped_mm) and ``_loop`` against an fp64 loop on the same
     rounded inputs, forward and backward (output, input and weight gradients), with padding
-    rows (dropped assignments) and an empty expert; ``err = max|got - ref| / max|ref|``."""
+    rows (dropped assignments) and an empty expert, for plain and gpt-oss experts;
+    ``err = max|got - ref| / max|ref|``."""
     rows = []
     tol = {torch.float32: 1e-2, torch.bfloat16: 3e-2}  # fp32 may run on TF32 operands
     gen = torch.Generator().manual_seed(1)
-    for dtype in dtypes:
-        experts = Experts(16, 256, 128, "swiglu")
+    # the plain SwiGLU experts, and gpt-oss's (biases, the clamped SwiGLU: limit 1 clamps here)
+    kinds = {"experts": {}, "experts/gpt-oss": {"bias": True, "swiglu_limit": 1.0}}
+    for (check, kw), dtype in itertools.product(kinds.items(), dtypes):
+        experts = Experts(16, 256, 128, "swiglu", **kw)
         for p in experts.parameters():
             p.data.normal_(0, 0.05, generator=gen)
         n = torch.tensor([0, 37, 5, 90, 1, 64, 33, 2, 8, 16, 120, 0, 7, 50, 3, 11])
         x = torch.randn(int(n.sum()) + 13, 256, generator=gen)  # 13 padding rows
         gy = torch.randn(x.shape[0], 256, generator=gen)
-        ref_ex = Experts(16, 256, 128, "swiglu").double()
+        ref_ex = Experts(16, 256, 128, "swiglu", **kw).double()
         ref_ex.load_state_dict({k: v.to(dtype).double() for k, v in experts.state_dict().items()})
         ref = _leaves_grads(ref_ex, x.to(dtype).double(), n, "_loop", gy.to(dtype).double())
         experts.to(device, dtype)
@@ -136,7 +140,7 @@ def parity_rows(device: str, dtypes: list[torch.dtype]) -> list[dict]:
                 note = ""
             except RuntimeError as e:
                 err, note = None, f"failed: {str(e).splitlines()[0][:70]}"
-            rows.append({"check": "experts", "dtype": str(dtype).split(".")[-1],
+            rows.append({"check": check, "dtype": str(dtype).split(".")[-1],
                          "path": path.lstrip("_"), "err": err, "tol": tol[dtype],
                          "ok": err is not None and err <= tol[dtype],
                          "ms": 1e3 * (time.perf_counter() - t0), "note": note})

@@ -31,6 +31,7 @@ def _collect() -> dict[str, Preset]:
         deepseek_v3,
         gemma3,
         glm4_moe,
+        gpt_oss,
         jamba,
         kimi_linear,
         lfm2,
@@ -46,7 +47,7 @@ def _collect() -> dict[str, Preset]:
 
     presets: dict[str, Preset] = {}
     for module in (nemotron_h, llama, qwen3, mixtral, mamba2, deepseek_v3, glm4_moe, minimax_m2,
-                   olmo_hybrid, qwen3_next, lfm2, jamba, gemma3, kimi_linear):
+                   olmo_hybrid, qwen3_next, lfm2, jamba, gemma3, kimi_linear, gpt_oss):
         for preset in module.PRESETS:
             assert preset.name not in presets, preset.name
             presets[preset.name] = preset

@@ -39,11 +39,8 @@ the ep ranks and swaps in an ``Experts`` that sends the routed rows by all-to-al
 holding their expert, and replaces ``token_sum`` by a sum over the ranks that share the batch, so
 ``aux`` is the loss of the global batch. Same math, same keys.
 
-Expert computation: rows sorted by expert, then one grouped GEMM per projection on CUDA in
-bf16 (``torch._grouped_mm``, no host synchronisation; other CUDA dtypes loop). On the CPU,
-training forwards loop over the experts' slices (``bench/moe.py``: nothing measured beats the
-loop forward + backward, and ``torch._grouped_mm`` has no CPU backward in torch 2.13); forwards
-without gradients (evaluation, generation) take ``torch._grouped_mm``, 10-27% faster there.
+Expert computation (fused weights, biases, gpt-oss's clamped SwiGLU, grouped GEMMs):
+:mod:`composer.blocks.experts`.
 
 Shape legend: B batch, T sequence, D d_model, N = B*T tokens, E experts, K top_k,
 F expert hidden width, G expert groups, A = N*K token-expert assignments.
@@ -55,11 +52,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from composer.blocks.experts import (  # noqa: F401  (Experts, grouped_mm_dtype: re-exported)
+    Experts,
+    NoExpertTensorParallel,
+    expert_ref,
+    grouped_mm_dtype,
+)
 from composer.blocks.kind import LayerKind
-from composer.blocks.mlp import ACTIVATIONS, MLP, Activation, is_gated, mlp_ref
+from composer.blocks.mlp import MLP, Activation, is_gated, mlp_ref
 from composer.blocks.plan import (
     ZEROS,
     Divisible,
@@ -92,7 +94,19 @@ class MoEConfig:
     n_shared_experts: int = 0
     d_ff_shared: int | None = None
     """Width of the shared-expert MLP; ``None`` means ``d_ff * n_shared_experts``."""
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    score_func: Literal["softmax", "sigmoid", "topk_softmax"] = "softmax"
+    """``topk_softmax``: top-k on the logits, then a softmax over the chosen k alone (gpt-oss;
+    the weights sum to 1, so ``renormalize`` changes nothing)."""
+    router_bias: bool = False
+    """A learned bias on the router logits, ``router.bias [E]`` (fp32; gpt-oss)."""
+    expert_bias: bool = False
+    """Biases on the experts' projections (``experts.*_proj_bias``; gpt-oss)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped SwiGLU in the routed experts (:mod:`composer.blocks.experts`): the
+    gate clamped above at the limit, the up projection to ``[-limit, limit]``,
+    ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``; ``None``: the plain gated unit."""
+    swiglu_alpha: float = 1.702
+    """The sigmoid's gain in that clamped SwiGLU (used only with ``swiglu_limit``)."""
     renormalize: bool = True
     """Divide the top-k weights by their sum."""
     score_correction_bias: bool = False
@@ -150,6 +164,12 @@ def validate_moe(e: MoEConfig, cfg: ModelConfig) -> None:
                           f"{e.capacity_factor}")
     if e.shared_expert_gate and not e.n_shared_experts:
         raise ConfigError("moe.shared_expert_gate needs shared experts (moe.n_shared_experts >= 1)")
+    if e.score_func == "topk_softmax" and (e.score_correction_bias or e.n_expert_groups > 1):
+        raise ConfigError("moe.score_func topk_softmax chooses on the logits: it takes no "
+                          "moe.score_correction_bias and no moe.n_expert_groups")
+    if e.swiglu_limit is not None and (e.activation != "swiglu" or not e.swiglu_limit > 0):
+        raise ConfigError(f"moe.swiglu_limit ({e.swiglu_limit}) must be > 0 and needs "
+                          f"moe.activation swiglu, got {e.activation!r}")
 
 
 MOE_TRAINING_ONLY = ("aux_loss_scope", "seq_aux_loss_coeff", "bias_update_rate")
@@ -162,106 +182,10 @@ def d_ff_shared_of(e: MoEConfig) -> int:
     return e.d_ff_shared if e.d_ff_shared is not None else e.d_ff * e.n_shared_experts
 
 
-def grouped_mm_dtype(x_AD: torch.Tensor, w_EFD: torch.Tensor) -> torch.dtype | None:
-    """The dtype to run ``torch._grouped_mm`` in, or None for the loop. On CUDA: bf16 (the
-    dtype its fast kernels and torchtitan use), the input's or autocast's; other CUDA dtypes
-    loop. On the CPU: fp32/bf16 when no gradient is needed (its CPU kernel has no backward in
-    torch 2.13; forward it beats the loop, ``bench/moe.py``). Rows must be a multiple of 16
-    bytes (its alignment). Chosen per call, never at import."""
-    if not hasattr(torch, "_grouped_mm"):
-        return None
-    dtype = x_AD.dtype
-    if x_AD.is_cuda:
-        if torch.is_autocast_enabled("cuda"):
-            dtype = torch.get_autocast_dtype("cuda")
-        if dtype != torch.bfloat16:
-            return None
-    elif x_AD.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-        return None
-    elif torch.is_grad_enabled() and (x_AD.requires_grad or w_EFD.requires_grad):
-        return None
-    align = 16 // dtype.itemsize
-    return dtype if w_EFD.shape[1] % align == 0 and w_EFD.shape[2] % align == 0 else None
-
-
-class Experts(nn.Module):
-    """Fused weights ``experts.{gate_proj,up_proj} [E, F, D]`` and ``experts.down_proj [E, D, F]``.
-
-    ``forward`` takes token rows already sorted by expert, so that expert parallelism can put
-    an all-to-all dispatch in front of the same computation.
-    """
-
-    def __init__(self, n_experts: int, d_model: int, d_ff: int, activation: str) -> None:
-        super().__init__()
-        self.gated = is_gated(activation)
-        self.act = ACTIVATIONS[activation]
-        if self.gated:
-            self.gate_proj = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
-        self.up_proj = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
-        self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
-
-    def forward(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
-        """Apply expert e to its contiguous slice of ``x_AD``: the rows are sorted by expert id,
-        ``n_tokens_E[e]`` of them for expert e; rows after ``sum(n_tokens_E)`` are padding
-        (dropped assignments) and their outputs are zero."""
-        dtype = grouped_mm_dtype(x_AD, self.up_proj)
-        if dtype is not None:
-            return self._grouped(x_AD.to(dtype), n_tokens_E)
-        return self._loop(x_AD, n_tokens_E)
-
-    def _grouped(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
-        """One ``torch._grouped_mm`` per projection, without host synchronisation: the group
-        offsets stay on the device, the padding rows join the last group as zeros."""
-        A = x_AD.shape[0]
-        ends_E = torch.cumsum(n_tokens_E, 0)
-        valid_A1 = (torch.arange(A, device=x_AD.device) < ends_E[-1])[:, None]
-        offs_E = torch.cat([ends_E[:-1], ends_E.new_full((1,), A)]).to(torch.int32)
-        x_AD = torch.where(valid_A1, x_AD, 0)  # its backward zeroes the padding rows' grads
-
-        def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offs_E)
-
-        if self.gated:
-            h_AF = self.act(mm(x_AD, self.gate_proj)) * mm(x_AD, self.up_proj)
-        else:
-            h_AF = self.act(mm(x_AD, self.up_proj))
-        return torch.where(valid_A1, mm(h_AF, self.down_proj), 0)
-
-    def _loop(self, x_AD: torch.Tensor, n_tokens_E: torch.Tensor) -> torch.Tensor:
-        """A loop over the experts (never over tokens), skipping empty ones; one host sync for
-        the split sizes."""
-        gate = self.gate_proj if self.gated else None
-        up, down = self.up_proj, self.down_proj
-        # unbind/split once: indexing w[e] per expert makes the backward zero-fill a whole-weight
-        # gradient per expert.
-        gates = gate.unbind(0) if gate is not None else None
-        ups, downs = up.unbind(0), down.unbind(0)
-        sizes = n_tokens_E.tolist()
-        n_pad = x_AD.shape[0] - sum(sizes)
-        y_AD = []
-        for e, x_nD in enumerate(x_AD.split([*sizes, n_pad], dim=0)[:-1]):
-            if x_nD.shape[0] == 0:
-                continue
-            if gates is not None:
-                h_nF = self.act(F.linear(x_nD, gates[e])) * F.linear(x_nD, ups[e])
-            else:
-                h_nF = self.act(F.linear(x_nD, ups[e]))
-            y_AD.append(F.linear(h_nF, downs[e]))
-        if not y_AD:
-            # No rows (an EP rank may receive none): stay in the graph of x and the weights, so
-            # that this rank joins the backward all-to-all like the others and its experts get
-            # zero gradients rather than none.
-            anchor = sum(w.sum() for w in (gate, up, down) if w is not None)
-            return x_AD * 0 + anchor * 0
-        if n_pad:
-            y_AD.append(x_AD.new_zeros(n_pad, x_AD.shape[1]))
-        return torch.cat(y_AD)
-
-
 class MoE(nn.Module):
     """``layers.i.mixer.{router, experts, shared_experts}``; see the module docstring."""
 
-    keep_fp32 = ("router.weight", "router.score_bias")
+    keep_fp32 = ("router.weight", "router.bias", "router.score_bias")
     stateless = True
     """Token-wise: nothing to keep between decoding steps (:mod:`composer.blocks.cache`)."""
 
@@ -272,7 +196,9 @@ class MoE(nn.Module):
         self.layer_idx = layer_idx
         self.init_std = cfg.init_std
         self.router = Router(cfg.d_model, moe)
-        self.experts = Experts(moe.n_experts, cfg.d_model, moe.d_ff, moe.activation)
+        self.experts = Experts(moe.n_experts, cfg.d_model, moe.d_ff, moe.activation,
+                               bias=moe.expert_bias, swiglu_limit=moe.swiglu_limit,
+                               swiglu_alpha=moe.swiglu_alpha)
         if moe.n_shared_experts > 0:
             self.shared_experts = MLP(cfg, d_ff=d_ff_shared_of(moe), activation=moe.activation,
                                       bias=False)
@@ -294,6 +220,7 @@ class MoE(nn.Module):
 
     def init_rules(self) -> dict[str, Init]:
         return {"router.weight": Normal(self.init_std), "router.score_bias": ZEROS,
+                "router.bias": Normal(self.init_std), "experts.*_proj_bias": ZEROS,
                 # by name: a glob would name the adapters inside experts too (composer/lora.py)
                 "experts.gate_proj": Normal(self.init_std),
                 "experts.up_proj": Normal(self.init_std),
@@ -332,7 +259,7 @@ class MoE(nn.Module):
         return y_BTD
 
     def _probs(self, s_NE: torch.Tensor) -> torch.Tensor:
-        return s_NE if self.moe.score_func == "softmax" else s_NE / s_NE.sum(-1, keepdim=True)
+        return s_NE if self.moe.score_func != "sigmoid" else s_NE / s_NE.sum(-1, keepdim=True)
 
     def _aux_loss(self, s_NE: torch.Tensor, n_chosen_E: torch.Tensor) -> torch.Tensor:
         coeff = self.moe.aux_loss_coeff
@@ -389,18 +316,21 @@ class MoE(nn.Module):
         """The routed experts are the expert group (split over ep on dim 0); expert-tensor
         parallel splits each expert's hidden units over ``tp``; the router is replicated with
         partial gradients; the shared experts follow the MLP's own plan."""
-        return ParallelPlan(partial=("router.weight", "shared_expert_gate.weight"),
+        return ParallelPlan(partial=("router.weight", "router.bias", "shared_expert_gate.weight"),
                             experts="experts",
-                            expert_hidden={"gate_proj": 1, "up_proj": 1, "down_proj": 2},
+                            expert_hidden={"gate_proj": 1, "up_proj": 1, "down_proj": 2,
+                                           "gate_proj_bias": 1, "up_proj_bias": 1},
                             token_sums=("token_sum",), local_sums=("seq_sum",))
 
     @staticmethod
-    def layout_rules(cfg: ModelConfig) -> list[Divisible]:
+    def layout_rules(cfg: ModelConfig) -> list[Divisible | NoExpertTensorParallel]:
         moe = cfg.moe
         assert moe is not None
         rules = [Divisible("moe.n_experts", moe.n_experts, "ep"), Divisible("moe.d_ff", moe.d_ff)]
         if moe.n_shared_experts:
             rules.append(Divisible("the shared-expert width", d_ff_shared_of(moe)))
+        if moe.expert_bias:
+            rules.append(NoExpertTensorParallel())
         return rules
 
     @staticmethod
@@ -426,14 +356,14 @@ def moe_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig)
     moe = cfg.moe
     assert moe is not None
     x_ND = x.reshape(-1, x.shape[-1])
-    w_NE = router_ref(x_ND, weights["router.weight"], moe, weights.get("router.score_bias"))
+    w_NE = router_ref(x_ND, weights["router.weight"], moe, weights.get("router.score_bias"),
+                      weights.get("router.bias"))
     if moe.capacity_factor is not None:
         w_NE = drop_ref(w_NE, capacity(moe, x_ND.shape[0]))
     y_ND = torch.zeros_like(x_ND)
     for e in range(moe.n_experts):
-        gate = weights["experts.gate_proj"][e] if is_gated(moe.activation) else None
-        up, down = weights["experts.up_proj"][e], weights["experts.down_proj"][e]
-        y_ND = y_ND + w_NE[:, e:e + 1].to(x.dtype) * mlp_ref(x_ND, up, down, moe.activation, gate)
+        y_eND = expert_ref(x_ND, weights, e, moe.activation, moe.swiglu_limit, moe.swiglu_alpha)
+        y_ND = y_ND + w_NE[:, e:e + 1].to(x.dtype) * y_eND
     if moe.n_shared_experts > 0:
         gate = weights.get("shared_experts.gate_proj.weight")
         shared = mlp_ref(x_ND, weights["shared_experts.up_proj.weight"],
@@ -454,10 +384,13 @@ def seq_aux_loss_ref(x_BTD: torch.Tensor, weights: dict[str, torch.Tensor],
     E, K = moe.n_experts, moe.top_k
     total = x_BTD.new_zeros((), dtype=router_dtype(x_BTD.dtype))
     for x_TD in x_BTD:
-        w_TE = router_ref(x_TD, weights["router.weight"], moe, weights.get("router.score_bias"))
+        w_TE = router_ref(x_TD, weights["router.weight"], moe, weights.get("router.score_bias"),
+                          weights.get("router.bias"))
         logits_TE = x_TD.to(total.dtype) @ weights["router.weight"].to(total.dtype).T
-        s_TE = torch.softmax(logits_TE, -1) if moe.score_func == "softmax" else \
-            torch.sigmoid(logits_TE)
+        if "router.bias" in weights:
+            logits_TE = logits_TE + weights["router.bias"].to(total.dtype)
+        s_TE = torch.sigmoid(logits_TE) if moe.score_func == "sigmoid" else \
+            torch.softmax(logits_TE, -1)
         T = x_TD.shape[0]
         f_E = (w_TE > 0).to(total.dtype).sum(0) * E / (K * T)
         P_E = (s_TE / s_TE.sum(-1, keepdim=True)).mean(0)

@@ -3,12 +3,16 @@ aux-loss-free balancing bias. Used by :mod:`composer.blocks.moe`.
 
 Routing (Shazeer et al. 2017; Mixtral; DeepSeek-V3 §2.1.2 for sigmoid + bias + groups):
 
-    logits = x W_r^T,   s = softmax(logits)  or  sigmoid(logits)
+    logits = x W_r^T (+ b_r with router_bias),   s = softmax(logits)  or  sigmoid(logits)
     choose = s + b                                   (b: score_bias, for choosing only)
     if G > 1: group score = sum of the top-2 ``choose`` in each group; keep the best
               ``topk_groups`` groups, the others are masked to -inf before the top-k
     idx = topk(choose, k),   w = s[idx]   (the scores *without* the bias)
     if renormalize: w = w / (sum(w) + 1e-20);   w = w * routed_scaling_factor
+
+gpt-oss (``score_func="topk_softmax"``): ``idx = topk(logits, k)``, ``w = softmax(logits[idx])``
+over the chosen k alone (equal to the softmax renormalised over the chosen, computed as gpt-oss
+does); ``s = softmax(logits)`` still feeds the load-balancing losses.
 
 Capacity (``moe.capacity_factor = c``; GShard, Switch): each expert takes at most
 ``C = ceil(c * N * K / E)`` of a forward's ``N`` tokens, those with the highest routing weight
@@ -45,12 +49,17 @@ def router_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class Router(nn.Module):
-    """``router.weight [E, D]`` (fp32) and, if ``score_correction_bias``, ``router.score_bias``."""
+    """``router.weight [E, D]`` (fp32); ``router.bias [E]`` (fp32) with ``router_bias``; and, if
+    ``score_correction_bias``, ``router.score_bias``."""
 
     def __init__(self, d_model: int, moe: MoEConfig) -> None:
         super().__init__()
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.n_experts, d_model, dtype=torch.float32))
+        if moe.router_bias:
+            self.bias = nn.Parameter(torch.empty(moe.n_experts, dtype=torch.float32))
+        else:
+            self.bias: nn.Parameter | None = None
         if moe.score_correction_bias:
             # A buffer: it is steered by load statistics (aux-loss-free balancing), not by gradient.
             self.register_buffer("score_bias", torch.zeros(moe.n_experts, dtype=torch.float32))
@@ -98,8 +107,13 @@ class Router(nn.Module):
         """Return routing weights ``w_NK``, expert ids ``idx_NK`` and scores ``s_NE``."""
         moe = self.moe
         dtype = router_dtype(x_ND.dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
         with torch.autocast(x_ND.device.type, enabled=False):  # fp32 even under bf16 autocast
-            logits_NE = F.linear(x_ND.to(dtype), self.weight.to(dtype))
+            logits_NE = F.linear(x_ND.to(dtype), self.weight.to(dtype), bias)
+        if moe.score_func == "topk_softmax":
+            top_NK, idx_NK = torch.topk(logits_NE, moe.top_k, dim=-1)
+            w_NK = torch.softmax(top_NK, dim=-1)
+            return w_NK * moe.routed_scaling_factor, idx_NK, torch.softmax(logits_NE, dim=-1)
         if moe.score_func == "softmax":
             s_NE = torch.softmax(logits_NE, dim=-1)
         else:
@@ -157,10 +171,19 @@ def within_capacity(idx_NK: torch.Tensor, w_NK: torch.Tensor, n_experts: int,
 
 
 def router_ref(x_ND: torch.Tensor, weight: torch.Tensor, moe: MoEConfig,
-               score_bias: torch.Tensor | None = None) -> torch.Tensor:
+               score_bias: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     """Dense routing weights ``w_NE`` (zero for unchosen experts), chosen by sorting."""
     dtype = router_dtype(x_ND.dtype)
     logits_NE = x_ND.to(dtype) @ weight.to(dtype).T
+    if bias is not None:
+        logits_NE = logits_NE + bias.to(dtype)
+    if moe.score_func == "topk_softmax":
+        rank_NE = logits_NE.argsort(dim=-1, descending=True).argsort(dim=-1)
+        chosen_NE = rank_NE < moe.top_k
+        z_NE = torch.where(chosen_NE, torch.exp(logits_NE - logits_NE.max(-1, keepdim=True).values),
+                           torch.zeros_like(logits_NE))
+        return z_NE / z_NE.sum(dim=-1, keepdim=True) * moe.routed_scaling_factor
     if moe.score_func == "softmax":
         z_NE = torch.exp(logits_NE - logits_NE.max(dim=-1, keepdim=True).values)
         s_NE = z_NE / z_NE.sum(dim=-1, keepdim=True)

@@ -1,6 +1,6 @@
 """PEFT interoperability: our LoRA adapters <-> a PEFT adapter folder, proven on logits against
-``peft.PeftModel`` on tiny random Llama, Qwen3, Nemotron-H, LFM2, Jamba, Gemma 3 and Kimi Linear
-models (fp32, 1e-4)."""
+``peft.PeftModel`` on tiny random Llama, Qwen3, Nemotron-H, LFM2, Jamba, Gemma 3, Kimi Linear and
+gpt-oss models (fp32, 1e-4)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,15 @@ def jamba():
         num_experts=1, mamba_d_state=8, mamba_dt_rank=4))
 
 
+def gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    return GptOssForCausalLM(GptOssConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4))
+
+
 def gemma3():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -94,23 +103,26 @@ def kimi_linear():
 
 
 FAMILIES = {"llama": llama, "qwen3": qwen3, "nemotron-h": nemotron_h, "lfm2": lfm2,
-            "jamba": jamba, "gemma3": gemma3, "kimi-linear": kimi_linear}
+            "jamba": jamba, "gemma3": gemma3, "kimi-linear": kimi_linear, "gpt-oss": gpt_oss}
 # Our module names per family: attention q/v, an MLP projection, Mamba-2's fused in_proj,
 # the short convolution's in_proj (fused b/c/u) and out_proj, Mamba-1's in_proj ([x; z]),
-# x_proj and out_proj (peft refuses no Jamba module).
+# x_proj and out_proj (peft refuses no Jamba module); gpt-oss's attention (with biases and sinks
+# beside the adapted weights; its routed experts' 3-D weights are not PEFT modules).
 TARGETS = {"llama": ("q_proj", "v_proj", "down_proj"), "qwen3": ("q_proj", "k_proj", "up_proj"),
            "nemotron-h": ("in_proj", "q_proj", "o_proj", "up_proj"),
            "lfm2": ("in_proj", "out_proj", "o_proj", "gate_proj"),
            "jamba": ("in_proj", "x_proj", "out_proj", "v_proj", "gate_proj"),
            "gemma3": ("q_proj", "o_proj", "up_proj"),
-           "kimi-linear": ("q_proj", "o_proj", "g_a_proj", "b_proj", "kv_b_proj")}
+           "kimi-linear": ("q_proj", "o_proj", "g_a_proj", "b_proj", "kv_b_proj"),
+           "gpt-oss": ("q_proj", "k_proj", "v_proj", "o_proj")}
 PEFT_TARGETS = {"llama": ["q_proj", "v_proj", "gate_proj", "down_proj"],
                 "qwen3": ["k_proj", "v_proj", "o_proj", "down_proj"],
                 "nemotron-h": ["in_proj", "v_proj", "down_proj"],
                 "lfm2": ["in_proj", "out_proj", "v_proj", "w2"],
                 "jamba": ["in_proj", "x_proj", "out_proj", "v_proj", "down_proj"],
                 "gemma3": ["k_proj", "v_proj", "gate_proj", "down_proj"],
-                "kimi-linear": ["q_proj", "v_proj", "g_b_proj", "kv_a_proj_with_mqa", "o_proj"]}
+                "kimi-linear": ["q_proj", "v_proj", "g_b_proj", "kv_a_proj_with_mqa", "o_proj"],
+                "gpt-oss": ["q_proj", "v_proj", "o_proj"]}
 
 
 @pytest.fixture(params=list(FAMILIES))

@@ -26,7 +26,8 @@ ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
         "qwen3.5-moe-vl": "Qwen3_5MoeForConditionalGeneration", "lfm2": "Lfm2ForCausalLM",
         "lfm2-moe": "Lfm2MoeForCausalLM", "jamba": "JambaForCausalLM",
         "gemma3": "Gemma3ForCausalLM",
-        "kimi-linear": "KimiLinearForCausalLM"}
+        "kimi-linear": "KimiLinearForCausalLM",
+        "gpt-oss": "GptOssForCausalLM"}
 
 
 @pytest.mark.parametrize("name", DEBUG)

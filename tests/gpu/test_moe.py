@@ -1,5 +1,6 @@
 """Routed experts on a GPU (moved from bench/gpu_check.py's ``moe`` phase, which keeps the
-timing): ``Experts._grouped`` (``torch._grouped_mm``, bf16) and ``_loop`` (fp32, bf16) within
+timing): ``Experts._grouped`` (``torch._grouped_mm``, bf16) and ``_loop`` (fp32, bf16), plain and
+gpt-oss experts (biases, clamped SwiGLU), within
 tolerance of an fp64 loop, forward and backward, with padding rows and an empty expert; a whole
 MoE layer's forward and backward without a host synchronisation. The cases are
 bench/moe.py's ``parity_rows`` and ``no_sync_row``."""

@@ -40,7 +40,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 D, F_ = 16, 12
-EXPERT_KEYS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+EXPERT_KEYS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj",
+               "experts.gate_proj_bias", "experts.up_proj_bias", "experts.down_proj_bias")
 ALWAYS_CHECKED = {"y", "aux", "x.grad", "router.weight", "experts.up_proj", "experts.down_proj"}
 CASES: dict[str, dict[str, Any]] = {
     "softmax_shared_swiglu": dict(n_experts=4, n_shared_experts=1),
@@ -51,6 +52,9 @@ CASES: dict[str, dict[str, Any]] = {
     # Rank 0's tiny tokens all pick experts 0 and 1; rank 1's large ones reach every rank.
     "one_sided": dict(score_func="sigmoid", score_correction_bias=True, bias=(0.4, 0.4),
                       scales=(0.01, 3.0)),
+    # gpt-oss: router bias, softmax over the top-k logits, expert biases, clamped SwiGLU
+    "gpt_oss": dict(score_func="topk_softmax", router_bias=True, expert_bias=True,
+                    swiglu_limit=1.0),
 }
 
 
@@ -69,6 +73,10 @@ def make_moe(kw: dict[str, Any], dtype: torch.dtype, seed: int = 0) -> MoE:
         bias = kw.get("bias")
         moe.router.score_bias.copy_(0.5 * torch.randn(n, generator=gen) if bias is None
                                     else torch.tensor(bias + (0.0,) * (n - len(bias))))
+    if moe.moe.expert_bias:  # zero-initialised: random, so that their sharding is checked
+        with torch.no_grad():
+            for name in ("gate_proj_bias", "up_proj_bias", "down_proj_bias"):
+                getattr(moe.experts, name).normal_(0, 0.3, generator=gen)
     return moe.to(dtype)
 
 

@@ -18,6 +18,7 @@ from transformers import (
     DeepseekV3Config,
     Gemma3TextConfig,
     Glm4MoeConfig,
+    GptOssConfig,
     JambaConfig,
     KimiLinearConfig,
     Lfm2Config,
@@ -57,6 +58,16 @@ _LFM2_COMMON = dict(
     block_auto_adjust_ff_dim=True, rope_theta=1000000.0, tie_embedding=True,
     max_position_embeddings=128000)
 _LFM2_ATTN_16 = [2, 5, 8, 10, 12, 14]
+
+# Fields shared by openai/gpt-oss-20b's and openai/gpt-oss-120b's config.json (without the
+# quantization_config of their MXFP4 experts: the count is the plain model's).
+_GPT_OSS_COMMON = dict(
+    vocab_size=201088, hidden_size=2880, intermediate_size=2880, head_dim=64,
+    num_attention_heads=64, num_key_value_heads=8, num_experts_per_tok=4, sliding_window=128,
+    attention_bias=True, rms_norm_eps=1e-5, rope_theta=150000, swiglu_limit=7.0,
+    tie_word_embeddings=False, max_position_embeddings=131072, router_aux_loss_coef=0.9,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "truncate": False, "original_max_position_embeddings": 4096})
 
 # name -> (transformers config class, kwargs as in the id's config.json)
 PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
@@ -285,6 +296,13 @@ PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
         head_dim=128, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
         num_attention_heads=32, num_key_value_heads=16, query_pre_attn_scalar=168,
         sliding_window=1024, rope_scaling={"factor": 8.0, "rope_type": "linear"})),
+    # openai/gpt-oss-20b and openai/gpt-oss-120b config.json (GptOssForCausalLM).
+    "gpt-oss-20b": (GptOssConfig, dict(
+        _GPT_OSS_COMMON, num_hidden_layers=24, num_local_experts=32,
+        layer_types=["sliding_attention", "full_attention"] * 12)),
+    "gpt-oss-120b": (GptOssConfig, dict(
+        _GPT_OSS_COMMON, num_hidden_layers=36, num_local_experts=128,
+        layer_types=["sliding_attention", "full_attention"] * 18)),
 }
 
 LLAMA_3_1_8B_TOTAL = 8_030_261_248
@@ -528,6 +546,19 @@ def gemma3_kwargs(cfg: ModelConfig) -> dict:
                 layer_types=["sliding_attention" if k == "W-" else "full_attention"
                              for k in kinds],
                 intermediate_size=mlp.d_ff, sliding_window=a.window, rms_norm_eps=cfg.norm_eps)
+def gpt_oss_kwargs(cfg: ModelConfig) -> dict:
+    a, e = cfg.attention, cfg.moe
+    assert a is not None and e is not None and a.sinks and a.qkv_bias and a.out_bias
+    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    assert set(kinds) <= {"WE", "*E"} and e.expert_bias and e.router_bias
+    return dict(hidden_size=cfg.d_model, vocab_size=cfg.vocab_size,
+                num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
+                head_dim=d_head_of(cfg), tie_word_embeddings=cfg.tie_embeddings,
+                num_hidden_layers=len(kinds), sliding_window=a.window,
+                layer_types=["sliding_attention" if k[0] == "W" else "full_attention"
+                             for k in kinds],
+                intermediate_size=e.d_ff, num_local_experts=e.n_experts,
+                num_experts_per_tok=e.top_k)
 
 
 def kimi_linear_kwargs(cfg: ModelConfig) -> dict:
@@ -567,6 +598,7 @@ DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "lfm2-moe-debug": (Lfm2MoeConfig, lfm2_moe_kwargs),
     "gemma3-debug": (Gemma3TextConfig, gemma3_kwargs),
     "kimi-linear-debug": (KimiLinearConfig, kimi_linear_kwargs),
+    "gpt-oss-debug": (GptOssConfig, gpt_oss_kwargs),
 }
 
 

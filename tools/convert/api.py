@@ -280,8 +280,9 @@ def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
                                   "under two names")
         canonical[key] = name
     source = source.renamed({v: k for k, v in canonical.items()})
-    plan = _plan_mtp_or_main(adapter, cfg, hf_cfg, source, set(canonical), dtype, str(folder),
-                             notify)
+    source = adapter.derive_hf(source, hf_cfg, notify)
+    plan = _plan_mtp_or_main(adapter, cfg, hf_cfg, source, set(source.names()), dtype,
+                             str(folder), notify)
     conversion = {
         "architecture": _architecture(hf_cfg, folder),
         "fused_experts": plan.fused,
@@ -328,8 +329,8 @@ def _hf_dtype(name: str, ours: list[TensorInfo], recorded: dict[str, str],
 def _export_targets(adapter: Adapter, cfg: ModelConfig, source: TensorSource, where: str,
                     fused: bool, layout: dict[str, Any]) -> list[Target]:
     """The HF tensors of an export, each assembled from its parts of our tensors."""
-    links = adapter.relink(adapter.links(cfg, fused_experts=fused) + adapter.copy_links(cfg),
-                           layout)
+    links = adapter.relink(adapter.export_links(cfg, fused_experts=fused)
+                           + adapter.copy_links(cfg), layout)
     check_coverage(links, "ours", source.names(), lambda n: False, where)
     our_shapes = {n: tuple(i.shape) for n, i in source.tensors.items()}
     parts: dict[str, list] = {}
@@ -370,7 +371,7 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
     hf_cfg = adapter.config_to_hf(cfg, base)
     if not base and adapter.max_positions is not None:  # a source's config keeps its own
         hf_cfg.setdefault("max_position_embeddings", max_positions(cfg, adapter.max_positions))
-    source = TensorSource(folder)
+    source = adapter.derive_ours(TensorSource(folder), cfg)
     # the source's expert layout and on-disk split, unless --arch asks for another family
     recorded_form = not architecture or architecture == info.get("architecture")
     targets = _export_targets(adapter, cfg, source, str(folder),

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,22 @@ class Adapter(abc.ABC):
         """``links`` for the on-disk split ``layout`` (:meth:`source_layout`; ``{}``: the
         Hub's)."""
         return links
+
+    def export_links(self, cfg: ModelConfig, fused_experts: bool) -> list[Link]:
+        """The links of an export: :meth:`links`, unless :meth:`derive_ours` derives tensors
+        that the export reads instead of ours."""
+        return self.links(cfg, fused_experts)
+
+    def derive_hf(self, source: Any, hf: dict[str, Any], notify: Callable[[str], None]) -> Any:
+        """The import's source with derived tensors (:mod:`composer.convert.derived`: what
+        byte copies cannot express, e.g. a transpose or a dequantisation) in place of the ones
+        they consume; ``notify`` takes a one-line notice. Default: ``source`` as it is."""
+        return source
+
+    def derive_ours(self, source: Any, cfg: ModelConfig) -> Any:
+        """The export's source (our tensors) with derived tensors in place of ours they
+        consume, for :meth:`export_links`. Default: ``source`` as it is."""
+        return source
 
     def copy_links(self, cfg: ModelConfig) -> list[Link]:
         """HF tensors that are stored copies of one of our tensors (DeepSeek's MTP layer holds

@@ -138,7 +138,12 @@ def check_softmax_moe(family: str, cfg: ModelConfig) -> None:
     moe = cfg.moe
     unsupported = []
     if moe.score_func != "softmax":
-        unsupported.append("score_func=sigmoid")
+        unsupported.append(f"score_func={moe.score_func}")
+    for name in ("router_bias", "expert_bias"):
+        if getattr(moe, name):
+            unsupported.append(name)
+    if moe.swiglu_limit is not None:
+        unsupported.append("swiglu_limit")
     if moe.score_correction_bias:
         unsupported.append("score_correction_bias")
     if moe.n_shared_experts:

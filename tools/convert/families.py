@@ -4,6 +4,7 @@ from composer.convert.base import Adapter
 from composer.convert.deepseek_v3 import DeepseekV3Adapter, DeepseekV32Adapter
 from composer.convert.gemma3 import Gemma3Adapter
 from composer.convert.glm4_moe import Glm4MoeAdapter
+from composer.convert.gpt_oss import GptOssAdapter
 from composer.convert.granite import BambaAdapter, GraniteMoeHybridAdapter
 from composer.convert.jamba import JambaAdapter
 from composer.convert.kimi_linear import KimiLinearAdapter
@@ -44,4 +45,5 @@ ADAPTERS: list[Adapter] = [
     Lfm2MoeAdapter(),
     Gemma3Adapter(),
     KimiLinearAdapter(),
+    GptOssAdapter(),
 ]
