@@ -2,6 +2,7 @@
 
 from composer.convert.base import Adapter
 from composer.convert.deepseek_v3 import DeepseekV3Adapter, DeepseekV32Adapter
+from composer.convert.falcon_h1 import FalconH1Adapter
 from composer.convert.glm4_moe import Glm4MoeAdapter
 from composer.convert.granite import BambaAdapter, GraniteMoeHybridAdapter
 from composer.convert.jamba import JambaAdapter
@@ -40,4 +41,5 @@ ADAPTERS: list[Adapter] = [
     Qwen3_5MoeVLAdapter(),
     Lfm2Adapter(),
     Lfm2MoeAdapter(),
+    FalconH1Adapter(),
 ]
