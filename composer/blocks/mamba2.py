@@ -407,7 +407,7 @@ def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConf
         bounds = [0, d_inner, 2 * d_inner, 2 * d_inner + d_bc, 2 * d_inner + 2 * d_bc,
                   zxbcdt.shape[-1]]
         zxbcdt = torch.cat([zxbcdt[..., lo:hi] * v for lo, hi, v
-                            in zip(bounds, bounds[1:], m.multipliers, strict=True)], -1)
+                            in zip(bounds[:-1], bounds[1:], m.multipliers, strict=True)], -1)
     z = zxbcdt[..., :d_inner]
     xbc = zxbcdt[..., d_inner : d_inner + conv_dim]
     dt = zxbcdt[..., d_inner + conv_dim :]

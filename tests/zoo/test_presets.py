@@ -16,6 +16,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    FalconH1Config,
     Glm4MoeConfig,
     JambaConfig,
     Lfm2Config,
@@ -249,6 +250,20 @@ PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
         routed_scaling_factor=1.0, max_position_embeddings=128000, tie_word_embeddings=True,
         layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv"
                      for i in range(24)])),
+    # tiiuae/Falcon-H1-1.5B-Base and -3B-Base config.json (as transcribed in third-party test
+    # fixtures) with the fields the transcriptions leave out from transformers' FalconH1 model
+    # table (https://huggingface.co/docs/transformers/model_doc/falcon_h1).
+    "falcon-h1-1.5b": (FalconH1Config, dict(
+        vocab_size=65537, hidden_size=2048, intermediate_size=4608, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, mamba_d_ssm=3072,
+        mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4,
+        mamba_chunk_size=128, mamba_rms_norm=False, tie_word_embeddings=False)),
+    "falcon-h1-3b": (FalconH1Config, dict(
+        vocab_size=65536, hidden_size=2560, intermediate_size=6144, num_hidden_layers=32,
+        num_attention_heads=10, num_key_value_heads=2, head_dim=128, mamba_d_ssm=4096,
+        mamba_n_heads=32, mamba_d_head=128, mamba_n_groups=1, mamba_d_state=256,
+        mamba_d_conv=4, mamba_chunk_size=128, mamba_rms_norm=False,
+        tie_word_embeddings=False)),
 }
 
 LLAMA_3_1_8B_TOTAL = 8_030_261_248
@@ -483,6 +498,19 @@ def lfm2_moe_kwargs(cfg: ModelConfig) -> dict:
                 conv_L_cache=s.d_conv, conv_bias=s.bias)
 
 
+def falcon_h1_kwargs(cfg: ModelConfig) -> dict:
+    a, m, mlp = cfg.attention, cfg.mamba, cfg.mlp
+    assert a is not None and m is not None and mlp is not None
+    assert cfg.parsed.layers == ("[M*]", "-") * (len(cfg.parsed.layers) // 2)
+    return dict(_attention_kwargs(cfg), num_hidden_layers=len(cfg.parsed.layers) // 2,
+                intermediate_size=mlp.d_ff, mlp_bias=mlp.bias, mamba_d_ssm=m.n_heads * m.d_head,
+                mamba_n_heads=m.n_heads, mamba_d_head=m.d_head, mamba_n_groups=m.n_groups,
+                mamba_d_state=m.d_state, mamba_d_conv=m.d_conv, mamba_rms_norm=m.gated_norm,
+                mamba_conv_bias=m.conv_bias, mamba_proj_bias=m.proj_bias,
+                projectors_bias=m.proj_bias if m.out_proj_bias is None else m.out_proj_bias,
+                rms_norm_eps=cfg.norm_eps)
+
+
 DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "nemotron-h-debug": (NemotronHConfig, nemotron_h_kwargs),
     "nemotron-3-nano-debug": (NemotronHConfig, nemotron_h_kwargs),
@@ -501,6 +529,7 @@ DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "qwen3.5-moe-debug": (Qwen3_5MoeTextConfig, qwen3_5_moe_kwargs),
     "lfm2-debug": (Lfm2Config, lfm2_kwargs),
     "lfm2-moe-debug": (Lfm2MoeConfig, lfm2_moe_kwargs),
+    "falcon-h1-debug": (FalconH1Config, falcon_h1_kwargs),
 }
 
 
