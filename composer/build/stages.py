@@ -97,6 +97,8 @@ def split_stages(cfg: ModelConfig, pp: int, seq_len: int = 4096) -> list[StageIn
     for s, layers in enumerate(groups):
         first, last = s == 0, s == len(groups) - 1
         params = sum(p.numel() for i in layers for p in model.layers[str(i)].parameters())
+        labels = {model.layers[str(i)].shared_label for i in layers} - {None}
+        params += sum(p.numel() for a in labels for p in model.shared[a].parameters())  # copies
         if first or (last and embed_on_last(model)):
             params += model.embed.weight.numel()
         if first and getattr(model, "visual", None) is not None:  # the tower feeds the embedding

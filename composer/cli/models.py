@@ -104,7 +104,7 @@ def print_stats(info: dict[str, Any]) -> None:
         print(f"\npipeline stages (--pp {info['pp']}; rank r holds stages r, r + pp, ...)")
         print(f"{'stage':>5} {'rank':>4} {'layers':>9} {'params':>9} {'FLOPs/token':>12}  pattern")
         for st in info["stages"]:
-            first, last = st["first_layer"], st["first_layer"] + len(st["layers"]) - 1
+            first, last = st["first_layer"], st["first_layer"] + st["n_layers"] - 1
             print(f"{st['stage']:>5} {st['rank']:>4} {f'{first}-{last}':>9} "
                   f"{_human(st['n_params']):>9} {_human(st['flops_per_token']):>12}  "
                   f"{st['layers']}")
@@ -114,7 +114,7 @@ def stages_dict(cfg: ModelConfig, pp: int, seq_len: int) -> list[dict[str, Any]]
     from composer.build.stages import split_stages
 
     return [{"stage": st.index, "rank": st.index % pp, "layers": st.pattern,
-             "first_layer": st.layers[0], "n_params": st.n_params,
+             "first_layer": st.layers[0], "n_layers": len(st.layers), "n_params": st.n_params,
              "flops_per_token": st.flops_per_token}
             for st in split_stages(cfg, pp, seq_len)]
 
