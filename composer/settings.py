@@ -228,13 +228,14 @@ def from_plain(cls: type, data: Any, where: str = "") -> Any:
 
 
 def to_plain(obj: Any) -> Any:
-    """The plain (YAML-ready) form of a settings dataclass or value; tuples become lists."""
+    """The plain (YAML-ready) form of a settings dataclass or value; tuples become lists, and
+    lists of dataclasses (the ``parallel`` section's branches) lists of mappings."""
     custom = _CUSTOM.get(type(obj))
     if custom and custom.plain:
         return custom.plain(obj)
     if dataclasses.is_dataclass(obj):
         return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, tuple):
+    if isinstance(obj, (tuple, list)):
         return [to_plain(v) for v in obj]
     return obj
 

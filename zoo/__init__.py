@@ -29,6 +29,7 @@ class Preset:
 def _collect() -> dict[str, Preset]:
     from composer.zoo import (
         deepseek_v3,
+        falcon_h1,
         gemma3,
         glm4_moe,
         gpt_oss,
@@ -47,7 +48,8 @@ def _collect() -> dict[str, Preset]:
 
     presets: dict[str, Preset] = {}
     for module in (nemotron_h, llama, qwen3, mixtral, mamba2, deepseek_v3, glm4_moe, minimax_m2,
-                   olmo_hybrid, qwen3_next, lfm2, jamba, gemma3, kimi_linear, gpt_oss):
+                   olmo_hybrid, qwen3_next, lfm2, jamba, gemma3, kimi_linear, gpt_oss,
+                   falcon_h1):
         for preset in module.PRESETS:
             assert preset.name not in presets, preset.name
             presets[preset.name] = preset

@@ -81,6 +81,8 @@ class AttentionConfig:
     out_bias: bool = False
     softmax_scale: float | None = None
     """Score scale; ``None`` means ``1/sqrt(d_head)``."""
+    key_multiplier: float = 1.0
+    """Scales the keys after ``k_proj`` (Falcon-H1's µP ``key_multiplier``, kept as config)."""
     output_gate: bool = False
     """A sigmoid gate on the attention output before ``o_proj`` (Qwen3-Next, Qwen3.5): ``q_proj``
     is twice as wide, per head ``[q_h; g_h]``, and ``o = o * sigmoid(g)`` channel by channel."""
@@ -106,7 +108,7 @@ class AttentionConfig:
 def validate_attention(a: AttentionConfig, cfg: ModelConfig) -> None:
     d_model = cfg.d_model
     positive(a, "attention.", ("n_heads", "n_kv_heads", "d_head", "rope_theta", "softmax_scale",
-                               "window", "window_rope_theta"))
+                               "window", "window_rope_theta", "key_multiplier"))
     if "W" in cfg.parsed.symbols_used() and a.window is None:
         raise ConfigError("pattern symbol 'W' (sliding-window attention) needs attention.window")
     kv = a.n_kv_heads or a.n_heads
@@ -169,6 +171,7 @@ class Attention(nn.Module):
         self.scale = a.softmax_scale if a.softmax_scale is not None else self.d_head**-0.5
         self.init_std = cfg.init_std
         self.output_gate = a.output_gate
+        self.key_multiplier = float(a.key_multiplier)
         q_rows = self.n_heads * self.d_head * (2 if a.output_gate else 1)
         self.q_proj = nn.Linear(cfg.d_model, q_rows, bias=a.qkv_bias)
         self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
@@ -221,6 +224,8 @@ class Attention(nn.Module):
         b, t, _ = x_BTD.shape
         # -1: the head counts follow the weights (a tensor-parallel rank holds some of the heads)
         q, k = self.q_proj(x_BTD), self.k_proj(x_BTD)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         gate_BTX = None
         if self.output_gate:  # per head [q_h; g_h]
             qg = q.view(b, t, -1, 2 * self.d_head)
@@ -321,7 +326,7 @@ def attention_ref(x: torch.Tensor, w: dict[str, torch.Tensor], a: AttentionConfi
     for n in ("q_norm", "k_norm"):
         if n in w and zero_centered:
             w[n] = 1 + w[n]
-    k = x @ w["k_proj"].T + w.get("k_bias", 0)
+    k = (x @ w["k_proj"].T + w.get("k_bias", 0)) * a.key_multiplier
     v = (x @ w["v_proj"].T + w.get("v_bias", 0)).view(b, t, kv, d_head)
     whole = a.qk_norm_scope == "all"
     if "q_norm" in w and whole:  # the RMS of the whole projection (all heads)

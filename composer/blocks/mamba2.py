@@ -10,6 +10,12 @@ projections"); a short causal depthwise convolution plus SiLU mixes ``xBC`` over
 then the gated grouped RMSNorm (§7.2) ``norm(y * silu(z))`` and the output projection. This is
 the math of transformers' ``Mamba2Mixer`` / ``NemotronHMamba2Mixer`` torch path.
 
+Falcon-H1's options (transformers' ``FalconH1Mixer``), each off by default: ``multipliers``
+scales the five parts of the input projection's output ``[z, x, B, C, dt]`` by five numbers
+(its µP ``ssm_multipliers``, kept as config, never folded into ``in_proj``); ``gated_norm: false``
+drops the norm (``y * silu(z)``, no ``norm.weight``); ``norm_before_gate`` normalises first,
+``norm(y) * silu(z)``; ``out_proj_bias`` gives ``out_proj`` its own bias flag.
+
 Time mixing is two parameterless ops (:mod:`composer.blocks.ops`), ``conv``
 (:class:`~composer.blocks.ops.CausalConv`) and ``scan`` (:class:`SSDScan`); everything around
 them is token-wise. Context parallelism swaps them for their variants; decoding passes ``step``
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.cache import RecurrentState, Step, recurrent_state
@@ -76,6 +83,17 @@ class MambaConfig:
     dt_init_floor: float = 1e-4
     dt_limit: tuple[float, float] = (0.0, float("inf"))
     a_init_range: tuple[float, float] = (1.0, 16.0)
+    gated_norm: bool = True
+    """The gated RMSNorm after the scan; False: ``y * silu(z)`` only, no ``norm.weight``
+    (Falcon-H1's ``mamba_rms_norm: false``)."""
+    norm_before_gate: bool = False
+    """``norm(y) * silu(z)`` instead of ``norm(y * silu(z))`` (Falcon-H1's
+    ``mamba_norm_before_gate``); read only with ``gated_norm``."""
+    out_proj_bias: bool | None = None
+    """A bias on ``out_proj``; None: ``proj_bias`` (Falcon-H1's ``projectors_bias``)."""
+    multipliers: list[float] | None = None
+    """Five numbers scaling the input projection's ``[z, x, B, C, dt]`` outputs (Falcon-H1's µP
+    ``ssm_multipliers``); None: all 1."""
 
 
 def validate_mamba(m: MambaConfig, cfg: ModelConfig) -> None:
@@ -94,10 +112,19 @@ def validate_mamba(m: MambaConfig, cfg: ModelConfig) -> None:
         raise ConfigError(f"mamba.dt_limit {list(m.dt_limit)} must be increasing")
     if not 0 < m.a_init_range[0] <= m.a_init_range[1]:
         raise ConfigError(f"mamba.a_init_range {list(m.a_init_range)} must be positive, increasing")
+    if m.multipliers is not None and (
+            len(m.multipliers) != 5 or not all(isinstance(v, (int, float))
+                                               and not isinstance(v, bool) for v in m.multipliers)):
+        raise ConfigError(f"mamba.multipliers must be five numbers (z, x, B, C, dt), got "
+                          f"{m.multipliers!r}")
 
 
 def d_inner_of(m: MambaConfig) -> int:
     return m.n_heads * m.d_head
+
+
+def out_bias_of(m: MambaConfig) -> bool:
+    return m.proj_bias if m.out_proj_bias is None else m.out_proj_bias
 
 
 def _norm_group_size(m: MambaConfig) -> int:
@@ -216,8 +243,10 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(m.n_heads))
         self.A_log = nn.Parameter(torch.empty(m.n_heads))
         self.D = nn.Parameter(torch.empty(m.n_heads))
-        self.norm = GatedRMSNorm(d_inner, _norm_group_size(m), eps=cfg.norm_eps)
-        self.out_proj = nn.Linear(d_inner, cfg.d_model, bias=m.proj_bias)
+        if m.gated_norm:
+            self.norm = GatedRMSNorm(d_inner, _norm_group_size(m), eps=cfg.norm_eps,
+                                     norm_before_gate=m.norm_before_gate)
+        self.out_proj = nn.Linear(d_inner, cfg.d_model, bias=out_bias_of(m))
         self.conv = CausalConv()  # the time-mixing ops (parameterless; cp swaps them)
         self.scan = SSDScan()
 
@@ -263,7 +292,14 @@ class Mamba2Mixer(nn.Module):
     def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(z [B, T, E], xBC [B, T, X], dt [B, T, H])`` from the fused input projection."""
         H, _, E, F_ = self._sizes()
-        return self.in_proj(x_BTD).split([E, E + 2 * F_, H], dim=-1)
+        zxbcdt = self.in_proj(x_BTD)
+        mults = self.mamba_cfg.multipliers
+        if mults is not None:  # one number per part, on this rank's widths of the parts
+            widths = torch.tensor([E, E, F_, F_, H], device=zxbcdt.device)
+            vec = torch.tensor([float(v) for v in mults], dtype=zxbcdt.dtype,
+                               device=zxbcdt.device)
+            zxbcdt = zxbcdt * torch.repeat_interleave(vec, widths)
+        return zxbcdt.split([E, E + 2 * F_, H], dim=-1)
 
     def scan_inputs(self, conv_BTX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                            torch.Tensor, torch.Tensor, dict]:
@@ -287,7 +323,11 @@ class Mamba2Mixer(nn.Module):
         gated and normalised too (as in transformers); the scan output stays fp32 through the
         norm and is cast only for out_proj."""
         b, T = y_BTHP.shape[:2]
-        y_BTE = self.norm(y_BTHP.reshape(b, T, -1), gate=z_BTE)
+        y_BTE = y_BTHP.reshape(b, T, -1)
+        if self.mamba_cfg.gated_norm:
+            y_BTE = self.norm(y_BTE, gate=z_BTE)
+        else:  # Falcon-H1 without its norm: the gate alone, in the scan's >= fp32
+            y_BTE = y_BTE * F.silu(z_BTE.to(y_BTE.dtype))
         return self.out_proj(y_BTE.to(dtype))
 
     def init_cache(self, batch: int, max_len: int, device: torch.device,
@@ -303,8 +343,10 @@ class Mamba2Mixer(nn.Module):
         """Heads and groups split over ``tp``: every component of in_proj and conv1d row-split on
         its own (Megatron's per-component sharding), the per-head vectors and the norm split;
         out_proj row parallel."""
-        return ParallelPlan(shard={"in_proj.*": 0, "conv1d.*": 0, "dt_bias": 0, "A_log": 0,
-                                   "D": 0, "norm.weight": 0}, rowwise=("out_proj",))
+        shard = {"in_proj.*": 0, "conv1d.*": 0, "dt_bias": 0, "A_log": 0, "D": 0}
+        if self.mamba_cfg.gated_norm:
+            shard["norm.weight"] = 0
+        return ParallelPlan(shard=shard, rowwise=("out_proj",))
 
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Divisible | DividesShard]:
@@ -336,9 +378,8 @@ class Mamba2Mixer(nn.Module):
         m = cfg.mamba
         assert m is not None
         d_inner, d_bc, conv_dim = _sizes(m)
-        bias = 1 if m.proj_bias else 0
-        in_params = (cfg.d_model + bias) * (d_inner + conv_dim + m.n_heads)
-        out_params = (d_inner + bias) * cfg.d_model
+        in_params = (cfg.d_model + int(m.proj_bias)) * (d_inner + conv_dim + m.n_heads)
+        out_params = (d_inner + int(out_bias_of(m))) * cfg.d_model
         H, P, N, G = m.n_heads, m.d_head, m.d_state, m.n_groups
         L = max(1, min(m.chunk_size, seq_len))
         n_chunks = -(-max(seq_len, 1) // L)
@@ -362,6 +403,11 @@ def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConf
     zxbcdt = x @ weights["in_proj.weight"].T
     if "in_proj.bias" in weights:
         zxbcdt = zxbcdt + weights["in_proj.bias"]
+    if m.multipliers is not None:  # part by part: z, x, B, C, dt
+        bounds = [0, d_inner, 2 * d_inner, 2 * d_inner + d_bc, 2 * d_inner + 2 * d_bc,
+                  zxbcdt.shape[-1]]
+        zxbcdt = torch.cat([zxbcdt[..., lo:hi] * v for lo, hi, v
+                            in zip(bounds[:-1], bounds[1:], m.multipliers, strict=True)], -1)
     z = zxbcdt[..., :d_inner]
     xbc = zxbcdt[..., d_inner : d_inner + conv_dim]
     dt = zxbcdt[..., d_inner + conv_dim :]
@@ -394,9 +440,14 @@ def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConf
         D_H=weights["D"],
         doc_ids=doc_ids,
     )
-    y = gated_rms_norm_ref(
-        y.reshape(b, T, d_inner), z, weights["norm.weight"], _norm_group_size(m), cfg.norm_eps
-    )
+    y = y.reshape(b, T, d_inner)
+    if not m.gated_norm:
+        y = y * z / (1 + torch.exp(-z))
+    elif m.norm_before_gate:
+        y = gated_rms_norm_ref(y, None, weights["norm.weight"], _norm_group_size(m), cfg.norm_eps)
+        y = y * z / (1 + torch.exp(-z))
+    else:
+        y = gated_rms_norm_ref(y, z, weights["norm.weight"], _norm_group_size(m), cfg.norm_eps)
     out = y @ weights["out_proj.weight"].T
     if "out_proj.bias" in weights:
         out = out + weights["out_proj.bias"]

@@ -2,6 +2,9 @@
 
 Gated: ``down(act(gate(x)) * up(x))``. Plain: ``down(act(up(x)))``. Squared ReLU
 (So et al. 2021, "Primer") is ``relu(x)^2``; Nemotron-H uses it without a gate.
+Falcon-H1's µP ``mlp_multipliers`` are ``gate_multiplier`` (on ``gate(x)``, before the
+activation) and ``down_multiplier`` (on the output), kept as config numbers:
+``m_down * down(act(m_gate * gate(x)) * up(x))``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch import nn
 
 from composer.blocks.kind import LayerKind
 from composer.blocks.plan import ZEROS, Divisible, Init, Normal, ParallelPlan, init_module
-from composer.config import ModelConfig, positive
+from composer.config import ConfigError, ModelConfig, positive
 
 # ---------------------------------------------------------------- the kind's config section
 
@@ -37,10 +40,17 @@ class MLPConfig:
     d_ff: int = 1024
     activation: Activation = "swiglu"
     bias: bool = False
+    gate_multiplier: float = 1.0
+    """Scales ``gate_proj``'s output before the activation (Falcon-H1's ``mlp_multipliers[0]``)."""
+    down_multiplier: float = 1.0
+    """Scales the MLP's output (Falcon-H1's ``mlp_multipliers[1]``)."""
 
 
 def validate_mlp(mlp: MLPConfig, cfg: ModelConfig) -> None:
     positive(mlp, "mlp.", ("d_ff",))
+    if mlp.gate_multiplier != 1.0 and not is_gated(mlp.activation):
+        raise ConfigError(f"mlp.gate_multiplier needs a gated activation, not "
+                          f"{mlp.activation!r}")
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -82,10 +92,14 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, d_ff: int | None = None,
                  activation: str | None = None, bias: bool | None = None) -> None:
-        """Sizes come from ``cfg.mlp`` unless given (the MoE's shared experts give them)."""
+        """Sizes come from ``cfg.mlp`` unless given (the MoE's shared experts give them; their
+        MLPs take no multipliers)."""
         super().__init__()
         mlp = cfg.mlp
         assert mlp is not None or (d_ff is not None and activation is not None)
+        own = d_ff is None and mlp is not None
+        self.gate_multiplier = float(mlp.gate_multiplier) if own else 1.0
+        self.down_multiplier = float(mlp.down_multiplier) if own else 1.0
         d_ff = d_ff if d_ff is not None else mlp.d_ff
         self.activation = activation if activation is not None else mlp.activation
         bias = bias if bias is not None else (mlp.bias if mlp is not None else False)
@@ -112,10 +126,14 @@ class MLP(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            h = self.act(self.gate_proj(x_BTD)) * self.up_proj(x_BTD)
+            g = self.gate_proj(x_BTD)
+            if self.gate_multiplier != 1.0:
+                g = g * self.gate_multiplier
+            h = self.act(g) * self.up_proj(x_BTD)
         else:
             h = self.act(self.up_proj(x_BTD))
-        return self.down_proj(h)
+        out = self.down_proj(h)
+        return out * self.down_multiplier if self.down_multiplier != 1.0 else out
 
     def parallel_plan(self) -> ParallelPlan:
         """Hidden units split over ``tp``: gate/up column parallel, down row parallel."""
@@ -136,13 +154,14 @@ class MLP(nn.Module):
 
 
 def mlp_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: str,
-            gate: torch.Tensor | None = None) -> torch.Tensor:
+            gate: torch.Tensor | None = None, gate_multiplier: float = 1.0,
+            down_multiplier: float = 1.0) -> torch.Tensor:
     """Plain-math twin of :class:`MLP` (weights as ``[out, in]`` matrices, no bias)."""
     if gate is not None:
-        h = activation_ref(activation, x @ gate.T) * (x @ up.T)
+        h = activation_ref(activation, gate_multiplier * (x @ gate.T)) * (x @ up.T)
     else:
         h = activation_ref(activation, x @ up.T)
-    return h @ down.T
+    return down_multiplier * (h @ down.T)
 
 
 KIND = LayerKind("-", "dense MLP", MLP, "mlp", MLPConfig, validate_mlp, always=True)

@@ -11,6 +11,8 @@ in fp32 and is cast once at the end, as transformers' ``Qwen3NextRMSNorm`` does.
 Gated RMSNorm (Mamba-2 paper §7, "normalization"): ``y = w * rms_g(x * silu(z))`` where ``rms_g``
 normalises each group of ``group_size`` channels on its own. transformers 5.x and Megatron use
 ``group_size = d_inner / n_groups``; older code normalised over the whole width (one group).
+With ``norm_before_gate`` (Falcon-H1's ``mamba_norm_before_gate``) the gate comes after:
+``y = w * rms_g(x) * silu(z)``.
 """
 
 from __future__ import annotations
@@ -53,12 +55,14 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    def __init__(self, d: int, group_size: int, eps: float = 1e-5) -> None:
+    def __init__(self, d: int, group_size: int, eps: float = 1e-5,
+                 norm_before_gate: bool = False) -> None:
         super().__init__()
         if d % group_size:
             raise ValueError(f"group size {group_size} must divide the width {d}")
         self.eps = eps
         self.group_size = group_size
+        self.norm_before_gate = norm_before_gate
         self.weight = nn.Parameter(torch.ones(d))
 
     def init_rules(self) -> dict[str, Init]:
@@ -69,11 +73,13 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         h = x.to(_math_dtype(x))
-        if gate is not None:
+        if gate is not None and not self.norm_before_gate:
             h = h * F.silu(gate.to(h.dtype))
         shape = h.shape
         h = h.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if gate is not None and self.norm_before_gate:  # in >= fp32, as transformers does
+            return (self.weight * h.view(shape) * F.silu(gate.to(h.dtype))).to(x.dtype)
         return self.weight * h.view(shape).to(x.dtype)
 
 

@@ -102,8 +102,20 @@ def kimi_linear():
             "head_dim": 8, "num_heads": 2, "kda_layers": [1], "full_attn_layers": [2]}))
 
 
+def falcon_h1():
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    return FalconH1ForCausalLM(FalconH1Config(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_d_ssm=32,
+        mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=8,
+        mamba_rms_norm=True, ssm_multipliers=[0.5, 1.5, 0.7, 1.1, 0.9], key_multiplier=0.6,
+        ssm_out_multiplier=0.5))
+
+
 FAMILIES = {"llama": llama, "qwen3": qwen3, "nemotron-h": nemotron_h, "lfm2": lfm2,
-            "jamba": jamba, "gemma3": gemma3, "kimi-linear": kimi_linear, "gpt-oss": gpt_oss}
+            "jamba": jamba, "gemma3": gemma3, "kimi-linear": kimi_linear, "gpt-oss": gpt_oss,
+            "falcon-h1": falcon_h1}
 # Our module names per family: attention q/v, an MLP projection, Mamba-2's fused in_proj,
 # the short convolution's in_proj (fused b/c/u) and out_proj, Mamba-1's in_proj ([x; z]),
 # x_proj and out_proj (peft refuses no Jamba module); gpt-oss's attention (with biases and sinks
@@ -114,7 +126,8 @@ TARGETS = {"llama": ("q_proj", "v_proj", "down_proj"), "qwen3": ("q_proj", "k_pr
            "jamba": ("in_proj", "x_proj", "out_proj", "v_proj", "gate_proj"),
            "gemma3": ("q_proj", "o_proj", "up_proj"),
            "kimi-linear": ("q_proj", "o_proj", "g_a_proj", "b_proj", "kv_b_proj"),
-           "gpt-oss": ("q_proj", "k_proj", "v_proj", "o_proj")}
+           "gpt-oss": ("q_proj", "k_proj", "v_proj", "o_proj"),
+           "falcon-h1": ("in_proj", "q_proj", "o_proj", "up_proj")}
 PEFT_TARGETS = {"llama": ["q_proj", "v_proj", "gate_proj", "down_proj"],
                 "qwen3": ["k_proj", "v_proj", "o_proj", "down_proj"],
                 "nemotron-h": ["in_proj", "v_proj", "down_proj"],
@@ -122,7 +135,8 @@ PEFT_TARGETS = {"llama": ["q_proj", "v_proj", "gate_proj", "down_proj"],
                 "jamba": ["in_proj", "x_proj", "out_proj", "v_proj", "down_proj"],
                 "gemma3": ["k_proj", "v_proj", "gate_proj", "down_proj"],
                 "kimi-linear": ["q_proj", "v_proj", "g_b_proj", "kv_a_proj_with_mqa", "o_proj"],
-                "gpt-oss": ["q_proj", "v_proj", "o_proj"]}
+                "gpt-oss": ["q_proj", "v_proj", "o_proj"],
+                "falcon-h1": ["in_proj", "v_proj", "down_proj"]}
 
 
 @pytest.fixture(params=list(FAMILIES))
@@ -130,6 +144,12 @@ def converted(request, tmp_path):
     """(family, HF model (random, fp32), our checkpoint folder, its config, its link map)."""
     hf_model = FAMILIES[request.param]().eval()
     randomize(hf_model, seed=3)
+    if request.param == "falcon-h1":  # its mup_vector is config, rebuilt on load
+        from transformers.models.falcon_h1.modeling_falcon_h1 import compute_mup_vector
+
+        with torch.no_grad():
+            for layer in hf_model.model.layers:
+                layer.mamba.mup_vector.copy_(compute_mup_vector(hf_model.config))
     hf_model.save_pretrained(tmp_path / "hf")
     cfg = from_hf(tmp_path / "hf", tmp_path / "ours")
     arch = json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"][0]

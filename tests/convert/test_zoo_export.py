@@ -27,7 +27,8 @@ ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
         "lfm2-moe": "Lfm2MoeForCausalLM", "jamba": "JambaForCausalLM",
         "gemma3": "Gemma3ForCausalLM",
         "kimi-linear": "KimiLinearForCausalLM",
-        "gpt-oss": "GptOssForCausalLM"}
+        "gpt-oss": "GptOssForCausalLM",
+        "falcon-h1": "FalconH1ForCausalLM"}
 
 
 @pytest.mark.parametrize("name", DEBUG)

@@ -16,6 +16,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    FalconH1Config,
     Gemma3TextConfig,
     Glm4MoeConfig,
     GptOssConfig,
@@ -303,6 +304,20 @@ PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
     "gpt-oss-120b": (GptOssConfig, dict(
         _GPT_OSS_COMMON, num_hidden_layers=36, num_local_experts=128,
         layer_types=["sliding_attention", "full_attention"] * 18)),
+    # tiiuae/Falcon-H1-1.5B-Base and -3B-Base config.json (as transcribed in third-party test
+    # fixtures) with the fields the transcriptions leave out from transformers' FalconH1 model
+    # table (https://huggingface.co/docs/transformers/model_doc/falcon_h1).
+    "falcon-h1-1.5b": (FalconH1Config, dict(
+        vocab_size=65537, hidden_size=2048, intermediate_size=4608, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, mamba_d_ssm=3072,
+        mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4,
+        mamba_chunk_size=128, mamba_rms_norm=False, tie_word_embeddings=False)),
+    "falcon-h1-3b": (FalconH1Config, dict(
+        vocab_size=65536, hidden_size=2560, intermediate_size=6144, num_hidden_layers=32,
+        num_attention_heads=10, num_key_value_heads=2, head_dim=128, mamba_d_ssm=4096,
+        mamba_n_heads=32, mamba_d_head=128, mamba_n_groups=1, mamba_d_state=256,
+        mamba_d_conv=4, mamba_chunk_size=128, mamba_rms_norm=False,
+        tie_word_embeddings=False)),
 }
 
 LLAMA_3_1_8B_TOTAL = 8_030_261_248
@@ -546,6 +561,8 @@ def gemma3_kwargs(cfg: ModelConfig) -> dict:
                 layer_types=["sliding_attention" if k == "W-" else "full_attention"
                              for k in kinds],
                 intermediate_size=mlp.d_ff, sliding_window=a.window, rms_norm_eps=cfg.norm_eps)
+
+
 def gpt_oss_kwargs(cfg: ModelConfig) -> dict:
     a, e = cfg.attention, cfg.moe
     assert a is not None and e is not None and a.sinks and a.qkv_bias and a.out_bias
@@ -578,6 +595,19 @@ def kimi_linear_kwargs(cfg: ModelConfig) -> dict:
         num_experts_per_token=e.top_k, num_shared_experts=e.n_shared_experts)
 
 
+def falcon_h1_kwargs(cfg: ModelConfig) -> dict:
+    a, m, mlp = cfg.attention, cfg.mamba, cfg.mlp
+    assert a is not None and m is not None and mlp is not None
+    assert cfg.parsed.layers == ("[M*]", "-") * (len(cfg.parsed.layers) // 2)
+    return dict(_attention_kwargs(cfg), num_hidden_layers=len(cfg.parsed.layers) // 2,
+                intermediate_size=mlp.d_ff, mlp_bias=mlp.bias, mamba_d_ssm=m.n_heads * m.d_head,
+                mamba_n_heads=m.n_heads, mamba_d_head=m.d_head, mamba_n_groups=m.n_groups,
+                mamba_d_state=m.d_state, mamba_d_conv=m.d_conv, mamba_rms_norm=m.gated_norm,
+                mamba_conv_bias=m.conv_bias, mamba_proj_bias=m.proj_bias,
+                projectors_bias=m.proj_bias if m.out_proj_bias is None else m.out_proj_bias,
+                rms_norm_eps=cfg.norm_eps)
+
+
 DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "nemotron-h-debug": (NemotronHConfig, nemotron_h_kwargs),
     "nemotron-3-nano-debug": (NemotronHConfig, nemotron_h_kwargs),
@@ -599,6 +629,7 @@ DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "gemma3-debug": (Gemma3TextConfig, gemma3_kwargs),
     "kimi-linear-debug": (KimiLinearConfig, kimi_linear_kwargs),
     "gpt-oss-debug": (GptOssConfig, gpt_oss_kwargs),
+    "falcon-h1-debug": (FalconH1Config, falcon_h1_kwargs),
 }
 
 

@@ -329,12 +329,36 @@ def gated_activation(hf_act: str, field: str = "hidden_act") -> str:
 
 
 def common_to_hf(cfg: ModelConfig, base: dict[str, Any], architecture: str,
-                 model_type: str) -> dict[str, Any]:
+                 model_type: str, mup: bool = False) -> dict[str, Any]:
+    """The fields every family writes; unless the family writes them (``mup``: Falcon-H1),
+    refuses the options of its kinds that no other HF class has."""
+    if not mup:
+        check_no_mup(cfg, architecture)
     out = dict(base)
     out.update(architectures=[architecture], model_type=model_type, hidden_size=cfg.d_model,
                vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings,
                initializer_range=cfg.init_std)
     return out
+
+
+def check_no_mup(cfg: ModelConfig, architecture: str) -> None:
+    """Falcon-H1's options (µP multipliers, its Mamba norm variants) are not fields of the other
+    HF classes: refuse them rather than drop them (P8, docs/conversion.md)."""
+    a, m, mlp = (cfg.section(n) for n in ("attention", "mamba", "mlp"))
+    found = []
+    if a is not None and a.key_multiplier != 1.0:
+        found.append(f"attention.key_multiplier={a.key_multiplier}")
+    if mlp is not None:
+        found += [f"mlp.{n}={getattr(mlp, n)}" for n in ("gate_multiplier", "down_multiplier")
+                  if getattr(mlp, n) != 1.0]
+    if m is not None:
+        found += [f"mamba.{n}={getattr(m, n)}" for n, ok in (
+            ("multipliers", m.multipliers is None), ("gated_norm", m.gated_norm),
+            ("norm_before_gate", not m.norm_before_gate),
+            ("out_proj_bias", m.out_proj_bias in (None, m.proj_bias))) if not ok]
+    if found:
+        raise ConfigError(f"{architecture} has no field for {', '.join(found)} (Falcon-H1's "
+                          "options)")
 
 
 def attention_links(ours: str, hf: str, a: AttentionConfig) -> list[Link]:

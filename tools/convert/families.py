@@ -2,6 +2,7 @@
 
 from composer.convert.base import Adapter
 from composer.convert.deepseek_v3 import DeepseekV3Adapter, DeepseekV32Adapter
+from composer.convert.falcon_h1 import FalconH1Adapter
 from composer.convert.gemma3 import Gemma3Adapter
 from composer.convert.glm4_moe import Glm4MoeAdapter
 from composer.convert.gpt_oss import GptOssAdapter
@@ -46,4 +47,5 @@ ADAPTERS: list[Adapter] = [
     Gemma3Adapter(),
     KimiLinearAdapter(),
     GptOssAdapter(),
+    FalconH1Adapter(),
 ]

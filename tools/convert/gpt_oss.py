@@ -126,7 +126,7 @@ class GptOssAdapter(Adapter):
 
     def layer_types(self, cfg: ModelConfig) -> list[str]:
         layers = cfg.parsed.layers
-        pairs = [layers[i:i + 2] for i in range(0, len(layers), 2)]
+        pairs = ["".join(layers[i:i + 2]) for i in range(0, len(layers), 2)]
         if len(layers) % 2 or cfg.parsed.mtp or any(p not in ("WE", "*E") for p in pairs):
             raise layer_pattern_error(self.family, cfg.pattern, "every layer must be 'WE' or "
                                       "'*E' (W: sliding-window attention)")
