@@ -494,7 +494,7 @@ _MOVED = {"AttentionConfig": "attention", "RopeScaling": "attention", "d_head_of
           "Activation": "mlp", "GATED_ACTIVATIONS": "mlp", "is_gated": "mlp",
           "MoEConfig": "moe", "d_ff_shared_of": "moe", "MOE_TRAINING_ONLY": "moe",
           "MLAConfig": "mla", "YarnScaling": "mla", "GDNConfig": "gdn",
-          "ShortConvConfig": "shortconv"}
+          "ShortConvConfig": "shortconv", "ZambaConfig": "zamba"}
 """The built-in kinds' sections and size helpers, which live in their block files."""
 
 
