@@ -164,6 +164,7 @@ def _backward(model: torch.nn.Module, dims, ids: torch.Tensor, global_rows: int)
     ce, aux, mtp = pipeline.train_step(ids, None, dims.grad_replicas / n_global)
     finish_grads(model, dims)
     pipeline.sync_tied()
+    pipeline.sync_shared()
     total = torch.stack([ce, aux + mtp]).to(torch.float64)
     torch.distributed.all_reduce(total, group=dims.pp_mesh.get_group())
     return total[0] / (ids.shape[0] * (ids.shape[1] - 1)) + total[1]

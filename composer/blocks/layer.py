@@ -48,6 +48,8 @@ class Layer(nn.Module):
         self.mixer = mixer
         self.residual_multiplier = cfg.residual_multiplier
         self.post_norm = layer_idx in cfg.post_norm_layers
+        self.shared_label: str | None = None
+        """The label of the shared layer this is a use of (:mod:`composer.blocks.shared`)."""
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
                 step: Step | None = None, positions: torch.Tensor | None = None,

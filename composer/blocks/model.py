@@ -183,12 +183,14 @@ def _check_doc_ids(input_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> Non
 class HybridModel(VisionInputs, nn.Module):
     """Keys: ``embed.weight``, ``layers.{i}.*``, ``final_norm.weight``, ``lm_head.weight``
     (absent when ``tie_embeddings``), ``mtp.{d}.*`` (with MTP parts; :mod:`composer.blocks.mtp`),
-    ``visual.*`` (a vision-language model's tower: ``ModelConfig.vision``).
+    ``visual.*`` (a vision-language model's tower: ``ModelConfig.vision``), ``shared.{a}.*``
+    (the pattern's shared layers, once each: :mod:`composer.blocks.shared`).
     """
 
     def __init__(self, cfg: ModelConfig, layers: Mapping[int, nn.Module],
                  mtp_layers: Sequence[Mapping[int, nn.Module]] = (),
-                 visual: nn.Module | None = None) -> None:
+                 visual: nn.Module | None = None,
+                 shared: Mapping[str, nn.Module] | None = None) -> None:
         super().__init__()
         self.config = cfg
         # _weight skips nn.Embedding's own init (the builder initialises); on the meta device
@@ -196,6 +198,7 @@ class HybridModel(VisionInputs, nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model,
                                   _weight=torch.empty(cfg.vocab_size, cfg.d_model))
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+        self.shared = nn.ModuleDict(shared) if shared else None
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

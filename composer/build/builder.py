@@ -23,6 +23,7 @@ import torch
 from composer.blocks.model import HybridModel
 from composer.blocks.plan import named_state
 from composer.blocks.protocol import declared, plan_of
+from composer.blocks.shared import distinct, share_layers
 from composer.build.init import init_weights, load_weights, stored_dtypes
 from composer.build.registry import build_layer, layer_kind, layout_rules
 from composer.config import ModelConfig
@@ -66,10 +67,11 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
     pattern = cfg.parsed
     with torch.device("meta"):
         layers = {i: build_layer(cfg, i, sym) for i, sym in enumerate(pattern.layers)}
+        shared = share_layers(cfg, layers)
         mtp = [{j: build_layer(cfg, mtp_layer_idx(cfg, d, j), sym) for j, sym in enumerate(part)}
                for d, part in enumerate(pattern.mtp)]
         visual = VisionTower(cfg.vision) if cfg.vision is not None else None
-        model = HybridModel(cfg, layers, mtp, visual)
+        model = HybridModel(cfg, layers, mtp, visual, shared)
     if torch.device(device).type == "meta":
         return model
     model.to_empty(device=device)
@@ -90,9 +92,12 @@ def check_model(dims: ParallelDims, cfg: ModelConfig) -> None:
 def fp32_names(model: HybridModel) -> set[str]:
     """Names of parameters and buffers that stay fp32 whatever the model dtype (A_log, router)."""
     names = set()
-    for prefix, layer in model.named_layers():
-        for name in declared(layer.mixer, "keep_fp32"):
-            names.add(f"{prefix}.mixer.{name}")
+    where = {id(m): n for n, m in model.named_modules()}  # a shared layer's: shared.a.*
+    for mixer in distinct([layer.mixer for layer in model.all_layers()]):
+        for name in declared(mixer, "keep_fp32"):
+            owner, _, leaf = name.rpartition(".")
+            module = mixer.get_submodule(owner) if owner else mixer
+            names.add(f"{where[id(module)]}.{leaf}")
     return names
 
 
@@ -150,10 +155,18 @@ def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
     cfg = model.config
     pattern = cfg.parsed
     by_kind: dict[str, int] = {"embedding": model.embed.weight.numel()}
-    inactive = sum(_inactive_expert_params(layer.mixer, cfg) for layer in model.all_layers())
-    for layer in model.layers.values():
+    inactive = sum(_inactive_expert_params(mixer, cfg)
+                   for mixer in distinct([layer.mixer for layer in model.all_layers()]))
+    for layer in model.layers.values():  # a shared layer's uses hold only their own parts
         name = f"{layer.symbol} {layer_kind(layer.symbol).name}"
+        if layer.shared_label is not None and not any(True for _ in layer.parameters()):
+            continue
         by_kind[name] = by_kind.get(name, 0) + sum(p.numel() for p in layer.parameters())
+    uses = pattern.shared_uses()
+    for label, part in (model.shared or {}).items():  # once, whatever the number of uses
+        token = pattern.layers[uses[label][0]]
+        by_kind[f"shared {label} ({token}, {len(uses[label])} uses)"] = sum(
+            p.numel() for p in part.parameters())
     vision = None
     if getattr(model, "visual", None) is not None:
         vision = vision_stats(model.visual)

@@ -15,6 +15,7 @@ False), so counting only ``Shard`` placements weighed such pieces by ``1 / dp`` 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -34,11 +35,13 @@ def _pieces(p: torch.Tensor) -> int:
 
 
 def grad_norm(model: nn.Module, device: torch.device, pp: int = 1,
-              tied: tuple[str, ...] = ()) -> torch.Tensor:
+              copies: Mapping[str, int] | None = None) -> torch.Tensor:
     """The L2 norm of all gradients, as on one process (a 0-dim tensor on ``device``, fp32, or
     fp64 when a gradient is; no host synchronisation). Under pipeline parallelism (``pp > 1``)
     a rank holds its stages' parameters only, so each is held by ``world / pp`` ranks, and the
-    ``tied`` ones (an embedding on the first and the last stage) by twice as many."""
+    ones in ``copies`` (name -> pipeline ranks holding one: the embedding on the first and the
+    last stage, a shared layer on the stages that use it) by that many times more."""
+    copies = copies or {}
     world = dist.get_world_size() if dist.is_initialized() else 1
     grads, weights = [], []
     for name, p in model.named_parameters():
@@ -46,8 +49,8 @@ def grad_norm(model: nn.Module, device: torch.device, pp: int = 1,
             continue
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         grads.append(g.to(torch.promote_types(g.dtype, torch.float32)))
-        copies = 2 if pp > 1 and name in tied else 1
-        weights.append(_pieces(p) * pp / (world * copies))
+        n_copies = copies.get(name, 1) if pp > 1 else 1
+        weights.append(_pieces(p) * pp / (world * n_copies))
     fp64 = any(g.dtype == torch.float64 for g in grads)
     # every rank takes part in the all-reduce, also one that holds no gradient
     total = torch.zeros((), dtype=torch.float64, device=device)

@@ -8,7 +8,8 @@ lives on pipeline rank ``s % pp`` (rank ``r`` holds ``r, r + pp, ...``: the inte
 The embedding sits on the first stage; the final norm, the head, the loss (and multi-token
 prediction) on the last; with tied embeddings or multi-token prediction the last stage holds a
 copy of the embedding, and the two copies' gradients are summed after every backward (they
-start equal and stay equal).
+start equal and stay equal). A shared layer (``{a:T}``, :mod:`composer.blocks.shared`) is
+held by every pipeline rank whose stages use it, its copies' gradients summed the same way.
 
 Each rank builds only its stages: the model is built on the meta device, pruned to the rank's
 layers (:func:`prune`), and parallelised and materialised as without pipelining. Layers keep
@@ -49,7 +50,7 @@ from torch import nn
 from composer.blocks.loss import IGNORE_INDEX
 from composer.blocks.model import HybridModel, mask_doc_boundaries, shift_labels
 from composer.blocks.protocol import declared
-from composer.parallel.comm import recv_tensor, send_tensor
+from composer.parallel.comm import all_reduce_coalesced, recv_tensor, send_tensor
 from composer.parallel.mesh import ParallelDims
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -76,6 +77,11 @@ def prune(model: HybridModel, groups: list[tuple[int, ...]], stages: list[int]) 
     for key in list(model.layers.keys()):
         if int(key) not in keep:
             del model.layers[key]
+    if model.shared is not None:
+        used = {layer.shared_label for layer in model.layers.values()}
+        for label in list(model.shared.keys()):
+            if label not in used:
+                del model.shared[label]
     first, last = 0 in stages, len(groups) - 1 in stages
     if not (first or (last and embed_on_last(model))):
         model.embed = None
@@ -87,6 +93,34 @@ def prune(model: HybridModel, groups: list[tuple[int, ...]], stages: list[int]) 
             model.lm_head = None
         if getattr(model, "mtp", None) is not None:
             model.mtp = None
+
+
+def shared_holders(cfg: Any, pp: int, groups: list[tuple[int, ...]]) -> dict[str, list[int]]:
+    """Shared label -> the pipeline ranks whose stages use it (the same on every rank)."""
+    pattern = cfg.parsed
+    stage_of = {i: s for s, layers in enumerate(groups) for i in layers}
+    return {label: sorted({stage_of[i] % pp for i in uses})
+            for label, uses in pattern.shared_uses().items()}
+
+
+def _shared_groups(cfg: Any, dims: ParallelDims, groups: list[tuple[int, ...]]
+                   ) -> dict[str, Any]:
+    """This rank's process group per shared label held on several pipeline ranks: the ranks
+    of one position of the other mesh dimensions, at those pipeline ranks. Every rank creates
+    every group, in the same order (``new_group`` is collective)."""
+    mine: dict[str, Any] = {}
+    if dims.pp == 1:
+        return mine
+    ranks = dims.mesh.mesh.reshape(dims.pp, -1)
+    for label, holders in shared_holders(cfg, dims.pp, groups).items():
+        if len(holders) < 2:
+            continue
+        for col in range(ranks.shape[1]):
+            members = [int(ranks[r, col]) for r in holders]
+            group = dist.new_group(members)
+            if dist.get_rank() in members:
+                mine[label] = group
+    return mine
 
 
 class AttachAux(torch.autograd.Function):
@@ -120,6 +154,10 @@ class StageView(nn.Module):
         self.keys = tuple(str(i) for i in layers)
         self.first, self.last = first, last
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+        labels = dict.fromkeys(self.layers[k].shared_label for k in self.keys)
+        if any(label is not None for label in labels):  # its shared layers' copies
+            self.shared = nn.ModuleDict({label: model.shared[label] for label in labels
+                                         if label is not None})
         if first or (last and embed_on_last(model)):
             self.embed = model.embed
         if last:
@@ -229,6 +267,7 @@ class Pipeline:
         self.stage_ids = rank_stages(self.n_stages, dims.pp, dims.pp_rank())
         self.views = [StageView(model, groups[s], s == 0, s == self.n_stages - 1)
                       for s in self.stage_ids]
+        self.shared_groups = _shared_groups(model.config, dims, groups)
         self.schedule_name = schedule
         self.n_micro = n_micro
         self._schedule = None
@@ -351,6 +390,28 @@ class Pipeline:
         g = weight.grad
         local = g.to_local() if hasattr(g, "to_local") else g
         dist.all_reduce(local, group=self.dims.tied_group)
+
+    def sync_shared(self) -> None:
+        """Sum the gradients of each shared layer's copies over the pipeline ranks that hold
+        one (every use's contribution, as on one process)."""
+        for label, group in self.shared_groups.items():
+            grads = []
+            for p in self.model.shared[label].parameters():
+                if p.grad is None:  # every copy takes part (a use no loss reached: zeros)
+                    p.grad = torch.zeros_like(p)
+                g = p.grad
+                grads.append(g.to_local() if hasattr(g, "to_local") else g)
+            all_reduce_coalesced(grads, group, scale=1.0)
+
+    def copies(self) -> dict[str, int]:
+        """Parameter name -> the pipeline ranks holding a copy of it, where more than one:
+        the tied embedding's and the shared layers' (what the gradient norm counts once)."""
+        out = {"embed.weight": 2} if embed_on_last(self.model) and self.dims.pp > 1 else {}
+        holders = shared_holders(self.model.config, self.dims.pp, self.groups)
+        for label in (self.model.shared or {}):
+            for name, _ in self.model.shared[label].named_parameters():
+                out[f"shared.{label}.{name}"] = len(holders[label])
+        return out
 
     # ------------------------------------------------------------ forward only
 

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from composer.blocks.plan import ParallelPlan, SequenceChunk
 from composer.blocks.protocol import plan_of
+from composer.blocks.shared import SharedLayer
 from composer.parallel.comm import all_gather, all_reduce_coalesced, reduce_scatter
 from composer.parallel.vocab import VocabParallelEmbedding, VocabParallelReadout
 
@@ -335,7 +336,11 @@ def _shard_layers(model: nn.Module, tp: TPContext) -> None:
     """Every layer's norm and mixer (the MTP depths' layers too), by the mixers' plans."""
     from composer.parallel.mesh import LayoutError
 
+    seen: set[int] = set()
     for layer in model.all_layers():
+        if id(layer.mixer) in seen:  # a shared layer's later use (composer.blocks.shared)
+            continue
+        seen.add(id(layer.mixer))
         tp.place(layer.norm, "weight", [Replicate()], grad=PARTIAL_IF_SP)
         mixer = layer.mixer
         if plan_of(mixer) is None:
@@ -352,6 +357,25 @@ def _shard_layers(model: nn.Module, tp: TPContext) -> None:
                                   f"{name!r} is not in its parallel plan; use --tp 1")
         mixer.register_forward_pre_hook(_mixer_enter(tp))
         mixer.register_forward_hook(_mixer_leave(tp))
+    _shard_shared_parts(model, tp)
+
+
+def _shard_shared_parts(model: nn.Module, tp: TPContext) -> None:
+    """A kind's shared part (``shared_part``, reached from its uses' mixers but registered
+    under ``model.shared``): sharded once, by the plans its modules declare."""
+    from composer.parallel.mesh import LayoutError
+
+    for label, part in (getattr(model, "shared", None) or {}).items():
+        if isinstance(part, SharedLayer):
+            continue  # a whole shared layer: sharded with its first use above
+        for module in list(part.modules()):
+            plan = plan_of(module)
+            if plan is not None:
+                apply_plan(module, plan, tp)
+        for name, p in part.named_parameters():
+            if not isinstance(p, DTensor):
+                raise LayoutError(f"shared layer {label!r}: parameter {name!r} is not in a "
+                                  "parallel plan; use --tp 1")
 
 
 def apply_tp(model: nn.Module, tp: TPContext, roots: list[nn.Module] | None = None) -> None:

@@ -42,7 +42,6 @@ from composer.parallel.data import finish_grads
 from composer.parallel.expert import finish_moe_step
 from composer.parallel.grads import clip_grads, grad_norm
 from composer.parallel.mesh import ParallelDims
-from composer.parallel.pipeline import embed_on_last
 from composer.train.data import Batches
 from composer.train.lm import autocast, dp_total, lm_accumulate, validate
 from composer.train.metrics import MetricsLog, max_memory_bytes, peak_flops
@@ -227,11 +226,12 @@ def take_step(run: Run, step: int, stop_requested: bool) -> StepStats:
     sums = accumulate(run)
     finish_grads(run.model, run.dims)
     pipeline = getattr(run.model, "pipeline", None)
-    tied: tuple[str, ...] = ()
+    copies: dict[str, int] = {}
     if pipeline is not None:
         pipeline.sync_tied()
-        tied = ("embed.weight",) if embed_on_last(run.model) else ()
-    norm_t = grad_norm(run.model, run.dims.device, run.dims.pp, tied)
+        pipeline.sync_shared()
+        copies = pipeline.copies()
+    norm_t = grad_norm(run.model, run.dims.device, run.dims.pp, copies)
     loss, aux_mean, mtp_mean, stop, targets, processed, metrics = _reduce_stats(
         run, sums, stop_requested)
     stats = StepStats(lr, loss, aux_mean, float(norm_t), stop, mtp_mean, targets, processed,

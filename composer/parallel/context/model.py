@@ -165,14 +165,20 @@ def apply_cp(model: nn.Module, dims: ParallelDims) -> CPContext:
     mesh = dims.cp_mesh
     cp = CPContext(group=mesh.get_group(), size=dims.cp, rank=mesh.get_local_rank(),
                    adaptive=dims.cp_adaptive, min_tokens=dims.cp_min_tokens)
-    for _, layer in named_layers(model):  # the MTP depths' layers too
-        mixer = layer.mixer
-        variants = _op_variants(mixer)
+    from composer.blocks.shared import distinct
+
+    # every mixer's variants first, then the swaps: a shared layer's ops are swapped once
+    mixers = distinct([layer.mixer for _, layer in named_layers(model)])  # MTP layers too
+    swaps = [(mixer, _op_variants(mixer)) for mixer in mixers]
+    swapped: set[tuple[int, str]] = set()
+    for mixer, variants in swaps:
         if variants is not None:  # the ops swapped for their variants, which hold the context
             for name, factory in variants:
                 owner, _, leaf = name.rpartition(".")  # "0.core": a parallel group's branch
                 parent = mixer.get_submodule(owner) if owner else mixer
-                setattr(parent, leaf, factory(getattr(parent, leaf), cp))
+                if (id(parent), leaf) not in swapped:
+                    swapped.add((id(parent), leaf))
+                    setattr(parent, leaf, factory(getattr(parent, leaf), cp))
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         mtp.rows = CPDepthRows(cp)
