@@ -106,7 +106,7 @@ def test_layer_equals_its_twin_fp64(adapters: bool, docs: torch.Tensor | None) -
         torch.testing.assert_close(torch.cat(parts), want_g, rtol=1e-10, atol=1e-10, msg=name)
 
 
-def _model(pattern: str = "MZ-Z", dtype: torch.dtype = F64) -> composer.HybridModel:
+def _model(pattern: str = "M{a:Z}-{a}Z", dtype: torch.dtype = F64) -> composer.HybridModel:
     model = composer.build_model(config(pattern), seed=0)
     randomize(model, seed=5)
     return model.to(dtype).eval()

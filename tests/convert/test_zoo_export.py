@@ -24,7 +24,8 @@ ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
         "qwen3-next": "Qwen3NextForCausalLM", "qwen3.5": "Qwen3_5ForCausalLM",
         "qwen3.5-moe": "Qwen3_5MoeForCausalLM", "qwen3.5-vl": "Qwen3_5ForConditionalGeneration",
         "qwen3.5-moe-vl": "Qwen3_5MoeForConditionalGeneration", "lfm2": "Lfm2ForCausalLM",
-        "lfm2-moe": "Lfm2MoeForCausalLM", "jamba": "JambaForCausalLM"}
+        "lfm2-moe": "Lfm2MoeForCausalLM", "jamba": "JambaForCausalLM",
+        "zamba2": "Zamba2ForCausalLM"}
 
 
 @pytest.mark.parametrize("name", DEBUG)
