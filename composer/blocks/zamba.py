@@ -20,8 +20,9 @@ low-rank adapters (transformers' per-site adapter lists, "formally LoRA but in t
 The layer reads the un-normed ``x`` and its norm (``takes_residual``) and the embeddings
 (``uses_embeddings``) through :func:`composer.blocks.protocol.call_mixer`. Packed documents:
 both the attention and the Mamba-2 mixer isolate them. Decoding keeps the attention's keys and
-values and the Mamba-2 state (:class:`ZambaState`). Parallel forms: not yet: tensor parallelism
-and context parallelism refuse the kind in one line (layout rule; no time-mixing op declared).
+values and the Mamba-2 state (:class:`ZambaState`). Parallel forms: not yet: tensor and pipeline
+parallelism refuse the kind in one line (layout rules: the block has no tp plan, a stage does not
+carry the embeddings), and so does context parallelism (no time-mixing op declared).
 
 Shape legend: B batch, T time, D d_model, W = 2 * D the block's input width, R adapter rank.
 """
@@ -173,7 +174,9 @@ class ZambaMixer(nn.Module):
     @staticmethod
     def layout_rules(cfg: ModelConfig) -> list[Unsplit]:
         return [Unsplit("'Z' (Zamba2 hybrid layer: its shared block has no tensor-parallel "
-                        "plan yet)")]
+                        "plan yet)"),
+                Unsplit("'Z' (Zamba2 hybrid layer: a pipeline stage does not carry the input "
+                        "embeddings it reads yet)", dim="pp")]
 
     @staticmethod
     def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -156,6 +156,10 @@ def test_the_record() -> None:
     with pytest.raises(LayoutError, match=r"'Z' \(Zamba2 hybrid layer: its shared block has no "
                                           r"tensor-parallel plan yet\) cannot be split over tp"):
         check_model(resolve_layout(ParallelConfig(tp=2), 2), cfg)
+    with pytest.raises(LayoutError, match=r"'Z' \(Zamba2 hybrid layer: a pipeline stage does not "
+                                          r"carry the input embeddings it reads yet\) cannot be "
+                                          r"split over pp \(2\)"):
+        check_model(resolve_layout(ParallelConfig(pp=2), 2), cfg)
     with pytest.raises(LayoutError, match=r"--cp: layers.1 \('Z', ZambaMixer\) has no "
                                           "context-parallel form yet"):
         check_cp(composer.build_model(cfg, device="meta"), 2)
