@@ -1,7 +1,8 @@
 """Zamba2's hybrid layer (``Z``): the layer equals transformers' ``Zamba2HybridLayer`` (fp32) and
 its plain-math twin in fp64 (forward and every gradient, packed documents too); packed documents
 equal each document alone; cached decoding (a left-padded prefill, then token by token) equals
-the full forward; the record (section, FLOPs, layout rule, the tp and cp refusals)."""
+the full forward; a shared block is stored once and its gradient is the sum over its uses; the
+record (section, FLOPs, the tp, pp and cp refusals)."""
 
 from __future__ import annotations
 
@@ -172,3 +173,34 @@ def test_the_record() -> None:
     mamba = composer.blocks.mamba2.Mamba2Mixer.flops_per_token(cfg, 16)
     scores = 4 * 2 * 16 * 16  # 4 * heads * d_head * seq_len
     assert ZambaMixer.flops_per_token(cfg, 16) == 2 * weights + scores + mamba
+
+
+def test_shared_block_is_stored_once_and_its_gradient_sums_the_uses() -> None:
+    """``M{a:Z}-{a}Z``: the block of layers 1 and 3 is ``shared.a.*`` only; the same model with
+    two equal copies (``MZ-ZZ``) gives the same logits, and the shared gradient is the sum of
+    the copies' (fp64, 1e-10)."""
+    shared = _model()
+    keys = shared.state_dict()
+    assert not any(k.startswith(("layers.1.mixer.block", "layers.3.mixer.block")) for k in keys)
+    assert "layers.4.mixer.block.attn.q_proj.weight" in keys  # the unlabelled Z keeps its own
+    copies = composer.build_model(config("MZ-ZZ"), seed=0).to(F64)
+    state = {}
+    for k, v in keys.items():
+        if k.startswith("shared.a."):
+            for i in (1, 3):
+                state[f"layers.{i}.mixer.block." + k[len("shared.a."):]] = v
+        else:
+            state[k] = v
+    copies.load_state_dict(state)
+    ids = torch.randint(0, 61, (2, 11), generator=torch.Generator().manual_seed(8))
+    a, b = shared(ids, labels=ids).loss, copies(ids, labels=ids).loss
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    a.backward()
+    b.backward()
+    got = dict(shared.named_parameters())
+    ref = dict(copies.named_parameters())
+    for name, p in got.items():
+        if name.startswith("shared.a."):
+            rest = name[len("shared.a."):]
+            want = sum(ref[f"layers.{i}.mixer.block.{rest}"].grad for i in (1, 3))
+            torch.testing.assert_close(p.grad, want, rtol=1e-10, atol=1e-10, msg=name)
