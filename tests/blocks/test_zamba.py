@@ -204,3 +204,17 @@ def test_shared_block_is_stored_once_and_its_gradient_sums_the_uses() -> None:
             rest = name[len("shared.a."):]
             want = sum(ref[f"layers.{i}.mixer.block.{rest}"].grad for i in (1, 3))
             torch.testing.assert_close(p.grad, want, rtol=1e-10, atol=1e-10, msg=name)
+
+
+@pytest.mark.slow
+def test_trains_two_steps_with_the_engine(tmp_path) -> None:
+    import numpy as np
+
+    from tests.helpers import train_case
+
+    sections = {**SIZES, "vocab_size": 257}  # the built-in corpus's byte tokenizer
+    out = train_case({"model": {"pattern": "M{a:Z}-{a}", "set": sections}, "steps": 2,
+                      "seq_len": 16, "global_batch_size": 4, "lr": 1e-2,
+                      "save": str(tmp_path / "run")})
+    assert len(out["losses"]) == 2 and all(np.isfinite(out["losses"]))
+    assert out["losses"][1] < out["losses"][0]
