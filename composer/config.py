@@ -507,7 +507,8 @@ _MOVED = {"AttentionConfig": "attention", "RopeScaling": "attention", "d_head_of
           "MoEConfig": "moe", "d_ff_shared_of": "moe", "MOE_TRAINING_ONLY": "moe",
           "MLAConfig": "mla", "YarnScaling": "mla", "GDNConfig": "gdn",
           "ShortConvConfig": "shortconv", "KDAConfig": "kda",
-          "ParallelConfig": "group", "BranchScale": "group"}
+          "ParallelConfig": "group", "BranchScale": "group",
+          "ZambaConfig": "zamba"}
 """The built-in kinds' sections and size helpers, which live in their block files."""
 
 

@@ -44,12 +44,13 @@ def _collect() -> dict[str, Preset]:
         olmo_hybrid,
         qwen3,
         qwen3_next,
+        zamba2,
     )
 
     presets: dict[str, Preset] = {}
     for module in (nemotron_h, llama, qwen3, mixtral, mamba2, deepseek_v3, glm4_moe, minimax_m2,
                    olmo_hybrid, qwen3_next, lfm2, jamba, gemma3, kimi_linear, gpt_oss,
-                   falcon_h1):
+                   falcon_h1, zamba2):
         for preset in module.PRESETS:
             assert preset.name not in presets, preset.name
             presets[preset.name] = preset

@@ -160,10 +160,13 @@ class Attention(nn.Module):
     windowed = False
     """A ``W`` layer (:class:`WindowedAttention`): ``attention.window`` and its RoPE."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, d_in: int | None = None) -> None:
+        """``d_in``: the projections' input width when not ``d_model`` (Zamba2's shared block
+        attends over ``[h; embeddings]``, ``2 * d_model``); ``o_proj`` gives ``d_model``."""
         super().__init__()
         a = cfg.attention
         assert a is not None
+        d_in = d_in or cfg.d_model
         self.layer_idx = layer_idx
         self.n_heads = a.n_heads
         self.n_kv_heads = a.n_kv_heads or a.n_heads
@@ -173,9 +176,9 @@ class Attention(nn.Module):
         self.output_gate = a.output_gate
         self.key_multiplier = float(a.key_multiplier)
         q_rows = self.n_heads * self.d_head * (2 if a.output_gate else 1)
-        self.q_proj = nn.Linear(cfg.d_model, q_rows, bias=a.qkv_bias)
-        self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
-        self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
+        self.q_proj = nn.Linear(d_in, q_rows, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(d_in, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(d_in, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.d_head, cfg.d_model, bias=a.out_bias)
         self.qk_norm = a.qk_norm
         self.qk_norm_all = a.qk_norm and a.qk_norm_scope == "all"

@@ -14,7 +14,11 @@ Packed documents: ``doc_ids`` (``(B, T)``, :mod:`composer.kernels.packing`) go, 
 to mixers whose class sets ``uses_doc_ids = True`` (attention, Mamba-2): token-wise mixers (MLP,
 MoE) need nothing, and a user-registered mixer without the keyword keeps working. The M-RoPE
 position rows of a forward with images (``positions``, ``[3, B, T]``) go the same way to mixers
-that set ``uses_positions = True`` (attention). A keyword passes untouched through the
+that set ``uses_positions = True`` (attention), and the model's input embeddings
+(``embeddings``) to mixers that set ``uses_embeddings = True`` (Zamba2's hybrid layer). A mixer
+that sets ``takes_residual = True`` gets ``x`` itself and this layer's norm (``norm=``), and
+normalises where its math puts the norm (Zamba2: ``x + mamba(norm(x + linear(T(x, e))))``). A
+keyword passes untouched through the
 tensor-parallel pre-hooks (they rewrite ``args[0]`` only) and activation checkpointing.
 
 Decoding (:mod:`composer.blocks.cache`): the same ``forward`` with ``step=`` (a
@@ -30,7 +34,7 @@ from torch import nn
 
 from composer.blocks.cache import Step
 from composer.blocks.norm import RMSNorm
-from composer.blocks.protocol import call_mixer
+from composer.blocks.protocol import call_mixer, declared
 from composer.config import ModelConfig
 
 
@@ -51,10 +55,12 @@ class Layer(nn.Module):
         """The label of the shared layer this is a use of (:mod:`composer.blocks.shared`)."""
 
     def forward(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
-                step: Step | None = None, positions: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        h_BTD = x_BTD if self.post_norm else self.norm(x_BTD)
-        return self._residual(x_BTD, call_mixer(self.mixer, h_BTD, doc_ids, step, positions))
+                step: Step | None = None, positions: torch.Tensor | None = None,
+                embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        raw = self.post_norm or declared(self.mixer, "takes_residual")
+        h_BTD = x_BTD if raw else self.norm(x_BTD)
+        return self._residual(x_BTD, call_mixer(self.mixer, h_BTD, doc_ids, step, positions,
+                                                embeddings=embeddings, norm=self.norm))
 
     def _residual(self, x_BTD: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.post_norm:

@@ -232,13 +232,18 @@ class HybridModel(VisionInputs, nn.Module):
     def run_layers(self, x_BTD: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
                    keys: Sequence[str] | None = None,
                    after: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None,
+                   embeddings: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream through the layers ``keys`` (default: all, in order);
         ``after(layer, x)`` sees each layer's output (a pipeline stage attaches its aux loss);
-        ``positions``: M-RoPE rows ``[3, B, T]`` for the attention layers (images)."""
+        ``positions``: M-RoPE rows ``[3, B, T]`` for the attention layers (images);
+        ``embeddings``: the input embeddings, for the mixers that read them
+        (``uses_embeddings``)."""
         kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
         if positions is not None:
             kwargs["positions"] = positions
+        if embeddings is not None:
+            kwargs["embeddings"] = embeddings
         for key in self.layers.keys() if keys is None else keys:
             layer = self.layers[key]
             x_BTD = layer(x_BTD, **kwargs)
@@ -258,7 +263,8 @@ class HybridModel(VisionInputs, nn.Module):
             x_BTD = x_BTD + self.tower_stand_in(x_BTD.dtype)
         mrope = self.mrope_inputs(input_ids, image_grid_thw, doc_ids=doc_ids)
         return self.final_norm(self.run_layers(x_BTD, doc_ids=doc_ids,
-                                               positions=None if mrope is None else mrope[0]))
+                                               positions=None if mrope is None else mrope[0],
+                                               embeddings=x_BTD))
 
     @staticmethod
     def targets_for(labels: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
@@ -379,10 +385,11 @@ class HybridModel(VisionInputs, nn.Module):
         ctx = cache.advance(input_ids.shape[1], attention_mask)
         if mrope is not None:
             ctx.pos_3BT, cache.rope_deltas_B1 = mrope
-        x_BTD = self.embed_inputs(input_ids, pixel_values, image_grid_thw)
+        x_BTD = e_BTD = self.embed_inputs(input_ids, pixel_values, image_grid_thw)
         for key, layer in self.layers.items():
             state = cache.layers.get(int(key))
-            x_BTD = layer(x_BTD, step=None if state is None else Step(state, ctx))
+            x_BTD = layer(x_BTD, step=None if state is None else Step(state, ctx),
+                          embeddings=e_BTD)
         if last_only:
             x_BTD = x_BTD[:, -1:]
         _, logits = self.readout(self.final_norm(x_BTD), self.output_weight())

@@ -41,6 +41,14 @@ class Mixer(Protocol):
     uses_positions: bool
     """``forward`` takes ``positions`` (M-RoPE rows; default False: the layer does not pass
     them, and the mixer has no position of its own)."""
+    uses_embeddings: bool
+    """``forward`` takes ``embeddings=`` (default False): the model's input embeddings
+    ``(B, T, D)`` (after ``embedding_multiplier``), as every layer of the forward sees them
+    (Zamba2's shared blocks read ``[h; embeddings]``)."""
+    takes_residual: bool
+    """``forward`` takes the layer's *un-normed* input and ``norm=`` (the layer's norm, applied
+    where the mixer needs it; default False: the layer hands it ``norm(x)``). Zamba2's hybrid
+    layer adds its shared block's output to ``x`` before the norm."""
     stateless: bool
     """Token-wise: no state over time, nothing to cache, nothing for context parallelism to
     split (MLP, MoE)."""
@@ -96,7 +104,8 @@ class TimeMixingOp(nn.Module):
     context: str | None = None
 
 
-_DEFAULTS: dict[str, Any] = {"uses_doc_ids": False, "uses_positions": False, "stateless": False,
+_DEFAULTS: dict[str, Any] = {"uses_doc_ids": False, "uses_positions": False,
+                             "uses_embeddings": False, "takes_residual": False, "stateless": False,
                              "ops": (), "keep_fp32": (), "step_stats": (), "aux_loss": None}
 
 
@@ -143,10 +152,21 @@ def time_ops(mixer: nn.Module) -> list[tuple[str, TimeMixingOp]]:
 
 
 def call_mixer(mixer: nn.Module, h_BTD: torch.Tensor, doc_ids: torch.Tensor | None,
-               step: Step | None, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """``mixer(h)`` with the keywords it declares it takes: ``doc_ids`` and ``positions``
-    when it reads them, ``step`` when it keeps a decoding state."""
+               step: Step | None, positions: torch.Tensor | None = None, *,
+               embeddings: torch.Tensor | None = None, norm: nn.Module | None = None
+               ) -> torch.Tensor:
+    """``mixer(h)`` with the keywords it declares it takes: ``doc_ids``, ``positions`` and
+    ``embeddings`` when it reads them, ``norm`` when it takes the un-normed input
+    (``takes_residual``), ``step`` when it keeps a decoding state."""
     kwargs: dict[str, Any] = {}
+    if declared(mixer, "uses_embeddings"):
+        if embeddings is None:
+            raise ValueError(f"{type(mixer).__name__} reads the model's input embeddings, "
+                             "which this call does not carry (a pipeline stage or an MTP "
+                             "depth does not yet)")
+        kwargs["embeddings"] = embeddings
+    if norm is not None and declared(mixer, "takes_residual"):
+        kwargs["norm"] = norm
     if doc_ids is not None and declared(mixer, "uses_doc_ids"):
         kwargs["doc_ids"] = doc_ids
     if positions is not None and declared(mixer, "uses_positions"):

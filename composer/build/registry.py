@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from composer.blocks import attention, gdn, kda, mamba1, mamba2, mla, mlp, moe, shortconv
+from composer.blocks import attention, gdn, kda, mamba1, mamba2, mla, mlp, moe, shortconv, zamba
 from composer.blocks.group import ParallelConfig, group_class, group_name, validate_parallel
 from composer.blocks.kind import KINDS, LayerKind, halo
 from composer.blocks.layer import Layer
@@ -137,6 +137,7 @@ __all__ = ["REGISTRY", "SECTIONS", "build_layer", "halo", "layer_kind", "layout_
            "unregister"]
 
 for _kind in (mamba2.KIND, attention.KIND, mlp.KIND, moe.KIND, gdn.KIND, mla.KIND, shortconv.KIND,
-              mamba1.KIND, attention.WINDOW_KIND, kda.KIND):
+              mamba1.KIND, attention.WINDOW_KIND, kda.KIND,
+              zamba.KIND):
     register(_kind)
 SECTIONS["parallel"] = Section(ParallelConfig, validate_parallel)  # the '[..]' groups' multipliers

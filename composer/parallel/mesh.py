@@ -140,7 +140,7 @@ def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
 def check_layout(dims: ParallelDims, rules: Iterable[LayoutRule]) -> None:
     """Every divisibility rule the model's kinds declare (heads, groups, widths, experts by tp
     and ep); the first broken one as a one-line :class:`LayoutError`."""
-    sizes = {"tp": dims.tp, "ep": dims.ep, "dp": dims.dp, "cp": dims.cp}
+    sizes = {"tp": dims.tp, "ep": dims.ep, "dp": dims.dp, "cp": dims.cp, "pp": dims.pp}
     for rule in rules:
         problem = rule.problem(sizes)
         if problem:

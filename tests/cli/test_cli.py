@@ -180,8 +180,8 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error(capsys, tmp_path):
 PATTERN_TAIL = ("; valid symbols: M (Mamba-2), * (attention), - (dense MLP), E (MoE), "
                 "G (gated delta net), + (multi-latent attention), D (sparse attention), "
                 "C (short convolution), S (Mamba-1), W (sliding-window attention), "
-                "K (Kimi delta attention); '|' stage boundary, '/' MTP part, '(...)xN' "
-                "repetition, '[..]' parallel group, '{a:..}' / '{a}' shared layer")
+                "K (Kimi delta attention), Z (Zamba2 hybrid); '|' stage boundary, '/' MTP part, "
+                "'(...)xN' repetition, '[..]' parallel group, '{a:..}' / '{a}' shared layer")
 
 
 @pytest.mark.parametrize(

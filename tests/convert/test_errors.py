@@ -213,7 +213,7 @@ def test_json_output_and_dtype(capsys, llama_folder, tmp_path):
 
 NEMOTRON_TIED = ("this model cannot be written as nemotron-h ({which}): transformers' "
                  "NemotronHForCausalLM never ties lm_head to the embeddings; tie_embeddings must "
-                 "be false; none of the other 24 families fits either")
+                 "be false; none of the other 25 families fits either")
 
 
 def test_no_family_names_the_recorded_or_closest_one_first(capsys, tmp_path):
@@ -228,7 +228,7 @@ def test_no_family_names_the_recorded_or_closest_one_first(capsys, tmp_path):
     assert len(err) < 300
     code, out, err = convert(capsys, "to-hf", tmp_path / "ck", tmp_path / "hf", "--verbose")
     lines = err.splitlines()
-    assert code == 2 and out == "" and lines[0] == line and len(lines) == 25
+    assert code == 2 and out == "" and lines[0] == line and len(lines) == 26
     assert lines[1] == ("  llama: pattern 'M-M*-M-' cannot be written as llama: every layer "
                         "must be '*-' or '*E'")
     assert sorted(x.split(":")[0].strip() for x in lines[1:]) == sorted(

@@ -28,7 +28,8 @@ ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
         "gemma3": "Gemma3ForCausalLM",
         "kimi-linear": "KimiLinearForCausalLM",
         "gpt-oss": "GptOssForCausalLM",
-        "falcon-h1": "FalconH1ForCausalLM"}
+        "falcon-h1": "FalconH1ForCausalLM",
+        "zamba2": "Zamba2ForCausalLM"}
 
 
 @pytest.mark.parametrize("name", DEBUG)

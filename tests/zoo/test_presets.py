@@ -36,6 +36,7 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
+    Zamba2Config,
 )
 
 import composer
@@ -318,6 +319,30 @@ PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
         mamba_n_heads=32, mamba_d_head=128, mamba_n_groups=1, mamba_d_state=256,
         mamba_d_conv=4, mamba_chunk_size=128, mamba_rms_norm=False,
         tie_word_embeddings=False)),
+    # Zyphra/Zamba2-1.2B config.json (revision 4f8e85c; older names: ffn_hidden_size,
+    # state_size, lora_rank, use_shared_attention_lora, m/g layer types), Zyphra/Zamba2-2.7B's
+    # (as Zamba2-2.7B-Instruct-v2's config.json writes it in transformers' names) and
+    # Zyphra/Zamba2-7B's (a transcription in a benchmark's hf model registry).
+    "zamba2-1.2b": (Zamba2Config, dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=38,
+        layers_block_type=["hybrid" if i % 6 == 5 else "mamba" for i in range(38)],
+        num_attention_heads=32, num_key_value_heads=32, num_mem_blocks=1, adapter_rank=128,
+        use_shared_attention_adapter=True, use_mem_rope=True, mamba_d_state=128,
+        n_mamba_heads=64, mamba_ngroups=1, vocab_size=32000, rms_norm_eps=1e-5)),
+    "zamba2-2.7b": (Zamba2Config, dict(
+        hidden_size=2560, intermediate_size=10240, num_hidden_layers=54,
+        layers_block_type=["hybrid" if i in (6, 12, 18, 24, 30, 36, 42, 47, 51) else "mamba"
+                           for i in range(54)],
+        num_attention_heads=32, num_key_value_heads=32, num_mem_blocks=2, adapter_rank=128,
+        use_shared_attention_adapter=False, use_mem_rope=False, mamba_d_state=64,
+        n_mamba_heads=80, mamba_ngroups=1, vocab_size=32000, rms_norm_eps=1e-5)),
+    "zamba2-7b": (Zamba2Config, dict(
+        hidden_size=3584, intermediate_size=14336, num_hidden_layers=81,
+        layers_block_type=["hybrid" if i == 6 or (i > 6 and i % 6 == 5) else "mamba"
+                           for i in range(81)],
+        num_attention_heads=32, num_key_value_heads=32, num_mem_blocks=2, adapter_rank=128,
+        use_shared_attention_adapter=False, use_mem_rope=True, mamba_d_state=64,
+        n_mamba_heads=112, mamba_ngroups=2, vocab_size=32000, rms_norm_eps=1e-5)),
 }
 
 LLAMA_3_1_8B_TOTAL = 8_030_261_248
@@ -608,6 +633,23 @@ def falcon_h1_kwargs(cfg: ModelConfig) -> dict:
                 rms_norm_eps=cfg.norm_eps)
 
 
+def zamba2_kwargs(cfg: ModelConfig) -> dict:
+    a, m, mlp, z = cfg.attention, cfg.mamba, cfg.mlp, cfg.zamba
+    assert a is not None and m is not None and mlp is not None and z is not None
+    layers = cfg.parsed.layers
+    labels = [cfg.parsed.shared[i] for i, t in enumerate(layers) if t == "Z"]
+    return dict(hidden_size=cfg.d_model, vocab_size=cfg.vocab_size,
+                num_hidden_layers=len(layers),
+                layers_block_type=["hybrid" if t == "Z" else "mamba" for t in layers],
+                num_mem_blocks=len(set(labels)), num_attention_heads=a.n_heads,
+                num_key_value_heads=a.n_kv_heads or a.n_heads, intermediate_size=mlp.d_ff,
+                adapter_rank=z.adapter_rank, use_shared_attention_adapter=z.attention_adapters,
+                use_mem_rope=a.position == "rope", mamba_d_state=m.d_state,
+                n_mamba_heads=m.n_heads, mamba_ngroups=m.n_groups,
+                mamba_expand=m.n_heads * m.d_head // cfg.d_model, rms_norm_eps=cfg.norm_eps,
+                tie_word_embeddings=cfg.tie_embeddings)
+
+
 DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "nemotron-h-debug": (NemotronHConfig, nemotron_h_kwargs),
     "nemotron-3-nano-debug": (NemotronHConfig, nemotron_h_kwargs),
@@ -630,6 +672,7 @@ DEBUG: dict[str, tuple[type[PreTrainedConfig], object]] = {
     "kimi-linear-debug": (KimiLinearConfig, kimi_linear_kwargs),
     "gpt-oss-debug": (GptOssConfig, gpt_oss_kwargs),
     "falcon-h1-debug": (FalconH1Config, falcon_h1_kwargs),
+    "zamba2-debug": (Zamba2Config, zamba2_kwargs),
 }
 
 

@@ -19,6 +19,7 @@ from composer.convert.olmo_hybrid import OlmoHybridAdapter
 from composer.convert.qwen3 import Qwen3Adapter, Qwen3MoeAdapter
 from composer.convert.qwen3_5_vl import Qwen3_5MoeVLAdapter, Qwen3_5VLAdapter
 from composer.convert.qwen3_next import Qwen3_5Adapter, Qwen3_5MoeAdapter, Qwen3NextAdapter
+from composer.convert.zamba2 import Zamba2Adapter
 
 ADAPTERS: list[Adapter] = [
     LlamaAdapter(),
@@ -48,4 +49,5 @@ ADAPTERS: list[Adapter] = [
     KimiLinearAdapter(),
     GptOssAdapter(),
     FalconH1Adapter(),
+    Zamba2Adapter(),
 ]
