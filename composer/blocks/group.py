@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from composer.blocks.cache import Step
+from composer.blocks.kind import KINDS
 from composer.blocks.plan import ParallelPlan
 from composer.blocks.protocol import call_mixer, declared, has_cache, lora_targets_of, plan_of
 from composer.config import ConfigError
@@ -59,13 +60,11 @@ class ParallelConfig:
 
 
 def validate_parallel(sec: ParallelConfig, cfg: Any) -> None:
-    from composer.build.registry import REGISTRY
-
     seen: set[str] = set()
     for b in sec.branches:
-        if b.symbol not in REGISTRY:
+        if b.symbol not in KINDS:
             raise ConfigError(f"parallel.branches: {b.symbol!r} is not a layer symbol; built "
-                              f"symbols: {' '.join(REGISTRY)}")
+                              f"symbols: {' '.join(KINDS)}")
         if b.symbol in seen:
             raise ConfigError(f"parallel.branches lists {b.symbol!r} twice")
         seen.add(b.symbol)
@@ -83,9 +82,7 @@ class ParallelGroup(nn.ModuleList):
     symbols: tuple[str, ...] = ()
 
     def __init__(self, cfg: Any, layer_idx: int) -> None:
-        from composer.build.registry import layer_kind
-
-        super().__init__([layer_kind(s).mixer(cfg, layer_idx) for s in self.symbols])
+        super().__init__([KINDS[s].mixer(cfg, layer_idx) for s in self.symbols])
         for s, branch in zip(self.symbols, self, strict=True):
             plan = plan_of(branch)
             if plan is not None and plan.experts is not None:
@@ -116,15 +113,11 @@ class ParallelGroup(nn.ModuleList):
             out_BTD = y_BTD if out_BTD is None else out_BTD + y_BTD
         return out_BTD
 
-    def parallel_plan(self) -> ParallelPlan:
-        """Nothing of its own: the branches' plans shard them (the walk over submodules)."""
-        for s, branch in zip(self.symbols, self, strict=True):
-            if plan_of(branch) is None:
-                from composer.parallel.mesh import LayoutError
-
-                raise LayoutError(f"parallel group {self.token!r}: {s!r} "
-                                  f"({type(branch).__name__}) declares no tensor-parallel plan; "
-                                  "use --tp 1")
+    def parallel_plan(self) -> ParallelPlan | None:
+        """Nothing of its own: the branches' plans shard them (the walk over submodules); None
+        (no tensor-parallel form) when a branch has none."""
+        if any(plan_of(branch) is None for branch in self):
+            return None
         return ParallelPlan()
 
     @property
@@ -162,10 +155,8 @@ def group_class(token: str) -> type[ParallelGroup]:
     """The mixer class of parallel group ``token`` (``"[M*]"``), its declarations derived from
     the branch kinds: FLOPs and layout rules summed / joined, doc ids and positions if any
     branch reads them, a decoding state if any branch keeps one, stateless if all are."""
-    from composer.build.registry import layer_kind
-
     symbols = branches_of(token)
-    kinds = [layer_kind(s) for s in symbols]
+    kinds = [KINDS[s] for s in symbols]
     mixers = [k.mixer for k in kinds]
 
     def flops_per_token(cfg: Any, seq_len: int) -> int:
@@ -188,6 +179,4 @@ def group_class(token: str) -> type[ParallelGroup]:
 
 
 def group_name(token: str) -> str:
-    from composer.build.registry import layer_kind
-
-    return "parallel " + " + ".join(layer_kind(s).name for s in branches_of(token))
+    return "parallel " + " + ".join(KINDS[s].name for s in branches_of(token))

@@ -193,7 +193,8 @@ PATTERN_TAIL = ("; valid symbols: M (Mamba-2), * (attention), - (dense MLP), E (
         (["build", "--set", "mamba.d_stat=3"],
          "unknown config key 'mamba.d_stat'; did you mean 'mamba.d_state'? (valid: n_heads, "
          "d_head, n_groups, d_state, d_conv, chunk_size, norm_group_size, conv_bias, proj_bias, "
-         "dt_min, dt_max, dt_init_floor, dt_limit, a_init_range)"),
+         "dt_min, dt_max, dt_init_floor, dt_limit, a_init_range, gated_norm, "
+         "norm_before_gate, out_proj_bias, multipliers)"),
         (["zoo", "show", "qwen3-30b"],
          "unknown preset 'qwen3-30b'; did you mean 'qwen3-30b-a3b'? (see `composer zoo list`)"),
         (["build", "--preset", "llama-3.1-9b"],

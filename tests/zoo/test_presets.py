@@ -591,7 +591,7 @@ def gemma3_kwargs(cfg: ModelConfig) -> dict:
 def gpt_oss_kwargs(cfg: ModelConfig) -> dict:
     a, e = cfg.attention, cfg.moe
     assert a is not None and e is not None and a.sinks and a.qkv_bias and a.out_bias
-    kinds = [cfg.parsed.layers[i:i + 2] for i in range(0, len(cfg.parsed.layers), 2)]
+    kinds = _pairs(cfg)
     assert set(kinds) <= {"WE", "*E"} and e.expert_bias and e.router_bias
     return dict(hidden_size=cfg.d_model, vocab_size=cfg.vocab_size,
                 num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
