@@ -103,8 +103,7 @@ def shared_holders(cfg: Any, pp: int, groups: list[tuple[int, ...]]) -> dict[str
             for label, uses in pattern.shared_uses().items()}
 
 
-def _shared_groups(cfg: Any, dims: ParallelDims, groups: list[tuple[int, ...]]
-                   ) -> dict[str, Any]:
+def _shared_groups(dims: ParallelDims, holders: dict[str, list[int]]) -> dict[str, Any]:
     """This rank's process group per shared label held on several pipeline ranks: the ranks
     of one position of the other mesh dimensions, at those pipeline ranks. Every rank creates
     every group, in the same order (``new_group`` is collective)."""
@@ -112,11 +111,11 @@ def _shared_groups(cfg: Any, dims: ParallelDims, groups: list[tuple[int, ...]]
     if dims.pp == 1:
         return mine
     ranks = dims.mesh.mesh.reshape(dims.pp, -1)
-    for label, holders in shared_holders(cfg, dims.pp, groups).items():
-        if len(holders) < 2:
+    for label, ranks_of_label in holders.items():
+        if len(ranks_of_label) < 2:
             continue
         for col in range(ranks.shape[1]):
-            members = [int(ranks[r, col]) for r in holders]
+            members = [int(ranks[r, col]) for r in ranks_of_label]
             group = dist.new_group(members)
             if dist.get_rank() in members:
                 mine[label] = group
@@ -267,7 +266,8 @@ class Pipeline:
         self.stage_ids = rank_stages(self.n_stages, dims.pp, dims.pp_rank())
         self.views = [StageView(model, groups[s], s == 0, s == self.n_stages - 1)
                       for s in self.stage_ids]
-        self.shared_groups = _shared_groups(model.config, dims, groups)
+        self.shared_holders = shared_holders(model.config, dims.pp, groups)
+        self.shared_groups = _shared_groups(dims, self.shared_holders)
         self.schedule_name = schedule
         self.n_micro = n_micro
         self._schedule = None
@@ -407,10 +407,9 @@ class Pipeline:
         """Parameter name -> the pipeline ranks holding a copy of it, where more than one:
         the tied embedding's and the shared layers' (what the gradient norm counts once)."""
         out = {"embed.weight": 2} if embed_on_last(self.model) and self.dims.pp > 1 else {}
-        holders = shared_holders(self.model.config, self.dims.pp, self.groups)
         for label in (self.model.shared or {}):
             for name, _ in self.model.shared[label].named_parameters():
-                out[f"shared.{label}.{name}"] = len(holders[label])
+                out[f"shared.{label}.{name}"] = len(self.shared_holders[label])
         return out
 
     # ------------------------------------------------------------ forward only
