@@ -27,9 +27,9 @@ def nemotron_h(pattern: str, d_model: int, n_heads: int, n_kv_heads: int, d_ff: 
         norm_eps=1e-5,
         attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=128,
                                   position="none"),
-        # transformers' NemotronH clamps dt at time_step_min (0.001), not at time_step_limit.
+        # dt is clamped to time_step_limit: [0.0, Infinity] in the published configs.
         mamba=MambaConfig(n_heads=mamba_heads, d_head=mamba_d_head, n_groups=8, d_state=d_state,
-                          d_conv=4, chunk_size=128, dt_limit=(0.001, float("inf"))),
+                          d_conv=4, chunk_size=128),
         mlp=MLPConfig(d_ff=d_ff, activation="relu2") if "-" in pattern else None,
         moe=moe,
     )

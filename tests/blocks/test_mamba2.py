@@ -169,7 +169,7 @@ def test_parity_transformers_mamba2(proj_bias: bool, dt_limit: tuple[float, floa
 
 @pytest.mark.skipif(HF_KERNELS, reason="transformers would pick the CUDA kernels")
 def test_parity_transformers_nemotron_h() -> None:
-    """Nemotron-H clamps dt to ``(time_step_min, inf)``, ignoring ``time_step_limit``."""
+    """Nemotron-H clamps dt to ``time_step_limit`` (transformers >= 5.25); both ends bind."""
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
@@ -184,12 +184,12 @@ def test_parity_transformers_nemotron_h() -> None:
         use_conv_bias=True,
         use_bias=False,
         layer_norm_epsilon=1e-5,
-        time_step_min=0.05,
+        time_step_limit=(0.05, 0.8),
         layers_block_type=["linear_attention"],
         vocab_size=16,
     )
     hf = NemotronHMamba2Mixer(hf_cfg, layer_idx=0).eval()
-    ours = _copy_into_ours(hf, _cfg(n_groups=2, n_heads=8, dt_limit=(0.05, math.inf)), seed=4)
+    ours = _copy_into_ours(hf, _cfg(n_groups=2, n_heads=8, dt_limit=(0.05, 0.8)), seed=4)
     x = _x(T=21)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), hf(x), atol=1e-5, rtol=1e-5)

@@ -77,12 +77,12 @@ def test_mamba2_biases_and_dt_limit(check_family, randomize):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_nemotron_h_dense(check_family, randomize, bias):
-    # time_step_min 0.3 clamps many dt values: parity proves the (time_step_min, inf) quirk.
-    model = nemotron(randomize, "M-M*-M-", seed=12, time_step_min=0.3, time_step_max=0.5,
+    # time_step_limit (0.3, 1.2) clamps many dt values at both ends: parity proves it is mapped.
+    model = nemotron(randomize, "M-M*-M-", seed=12, time_step_limit=(0.3, 1.2),
                      use_bias=bias, mlp_bias=bias, use_conv_bias=not bias)
     cfg = check_family(model)
     assert cfg.pattern == "M-M*-M-" and cfg.moe is None and cfg.attention.position == "none"
-    assert cfg.mamba.dt_limit == (0.3, math.inf) and cfg.mamba.proj_bias == bias
+    assert cfg.mamba.dt_limit == (0.3, 1.2) and cfg.mamba.proj_bias == bias
     assert cfg.mlp.activation == "relu2" and cfg.mlp.bias == bias
 
 
@@ -234,11 +234,13 @@ def test_config_refusals(adapter, changes, message):
     assert message in str(info.value)
 
 
-def test_nemotron_h_refuses_a_dt_limit_it_would_drop():
+def test_nemotron_h_writes_and_reads_dt_limit_as_time_step_limit():
     cfg = get_preset("nemotron-h-debug").config()
-    cfg.mamba.dt_limit = (0.0, math.inf)
-    with pytest.raises(ConfigError, match=r"clamps dt to \(time_step_min, inf\)"):
-        NemotronHAdapter().config_to_hf(cfg, {})
+    cfg.mamba.dt_limit = (0.25, math.inf)
+    hf = NemotronHAdapter().config_to_hf(cfg, {})
+    assert list(hf["time_step_limit"]) == [0.25, math.inf]
+    assert hf["time_step_min"] == cfg.mamba.dt_min
+    assert NemotronHAdapter().config_from_hf(hf).mamba.dt_limit == (0.25, math.inf)
 
 
 @pytest.mark.parametrize(("preset", "family"), [

@@ -12,9 +12,11 @@ Nemotron-H experts are non-gated: per expert on disk (``mixer.experts.{e}.{up,do
 or fused as transformers 5 holds them (``mixer.experts.up_proj [E, I, H]``, ``down_proj
 [E, H, I]``), exactly our shapes.
 
-Quirks of transformers 5.24 that decide the mapping (checked in its source):
-- ``NemotronHMamba2Mixer`` clamps dt to ``(time_step_min, inf)`` and ignores ``time_step_limit``,
-  so our ``dt_limit`` is ``(dt_min, inf)``; ``Mamba2Mixer`` does use ``time_step_limit``.
+Quirks of transformers 5.25 that decide the mapping (checked in its source):
+- ``NemotronHMamba2Mixer`` clamps dt to ``time_step_limit`` (our ``dt_limit``; the published
+  configs write ``[0.0, Infinity]``), as Megatron's mixer does. transformers up to 5.24 clamped
+  to ``(time_step_min, inf)`` instead and ignored ``time_step_limit``; parity is checked against
+  5.25 and later (the ``test`` extra's floor).
 - Nemotron-H's mixer bias follows ``use_bias``; ``mamba_proj_bias`` is unused (both are written).
 - ``NemotronHAttention`` has no biases whatever ``attention_bias`` says; ``lm_head`` is never tied
   (no tied keys); every MoE layer has exactly one shared expert (``n_shared_experts`` is unused)
@@ -56,13 +58,14 @@ HF_TO_ACT = {"relu2": "relu2", "relu": "relu", "silu": "silu", "swish": "silu", 
 ACT_TO_HF = {"relu2": "relu2", "relu": "relu", "silu": "silu", "gelu": "gelu",
              "gelu_tanh": "gelu_pytorch_tanh"}
 
-# Defaults of transformers 5.24's NemotronHConfig: a field missing from config.json means these.
+# Defaults of transformers 5.25's NemotronHConfig: a field missing from config.json means these.
 NEMOTRON_H_DEFAULTS: dict[str, Any] = dict(
     tie_word_embeddings=False, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
     attention_bias=False, intermediate_size=21504, mlp_hidden_act="relu2", mlp_bias=False,
     ssm_state_size=128, mamba_num_heads=128, mamba_head_dim=64, mamba_hidden_act="silu",
     n_groups=8, conv_kernel=4, time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4,
-    use_conv_bias=True, chunk_size=128, use_bias=False, n_routed_experts=8,
+    time_step_limit=(0.0, math.inf), use_conv_bias=True, chunk_size=128,
+    use_bias=False, n_routed_experts=8,
     moe_intermediate_size=7688, moe_shared_expert_intermediate_size=7688, moe_latent_size=None,
     num_experts_per_tok=2, routed_scaling_factor=1.0, n_group=1, topk_group=1,
     norm_topk_prob=True, num_nextn_predict_layers=0, initializer_range=0.02,
@@ -76,6 +79,11 @@ NEMOTRON_H_LEGACY = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv"
 TYPE_TO_SYMBOL = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*",
                   "mlp": "-", "moe": "E"}
 SYMBOL_TO_TYPE = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def _dt_limit(h: dict[str, Any]) -> tuple[float, float]:
+    lo, hi = h["time_step_limit"] or NEMOTRON_H_DEFAULTS["time_step_limit"]
+    return float(lo), float(hi)
 
 
 def _activation(hf_act: str, field: str) -> str:
@@ -148,7 +156,7 @@ class NemotronHAdapter(Adapter):
         mamba = None
         if "M" in pattern:
             mamba = mamba_from_hf(h, h["mamba_num_heads"], h["mamba_head_dim"],
-                                   h["ssm_state_size"], (float(h["time_step_min"]), math.inf),
+                                   h["ssm_state_size"], _dt_limit(h),
                                    "mamba_hidden_act")
         mlp = moe = None
         if "-" in pattern or "E" in pattern:
@@ -229,13 +237,10 @@ class NemotronHAdapter(Adapter):
 
     def _mamba_to_hf(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
         m = mamba_common_to_hf(cfg, self.family, out)
-        if tuple(m.dt_limit) != (m.dt_min, math.inf):
-            raise ConfigError(f"transformers' NemotronH clamps dt to (time_step_min, inf) and "
-                              f"ignores time_step_limit; mamba.dt_limit must be [dt_min, inf] = "
-                              f"[{m.dt_min}, inf], not {list(m.dt_limit)}")
         d_inner = d_inner_of(m)
         out.update(mamba_num_heads=m.n_heads, mamba_head_dim=m.d_head, ssm_state_size=m.d_state,
-                   mamba_proj_bias=m.proj_bias, mamba_hidden_act="silu")
+                   mamba_proj_bias=m.proj_bias, mamba_hidden_act="silu",
+                   time_step_limit=list(m.dt_limit))
         if d_inner % cfg.d_model == 0:  # unused by transformers; kept consistent for other tools
             out["expand"] = d_inner // cfg.d_model
 
