@@ -51,7 +51,7 @@ from composer.blocks.kind import LayerKind
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Divisible, Init, Normal, ParallelPlan, init_module
 from composer.blocks.protocol import TimeMixingOp
-from composer.blocks.rope import yarn_frequencies, yarn_mscale
+from composer.blocks.rope import yarn_frequencies, yarn_gain, yarn_mscale
 from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import sdpa_context
 from composer.kernels.sdpa import doc_sdpa
@@ -131,13 +131,7 @@ def mla_rope(m: MLAConfig) -> tuple[torch.Tensor, float]:
     y = m.rope_scaling
     if y is None:
         return rope_frequencies(m.d_head_rope, m.rope_theta, None), 1.0
-    if y.attention_factor is not None:
-        gain = y.attention_factor
-    elif y.mscale and y.mscale_all_dim:
-        gain = yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
-    else:
-        gain = yarn_mscale(y.factor)
-    return yarn_frequencies(m.d_head_rope, m.rope_theta, y), gain
+    return yarn_frequencies(m.d_head_rope, m.rope_theta, y), yarn_gain(y)
 
 
 def mla_softmax_scale(m: MLAConfig) -> float:

@@ -83,12 +83,18 @@ def rope_gain(scaling: RopeScaling | None) -> float:
     """The gain of the cos/sin tables: YaRN's attention factor, 1 for the other types."""
     if scaling is None or scaling.rope_type != "yarn":
         return 1.0
-    if scaling.attention_factor is not None:
-        return scaling.attention_factor
-    if scaling.mscale and scaling.mscale_all_dim:
-        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor,
-                                                                        scaling.mscale_all_dim)
-    return yarn_mscale(scaling.factor)
+    return yarn_gain(scaling)
+
+
+def yarn_gain(y: RopeScaling | Any) -> float:
+    """YaRN's attention factor for any ``y`` with ``factor``, ``attention_factor``, ``mscale``
+    and ``mscale_all_dim`` (:class:`RopeScaling`, MLA's ``YarnScaling``): the given factor, else
+    ``g(mscale) / g(mscale_all_dim)`` when both are set, else ``g(1)`` (:func:`yarn_mscale`)."""
+    if y.attention_factor is not None:
+        return y.attention_factor
+    if y.mscale and y.mscale_all_dim:
+        return yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
+    return yarn_mscale(y.factor)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
