@@ -74,6 +74,44 @@ def load_hf(folder: Path) -> torch.nn.Module:
     return model
 
 
+def hf_to_ours(hf_model: torch.nn.Module, folder: Path) -> torch.nn.Module:
+    """Save a transformers model to ``folder/hf``, convert it to ``folder/ours`` and load that
+    (the composer model)."""
+    import composer
+    from composer.convert import from_hf
+
+    hf_model.save_pretrained(folder / "hf")
+    from_hf(folder / "hf", folder / "ours")
+    return composer.load(folder / "ours")
+
+
+def assert_greedy_equals_hf(hf_model: torch.nn.Module, ours: torch.nn.Module, vocab: int,
+                            new: int, prompts: tuple[int, ...] = (3, 9),
+                            left_pad: int | None = None) -> None:
+    """``composer.generate`` gives ``transformers.generate``'s greedy tokens: ``new`` tokens
+    after batches of two prompts of each length in ``prompts`` (no end-of-sequence token), and,
+    with ``left_pad``, after the last batch with its second row's first ``left_pad`` tokens
+    masked out."""
+    import composer
+
+    hf_model.generation_config.eos_token_id = None
+
+    def hf_greedy(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return hf_model.generate(ids, attention_mask=mask, max_new_tokens=new,
+                                     do_sample=False, pad_token_id=0)
+
+    for t in prompts:
+        ids = torch.randint(0, vocab, (2, t), generator=torch.Generator().manual_seed(t))
+        got, want = composer.generate(ours, ids, new), hf_greedy(ids, torch.ones_like(ids))
+        assert torch.equal(got, want), (t, got[:, t:], want[:, t:])
+    if left_pad is not None:
+        mask = torch.ones_like(ids)
+        mask[1, :left_pad] = 0
+        got = composer.generate(ours, ids, new, attention_mask=mask)
+        assert torch.equal(got, hf_greedy(ids, mask)), (got, hf_greedy(ids, mask))
+
+
 FP32_PARITY = 1e-4
 """Bound on :func:`rel_err` between two fp32 implementations of the same model (ours and
 transformers', or a converted checkpoint's logits) on the tiny random configs of the tests.

@@ -17,7 +17,7 @@ from composer.config import ConfigError
 from composer.convert import from_hf, infer_adapter, to_hf
 from composer.convert.falcon_h1 import FalconH1Adapter
 from composer.zoo import get_preset
-from tests.helpers import FP32_PARITY, load_hf, rel_err
+from tests.helpers import FP32_PARITY, assert_greedy_equals_hf, hf_to_ours, load_hf, rel_err
 
 MUP = dict(embedding_multiplier=2.5, lm_head_multiplier=0.3, mlp_multipliers=[0.7, 1.3],
            key_multiplier=0.6, attention_in_multiplier=0.9, attention_out_multiplier=0.8,
@@ -78,9 +78,7 @@ def test_logits_parity_is_measured(randomize, tmp_path):
     """On a longer input (several scan chunks) the fp32 distance to transformers stays far below
     1e-4 (measured: at most 1e-6)."""
     model = falcon_h1(randomize, seed=3, mamba_rms_norm=True)
-    model.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ours")
-    ours = composer.load(tmp_path / "ours")
+    ours = hf_to_ours(model, tmp_path)
     ids = torch.randint(0, 97, (3, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         err = rel_err(ours(ids), model(ids).logits)
@@ -93,17 +91,8 @@ def test_greedy_generation_equals_transformers(randomize, tmp_path):
     SSM state and KV cache) gives transformers' greedy tokens, 20 new ones after prompts of 3
     and 9."""
     model = falcon_h1(randomize, seed=5, mamba_rms_norm=True)
-    model.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ours")
-    ours = composer.load(tmp_path / "ours")
-    model.generation_config.eos_token_id = None
-    for t in (3, 9):
-        ids = torch.randint(0, 97, (2, t), generator=torch.Generator().manual_seed(t))
-        with torch.no_grad():
-            want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
-                                  do_sample=False, pad_token_id=0)
-        got = composer.generate(ours, ids, 20)
-        assert torch.equal(got, want), (t, got[:, t:], want[:, t:])
+    ours = hf_to_ours(model, tmp_path)
+    assert_greedy_equals_hf(model, ours, 97, 20)
 
 
 def test_top_level_rope_theta_and_lm_head_multiplier_are_written_back(randomize, tmp_path):

@@ -13,11 +13,10 @@ import json
 import pytest
 import torch
 
-import composer
 from composer.config import ConfigError
 from composer.convert import from_hf, to_hf
 from composer.convert.gemma3 import Gemma3Adapter
-from tests.helpers import FP32_PARITY, load_hf, rel_err
+from tests.helpers import FP32_PARITY, assert_greedy_equals_hf, hf_to_ours, load_hf, rel_err
 
 TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
@@ -61,9 +60,7 @@ def test_gemma3(check_family, randomize, tmp_path, kw):
 def test_logits_parity_is_measured(randomize, tmp_path):
     """A longer input, many windows long: the fp32 distance stays far below 1e-4."""
     model = gemma3(randomize, seed=3, rope_parameters=ROPE)
-    model.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ours")
-    ours = composer.load(tmp_path / "ours")
+    ours = hf_to_ours(model, tmp_path)
     ids = torch.randint(0, 97, (3, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         err = rel_err(ours(ids), model(ids).logits)
@@ -74,23 +71,8 @@ def test_greedy_generation_equals_transformers(randomize, tmp_path):
     """``composer.generate`` gives transformers' greedy tokens, 24 new ones (nearly 5 windows:
     the local layers' ring caches wrap) after prompts of 3 and 9, and after left padding."""
     model = gemma3(randomize, seed=5, rope_parameters=ROPE, tie_word_embeddings=False)
-    model.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ours")
-    ours = composer.load(tmp_path / "ours")
-    model.generation_config.eos_token_id = None
-    for t in (3, 9):
-        ids = torch.randint(0, 97, (2, t), generator=torch.Generator().manual_seed(t))
-        with torch.no_grad():
-            want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
-                                  do_sample=False, pad_token_id=0)
-        got = composer.generate(ours, ids, 24)
-        assert torch.equal(got, want), (t, got[:, t:], want[:, t:])
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        want = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                              pad_token_id=0)
-    assert torch.equal(composer.generate(ours, ids, 24, attention_mask=mask), want)
+    ours = hf_to_ours(model, tmp_path)
+    assert_greedy_equals_hf(model, ours, 97, 24, left_pad=4)
 
 
 def test_hub_config_form(randomize, tmp_path):

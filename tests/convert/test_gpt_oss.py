@@ -19,7 +19,7 @@ from composer.convert import from_hf, to_hf
 from composer.convert.derived import dequantize_mxfp4, quantize_mxfp4
 from composer.convert.gpt_oss import GptOssAdapter
 from composer.portable import CheckpointError
-from tests.helpers import FP32_PARITY, load_hf, rel_err
+from tests.helpers import FP32_PARITY, assert_greedy_equals_hf, hf_to_ours, load_hf, rel_err
 
 TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -60,9 +60,7 @@ def test_gpt_oss(check_family, randomize, tmp_path, kw):
 def test_logits_parity_is_measured(randomize, tmp_path):
     """A longer input than the window, where the clamps bite; measured below."""
     model = gpt_oss(randomize, seed=4)
-    model.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ours")
-    ours = composer.load(tmp_path / "ours")
+    ours = hf_to_ours(model, tmp_path)
     ids = torch.randint(0, 97, (3, 48), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         err = rel_err(ours(ids), model(ids).logits)
@@ -72,17 +70,8 @@ def test_logits_parity_is_measured(randomize, tmp_path):
 def test_greedy_generation_equals_transformers(randomize, tmp_path):
     """Prefill then one token per step, past the window (ring caches of 6 slots)."""
     model = gpt_oss(randomize, seed=5)
-    model.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ours")
-    ours = composer.load(tmp_path / "ours")
-    model.generation_config.eos_token_id = None
-    for t in (3, 9):
-        ids = torch.randint(0, 97, (2, t), generator=torch.Generator().manual_seed(t))
-        with torch.no_grad():
-            want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
-                                  do_sample=False, pad_token_id=0)
-        got = composer.generate(ours, ids, 20)
-        assert torch.equal(got, want), (t, got[:, t:], want[:, t:])
+    ours = hf_to_ours(model, tmp_path)
+    assert_greedy_equals_hf(model, ours, 97, 20)
 
 
 # ---------------------------------------------------------------- MXFP4

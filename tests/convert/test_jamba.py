@@ -16,7 +16,7 @@ from composer.convert import from_hf, infer_adapter, to_hf
 from composer.convert.jamba import JambaAdapter, periods_of
 from composer.kernels import selective_scan
 from composer.zoo import get_preset
-from tests.helpers import FP32_PARITY, rel_err
+from tests.helpers import FP32_PARITY, hf_to_ours, rel_err
 
 # 19 tokens over scan chunks of 8 (below): the chunked scan's boundaries and a short last chunk.
 IDS = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(1))
@@ -91,9 +91,7 @@ def _hf_generate(hf: torch.nn.Module, ids: torch.Tensor, new: int) -> torch.Tens
 def test_greedy_generation_equals_transformers(tmp_path, randomize) -> None:
     model = jamba()
     randomize(model, seed=12)
-    model.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ours")
-    ours = composer.load(tmp_path / "ours")
+    ours = hf_to_ours(model, tmp_path)
     for t in (5, 12):  # 12: the prefill's scan crosses a chunk
         ids = torch.randint(0, 97, (2, t), generator=torch.Generator().manual_seed(t))
         want = _hf_generate(model, ids, 24)

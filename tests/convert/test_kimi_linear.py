@@ -18,7 +18,7 @@ from composer.config import ConfigError
 from composer.convert import from_hf, infer_adapter, to_hf
 from composer.convert.kimi_linear import KimiLinearAdapter
 from composer.zoo import get_preset
-from tests.helpers import FP32_PARITY, load_hf, rel_err
+from tests.helpers import FP32_PARITY, assert_greedy_equals_hf, hf_to_ours, load_hf, rel_err
 
 LIN = {"head_dim": 8, "num_heads": 2, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 4],
        "full_attn_layers": [3]}
@@ -69,9 +69,7 @@ def test_logits_parity_is_measured(randomize, tmp_path):
     reductions' order changes with the thread count; against the fp64 model ours is off by 5e-6
     and transformers' by 1e-5 with one thread, so the gap is the two fp32 roundings)."""
     model = kimi(randomize, seed=3)
-    model.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ours")
-    ours = composer.load(tmp_path / "ours")
+    ours = hf_to_ours(model, tmp_path)
     ids = torch.randint(0, 97, (3, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         err = rel_err(ours(ids), model(ids).logits)
@@ -83,17 +81,8 @@ def test_greedy_generation_equals_transformers(randomize, tmp_path):
     """``composer.generate`` (prefill, then one step of the delta rule and the latent cache per
     token) gives transformers' greedy tokens, 20 new ones after prompts of 3 and 9."""
     model = kimi(randomize, seed=5)
-    model.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ours")
-    ours = composer.load(tmp_path / "ours")
-    model.generation_config.eos_token_id = None
-    for t in (3, 9):
-        ids = torch.randint(0, 97, (2, t), generator=torch.Generator().manual_seed(t))
-        with torch.no_grad():
-            want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
-                                  do_sample=False, pad_token_id=0)
-        got = composer.generate(ours, ids, 20)
-        assert torch.equal(got, want), (t, got[:, t:], want[:, t:])
+    ours = hf_to_ours(model, tmp_path)
+    assert_greedy_equals_hf(model, ours, 97, 20)
 
 
 def test_saved_forms_are_read(randomize, tmp_path):

@@ -18,7 +18,7 @@ from composer.config import ConfigError
 from composer.convert import from_hf, infer_adapter, to_hf
 from composer.convert.lfm2 import Lfm2Adapter, mlp_width, with_defaults
 from composer.zoo import get_preset
-from tests.helpers import FP32_PARITY, load_hf, rel_err
+from tests.helpers import FP32_PARITY, assert_greedy_equals_hf, hf_to_ours, load_hf, rel_err
 
 TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
 COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=5, num_attention_heads=4,
@@ -66,9 +66,7 @@ def test_logits_parity_is_measured(randomize, tmp_path):
     """On a longer input the fp32 distance to transformers stays far below 1e-4 (measured: at
     most 2.2e-6 over three seeds and three configs, 19 and 64 tokens)."""
     model = lfm2(randomize, seed=3)
-    model.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ours")
-    ours = composer.load(tmp_path / "ours")
+    ours = hf_to_ours(model, tmp_path)
     ids = torch.randint(0, 97, (3, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         err = rel_err(ours(ids), model(ids).logits)
@@ -80,25 +78,10 @@ def test_greedy_generation_equals_transformers(randomize, tmp_path):
     KV caches) gives transformers' greedy tokens, 24 new ones after prompts of 3 and 9, and
     after a left-padded batch."""
     model = lfm2(randomize, seed=5, tie_word_embeddings=False, conv_bias=True)
-    model.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ours")
-    ours = composer.load(tmp_path / "ours")
-    model.generation_config.eos_token_id = None
-    for t in (3, 9):
-        ids = torch.randint(0, 97, (2, t), generator=torch.Generator().manual_seed(t))
-        with torch.no_grad():
-            want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
-                                  do_sample=False, pad_token_id=0)
-        got = composer.generate(ours, ids, 24)
-        assert torch.equal(got, want), (t, got[:, t:], want[:, t:])
+    ours = hf_to_ours(model, tmp_path)
     # left padding: transformers zeroes the padded conv inputs and masks them in attention; we
     # treat the padding as an earlier document
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        want = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                              pad_token_id=0)
-    assert torch.equal(composer.generate(ours, ids, 24, attention_mask=mask), want)
+    assert_greedy_equals_hf(model, ours, 97, 24, left_pad=4)
 
 
 def test_hub_config_form(randomize, tmp_path):
@@ -241,9 +224,7 @@ def test_lfm2_moe_fused_experts_on_disk_are_read(randomize, tmp_path):
 
 def test_lfm2_moe_greedy_generation_equals_transformers(randomize, tmp_path):
     model = lfm2_moe(randomize, seed=31)
-    model.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ours")
-    ours = composer.load(tmp_path / "ours")
+    ours = hf_to_ours(model, tmp_path)
     model.generation_config.eos_token_id = None
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
