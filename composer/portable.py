@@ -21,6 +21,7 @@ row blocks), and knows its files' exact size up front (:meth:`ShardedWriter.tota
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -191,6 +192,13 @@ class TensorSource:
         if f.readinto(out) != out.nbytes:
             raise CheckpointError(f"{info.file.name}: truncated while reading {name!r}")
 
+    def locate(self, name: str) -> tuple[Path, int] | None:
+        """``(file, byte offset)`` of tensor ``name``'s data when its bytes are stored there as
+        they are read (so :meth:`ShardedWriter.copy` may copy them file to file); ``None`` for a
+        source that computes or transforms bytes."""
+        info = self.tensors[name]
+        return info.file, info.start
+
     def close(self) -> None:
         for f in self.__dict__.pop("_handles", {}).values():
             f.close()
@@ -212,6 +220,26 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+# ---------------------------------------------------------------- training run folders
+
+LATEST = "latest"
+"""The file of a training run folder (DCP steps, :mod:`composer.parallel.checkpoint`) that names
+its newest step; here so that telling a run folder from a portable checkpoint imports no DCP."""
+
+
+def is_training_checkpoint(folder: Path) -> bool:
+    return (Path(folder) / LATEST).exists()
+
+
+def latest_step(folder: Path) -> Path:
+    folder = Path(folder)
+    name = (folder / LATEST).read_text().strip()
+    path = folder / name
+    if not path.is_dir():
+        raise FileNotFoundError(f"{folder}/{LATEST} names {name!r}, which is missing")
+    return path
 
 
 # ---------------------------------------------------------------- writing
@@ -244,7 +272,8 @@ class ShardedWriter:
         self._shard_index = [i for i, shard in enumerate(self.shards) for _ in shard]
         self._next = 0
         self._shard = -1
-        self._handle = None
+        self._fd: int | None = None
+        self._sources: dict[Path, int] = {}  # files copy() reads, open until close()
         self._written_in_tensor = 0
 
     def plan_order(self) -> list[PlannedTensor]:
@@ -278,14 +307,21 @@ class ShardedWriter:
             sum(t.nbytes for t in self.plan) + (len(index.encode()) if index else 0)
 
     def _open_shard(self, i: int) -> None:
-        if self._handle is not None:
-            self._handle.close()
-        self._handle = open(self.folder / self.files[i], "wb")
-        self._handle.write(self._header(i))
+        self._close_shard()
+        # a raw descriptor (no Python buffer): write() and copy() append at the one file offset
+        self._fd = os.open(self.folder / self.files[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                           0o644)
+        _write_all(self._fd, memoryview(self._header(i)))
         self._shard = i
 
-    def write(self, name: str, data: memoryview | bytes | bytearray) -> None:
-        """Append bytes of tensor ``name``; a tensor may arrive in several consecutive calls."""
+    def _close_shard(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _advance(self, name: str, n: int) -> None:
+        """Check that ``n`` more bytes of ``name`` are due now, opening its shard if it starts
+        one; :meth:`_wrote` counts them once they are out."""
         if self._next >= len(self._order):
             raise CheckpointError(f"tensor {name!r} written after the plan was complete")
         planned = self._order[self._next]
@@ -294,15 +330,32 @@ class ShardedWriter:
                                   f"{planned.name!r})")
         if self._written_in_tensor == 0 and self._shard_index[self._next] != self._shard:
             self._open_shard(self._shard_index[self._next])
-        n = len(data) if not isinstance(data, memoryview) else data.nbytes
         if self._written_in_tensor + n > planned.nbytes:
             raise CheckpointError(f"tensor {name!r}: more bytes than its shape "
                                   f"{list(planned.shape)} holds")
-        self._handle.write(data)
+
+    def _wrote(self, n: int) -> None:
         self._written_in_tensor += n
-        if self._written_in_tensor == planned.nbytes:
+        if self._written_in_tensor == self._order[self._next].nbytes:
             self._next += 1
             self._written_in_tensor = 0
+
+    def write(self, name: str, data: memoryview | bytes | bytearray) -> None:
+        """Append bytes of tensor ``name``; a tensor may arrive in several consecutive calls."""
+        data = memoryview(data).cast("B")
+        self._advance(name, data.nbytes)
+        _write_all(self._fd, data)
+        self._wrote(data.nbytes)
+
+    def copy(self, name: str, path: Path, offset: int, nbytes: int) -> None:
+        """Append ``nbytes`` bytes of tensor ``name`` copied from file ``path`` at ``offset``,
+        by the kernel (:func:`copy_range`): the bytes never pass through this process."""
+        self._advance(name, nbytes)
+        src = self._sources.get(path)
+        if src is None:
+            src = self._sources[path] = os.open(path, os.O_RDONLY)
+        copy_range(src, self._fd, offset, nbytes)
+        self._wrote(nbytes)
 
     def close(self) -> None:
         """Finish: every planned tensor must be complete; writes the index when sharded."""
@@ -311,14 +364,58 @@ class ShardedWriter:
         if self._next != len(self._order) or self._written_in_tensor:
             missing = self._order[self._next].name
             raise CheckpointError(f"tensor {missing!r} was never (fully) written")
-        if self._handle is None and self.shards:
+        if self._fd is None and self.shards:
             self._open_shard(0)
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        self._close_shard()
+        for fd in self._sources.values():
+            os.close(fd)
+        self._sources.clear()
         index = self._index()
         if index is not None:
             (self.folder / INDEX_NAME).write_text(index)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    """``os.write`` until every byte is out (a write may take fewer bytes than it is given)."""
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:
+    """Copy ``nbytes`` bytes of file descriptor ``src`` from ``offset`` to ``dst``'s current
+    position (advancing it), inside the kernel: ``os.copy_file_range`` (reflinks or in-kernel
+    copies, Linux 4.5+), else ``os.sendfile``, else ``pread`` + write in 32 MiB pieces (another
+    platform, or a pair of file systems the kernel will not copy between)."""
+    end = offset + nbytes
+    for call in (getattr(os, "copy_file_range", None), _sendfile):
+        if call is None:
+            continue
+        try:
+            while offset < end:
+                n = call(src, dst, min(end - offset, 1 << 30), offset)
+                if n == 0:
+                    raise CheckpointError(f"source file ended {end - offset} bytes early")
+                offset += n
+            return
+        except OSError as e:  # EXDEV, EINVAL, ENOSYS...: not for this pair, try the next way
+            if e.errno not in _NO_KERNEL_COPY:
+                raise
+    while offset < end:
+        piece = os.pread(src, min(end - offset, 32 << 20), offset)
+        if not piece:
+            raise CheckpointError(f"source file ended {end - offset} bytes early")
+        _write_all(dst, memoryview(piece))
+        offset += len(piece)
+
+
+def _sendfile(src: int, dst: int, count: int, offset: int) -> int:
+    if not hasattr(os, "sendfile"):
+        raise OSError(errno.ENOSYS, "no sendfile")
+    return os.sendfile(dst, src, offset, count)
+
+
+_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF,
+                   errno.ENOTSUP}
 
 
 def _split_into_shards(plan: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:

@@ -48,8 +48,7 @@ from composer.data.tokenizer import (
     has_tokenizer,
     load_tokenizer,
 )
-from composer.parallel.checkpoint import is_training_checkpoint
-from composer.portable import CONFIG_FILE
+from composer.portable import CONFIG_FILE, is_training_checkpoint
 
 DEFAULT_MAX_NEW_TOKENS = 128
 EOS_FILES = ("generation_config.json", "config.json")

@@ -34,9 +34,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from composer.blocks.plan import named_state
 from composer.parallel.data import reshard
-from composer.portable import CONFIG_FILE
+from composer.portable import CONFIG_FILE, LATEST, is_training_checkpoint, latest_step
 
-LATEST = "latest"
+__all__ = ["LATEST", "is_training_checkpoint", "latest_step"]  # re-exported from portable
+
 STEP_RE = re.compile(r"step-(\d+)$")
 
 # DCP warns when it runs without a process group; a single process is a supported layout here.
@@ -73,21 +74,8 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(named_state(model))
 
 
-def is_training_checkpoint(folder: Path) -> bool:
-    return (Path(folder) / LATEST).exists()
-
-
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def latest_step(folder: Path) -> Path:
-    folder = Path(folder)
-    name = (folder / LATEST).read_text().strip()
-    path = folder / name
-    if not path.is_dir():
-        raise FileNotFoundError(f"{folder}/{LATEST} names {name!r}, which is missing")
-    return path
 
 
 def _state(model: nn.Module, opts: list[torch.optim.Optimizer], step: int) -> dict:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from composer.parallel.checkpoint import is_training_checkpoint
-from composer.portable import CONFIG_FILE
+from composer.portable import CONFIG_FILE, is_training_checkpoint
 
 
 def is_hf_folder(folder: Path) -> bool:

@@ -50,7 +50,6 @@ from composer.convert.plan import (
     plan_tensors,
 )
 from composer.convert.sources import open_source, resolve_source
-from composer.parallel.checkpoint import is_training_checkpoint
 from composer.portable import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD,
@@ -62,6 +61,7 @@ from composer.portable import (
     TensorSource,
     atomic_folder,
     check_destination,
+    is_training_checkpoint,
 )
 
 HF_DIR = "hf"
@@ -95,6 +95,9 @@ class _Union:
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         self._by_name[name].read_into(name, offset, out)
+
+    def locate(self, name: str) -> tuple[Path, int] | None:
+        return getattr(self._by_name[name], "locate", lambda name: None)(name)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 Progress = Callable[[int], None]

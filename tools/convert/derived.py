@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -79,6 +80,13 @@ class DerivedSource:
                                       f"{list(d.shape)}")
             self._cached = (name, tensor_bytes(t))
         return self._cached[1]
+
+    def locate(self, name: str) -> tuple[Path, int] | None:
+        """A base tensor's place in its file (:meth:`TensorSource.locate`); a derived one has
+        none."""
+        if name in self.derived:
+            return None
+        return getattr(self.base, "locate", lambda name: None)(name)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         if name not in self.derived:

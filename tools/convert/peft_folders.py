@@ -22,12 +22,12 @@ from composer.convert.base import Adapter, load_hf_config
 from composer.convert.infer import adapter_for_architecture, infer_adapter, recorded_family
 from composer.convert.peft import LinkMap, LoRATensors, link_map, load_peft, write_peft
 from composer.export import Saved, export
-from composer.parallel.checkpoint import is_training_checkpoint
 from composer.portable import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD,
     TensorSource,
     bytes_to_tensor,
+    is_training_checkpoint,
     tensor_bytes,
 )
 
@@ -94,6 +94,9 @@ class MergedSource(TensorSource):
             merged = (w.float() + self.lora.scalings[base] * delta).to(w.dtype)
             self._cached = (name, tensor_bytes(merged))
         return self._cached[1]
+
+    def locate(self, name: str) -> tuple[Path, int] | None:
+        return None if name in self._weights else super().locate(name)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         if name not in self._weights:

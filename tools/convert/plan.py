@@ -200,16 +200,25 @@ def execute(targets: list[Target], source: TensorSource, writer: ShardedWriter,
     """Stream every target's parts from ``source`` into ``writer`` (in the writer's order)."""
     by_name = {t.name: t for t in targets}
     buffer = memoryview(bytearray(CHUNK_BYTES))  # reused: fresh memory per chunk costs faults
+    locate = getattr(source, "locate", lambda name: None)
     for planned in writer.plan_order():
         target = by_name[planned.name]
         out_dtype = DTYPES[target.dtype]
         for p in target.pieces:
             in_dtype = source.tensors[p.source].torch_dtype
+            # bytes that do not change are copied file to file by the kernel
+            stored = locate(p.source) if out_dtype == in_dtype else None
             step = max(1, CHUNK_BYTES // in_dtype.itemsize)
             for start in range(0, p.numel, step):
                 n = min(step, p.numel - start)
+                offset = (p.offset + start) * in_dtype.itemsize
+                if stored is not None:
+                    writer.copy(target.name, stored[0], stored[1] + offset, n * in_dtype.itemsize)
+                    if progress is not None:
+                        progress(n * out_dtype.itemsize)
+                    continue
                 chunk = buffer[:n * in_dtype.itemsize]
-                source.read_into(p.source, (p.offset + start) * in_dtype.itemsize, chunk)
+                source.read_into(p.source, offset, chunk)
                 if out_dtype == in_dtype:
                     writer.write(target.name, chunk)
                 else:

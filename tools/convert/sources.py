@@ -70,6 +70,10 @@ class BinSource(TensorSource):
         out._data = {new_names.get(k, k): v for k, v in self._data.items()}
         return out
 
+    def locate(self, name: str) -> None:
+        """Unpickled tensors live in memory, not at a place in a file."""
+        return None
+
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         t = self._data[name].reshape(-1).view(torch.uint8)
         out[:] = t[offset:offset + out.nbytes].numpy().tobytes()
