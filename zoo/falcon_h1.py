@@ -34,8 +34,9 @@ Not found in any source searched: the µP multipliers of every size but 0.5B,
 presets take transformers' defaults (multipliers 1, norm before the gate, no gated norm): their
 parameter counts are the published model's, their logits with its weights would not be; a
 converted checkpoint carries its own numbers from its config.json.
-Shared by every source: RoPE theta 1e11, RMSNorm eps 1e-5, untied embeddings, no biases, conv
-width 4 with a bias.
+The fields every preset shares (``_COMMON``) are the 0.5B config's, which the other sources do
+not contradict and Megatron-Bridge's ``FalconH1ModelProvider`` defaults agree with: RoPE theta
+1e11, RMSNorm eps 1e-5, untied embeddings, no biases, conv width 4 with a bias.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from composer.zoo.sections import AttentionConfig, MambaConfig, MLPConfig
 
 FAMILY = "falcon-h1"
 
-# What every source above gives (none sets a bias, ties the embeddings or changes the conv).
+# The 0.5B config's fields that every size shares (see the docstring).
 _COMMON: dict[str, Any] = dict(
     rope_theta=100000000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
     attention_bias=False, mlp_bias=False, mamba_proj_bias=False, projectors_bias=False,

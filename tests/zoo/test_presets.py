@@ -356,7 +356,7 @@ PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
     # Zyphra/Zamba2-1.2B config.json (revision 4f8e85c; older names: ffn_hidden_size,
     # state_size, lora_rank, use_shared_attention_lora, m/g layer types), Zyphra/Zamba2-2.7B's
     # (as Zamba2-2.7B-Instruct-v2's config.json writes it in transformers' names) and
-    # Zyphra/Zamba2-7B's (a transcription in a benchmark's hf model registry).
+    # Zyphra/Zamba2-7B's (its copy in subho406/mlstm_kernels' huggingface_model_benchmark.py).
     "zamba2-1.2b": (Zamba2Config, dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=38,
         layers_block_type=["hybrid" if i % 6 == 5 else "mamba" for i in range(38)],
