@@ -15,10 +15,16 @@ Numbers from the HF ``config.json`` of each id, as Zyphra published them (older 
   the same architecture in transformers' names): hidden 2560, ``intermediate_size`` 10240, 54
   layers, hybrid at 6, 12, 18, 24, 30, 36, 42, 47, 51, two blocks, 32 heads (32 kv), 80 Mamba
   heads of 64, ``mamba_ngroups`` 1, state 64, adapter rank 128 on the MLP only, no RoPE.
-- Zyphra/Zamba2-7B (https://huggingface.co/Zyphra/Zamba2-7B/blob/main/config.json, read from a
-  copy of it): hidden 3584, ffn 14336, 81 layers, hybrid at 6, 11, 17, 23, ..., 77 (every sixth
-  after 11), two blocks, 32 heads (32 kv), ``mamba_headdim`` 64 (112 heads), ``mamba_ngroups`` 2,
-  state 64, adapter rank 128 on the MLP only, RoPE.
+- Zyphra/Zamba2-7B (https://huggingface.co/Zyphra/Zamba2-7B/blob/main/config.json, Zyphra's
+  field names and ``transformers_version`` 4.43.0.dev0, read from its copy ``zamba_config`` in
+  subho406/mlstm_kernels mlstm_kernels/utils/benchmark/benchmarks/huggingface_model_benchmark.py,
+  commit 90263b80): hidden 3584, ``ffn_hidden_size`` 14336, 81 layers, ``layers_block_type``
+  hybrid at 6, 11, 17, 23, ..., 77 (every sixth after 11), ``num_mem_blocks`` 2, 32 heads (32
+  kv), ``mamba_headdim`` 64 (112 heads of ``2 * 3584``), ``mamba_ngroups`` 2, ``state_size`` 64,
+  ``lora_rank`` 128 on the MLP only (``use_shared_block_lora``, not
+  ``use_shared_attention_lora``), RoPE (``use_mem_rope``, theta 10000), eps 1e-5, vocabulary
+  32000, no ``tie_word_embeddings`` field (so tied), no bias; every field the preset models
+  agrees with it.
 
 Shared by the family (``Zamba2Config`` defaults where a config is silent): RMSNorm eps 1e-5,
 gated GELU MLP, conv width 4 with bias, Mamba expansion 2, chunk 256, ``dt`` clamped below at

@@ -71,6 +71,12 @@ _GPT_OSS_COMMON = dict(
     rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                   "truncate": False, "original_max_position_embeddings": 4096})
 
+# Fields every Falcon-H1 source gives alike (tiiuae/Falcon-H1-*: no biases, untied, theta 1e11).
+_FALCON_H1_COMMON = dict(
+    rope_theta=100000000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
+    attention_bias=False, mlp_bias=False, mamba_proj_bias=False, projectors_bias=False,
+    mamba_conv_bias=True, mamba_d_conv=4)
+
 # name -> (transformers config class, kwargs as in the id's config.json)
 PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
     # Nemotron-H base models (nvidia/Nemotron-H-{4B,8B,47B,56B}-Base-8K). Values from the
@@ -305,24 +311,52 @@ PUBLISHED: dict[str, tuple[type[PreTrainedConfig], dict]] = {
     "gpt-oss-120b": (GptOssConfig, dict(
         _GPT_OSS_COMMON, num_hidden_layers=36, num_local_experts=128,
         layer_types=["sliding_attention", "full_attention"] * 18)),
-    # tiiuae/Falcon-H1-1.5B-Base and -3B-Base config.json (as transcribed in third-party test
-    # fixtures) with the fields the transcriptions leave out from transformers' FalconH1 model
-    # table (https://huggingface.co/docs/transformers/model_doc/falcon_h1).
+    # Falcon-H1 (the sources of zoo/falcon_h1.py, written out again here). tiiuae/Falcon-H1-
+    # 0.5B-Instruct config.json as vendored in NVIDIA-NeMo/Megatron-Bridge's
+    # tests/unit_tests/models/falcon_h1/test_falcon_h1_bridge.py (mamba_d_ssm from mlx-lm's
+    # transcription), every µP multiplier included; -1.5B-Base and -3B-Base as transcribed in
+    # third-party test fixtures; -1.5B-Deep, -7B and -34B (Instruct) from Megatron-Bridge's
+    # FalconH1ModelProvider1P5BDeep / 7B / 34B.
+    "falcon-h1-0.5b": (FalconH1Config, dict(
+        _FALCON_H1_COMMON, vocab_size=32784, hidden_size=1024, intermediate_size=2048,
+        num_hidden_layers=36, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64, mamba_n_groups=1,
+        mamba_d_state=128, mamba_chunk_size=128, mamba_rms_norm=False,
+        mamba_norm_before_gate=False, embedding_multiplier=5.656854249492381,
+        lm_head_multiplier=0.0390625, key_multiplier=0.39062499999999994,
+        attention_in_multiplier=1.0, attention_out_multiplier=0.9375, ssm_in_multiplier=1.25,
+        ssm_out_multiplier=0.23570226039551587, mlp_multipliers=[0.8838834764831844, 0.5859375],
+        ssm_multipliers=[0.3535533905932738, 0.25, 0.3535533905932738, 0.5,
+                         0.3535533905932738])),
     "falcon-h1-1.5b": (FalconH1Config, dict(
-        vocab_size=65537, hidden_size=2048, intermediate_size=4608, num_hidden_layers=24,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=128, mamba_d_ssm=3072,
-        mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4,
-        mamba_chunk_size=128, mamba_rms_norm=False, tie_word_embeddings=False)),
+        _FALCON_H1_COMMON, vocab_size=65537, hidden_size=2048, intermediate_size=4608,
+        num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+        mamba_d_ssm=3072, mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1,
+        mamba_d_state=256, mamba_chunk_size=128)),
+    "falcon-h1-1.5b-deep": (FalconH1Config, dict(
+        _FALCON_H1_COMMON, vocab_size=65537, hidden_size=1280, intermediate_size=3072,
+        num_hidden_layers=66, num_attention_heads=6, num_key_value_heads=2, head_dim=128,
+        mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64, mamba_n_groups=1,
+        mamba_d_state=256, mamba_chunk_size=128, mamba_rms_norm=True)),
     "falcon-h1-3b": (FalconH1Config, dict(
-        vocab_size=65536, hidden_size=2560, intermediate_size=6144, num_hidden_layers=32,
-        num_attention_heads=10, num_key_value_heads=2, head_dim=128, mamba_d_ssm=4096,
-        mamba_n_heads=32, mamba_d_head=128, mamba_n_groups=1, mamba_d_state=256,
-        mamba_d_conv=4, mamba_chunk_size=128, mamba_rms_norm=False,
-        tie_word_embeddings=False)),
+        _FALCON_H1_COMMON, vocab_size=65536, hidden_size=2560, intermediate_size=6144,
+        num_hidden_layers=32, num_attention_heads=10, num_key_value_heads=2, head_dim=128,
+        mamba_d_ssm=4096, mamba_n_heads=32, mamba_d_head=128, mamba_n_groups=1,
+        mamba_d_state=256, mamba_chunk_size=128)),
+    "falcon-h1-7b": (FalconH1Config, dict(
+        _FALCON_H1_COMMON, vocab_size=130049, hidden_size=3072, intermediate_size=12288,
+        num_hidden_layers=44, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+        mamba_d_ssm=3072, mamba_n_heads=24, mamba_d_head=128, mamba_n_groups=1,
+        mamba_d_state=256, mamba_chunk_size=256, mamba_rms_norm=True)),
+    "falcon-h1-34b": (FalconH1Config, dict(
+        _FALCON_H1_COMMON, vocab_size=261120, hidden_size=5120, intermediate_size=21504,
+        num_hidden_layers=72, num_attention_heads=20, num_key_value_heads=4, head_dim=128,
+        mamba_d_ssm=4096, mamba_n_heads=32, mamba_d_head=128, mamba_n_groups=2,
+        mamba_d_state=256, mamba_chunk_size=128, mamba_rms_norm=True)),
     # Zyphra/Zamba2-1.2B config.json (revision 4f8e85c; older names: ffn_hidden_size,
     # state_size, lora_rank, use_shared_attention_lora, m/g layer types), Zyphra/Zamba2-2.7B's
     # (as Zamba2-2.7B-Instruct-v2's config.json writes it in transformers' names) and
-    # Zyphra/Zamba2-7B's (a transcription in a benchmark's hf model registry).
+    # Zyphra/Zamba2-7B's (its copy in subho406/mlstm_kernels' huggingface_model_benchmark.py).
     "zamba2-1.2b": (Zamba2Config, dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=38,
         layers_block_type=["hybrid" if i % 6 == 5 else "mamba" for i in range(38)],
@@ -737,3 +771,17 @@ def test_debug_preset_matches_transformers_count(name: str) -> None:
     config_cls, to_kwargs = DEBUG[name]
     kwargs = to_kwargs(get_preset(name).config())
     assert our_count(name) == hf_count(config_cls, kwargs)
+
+
+@pytest.mark.parametrize("name", [n for n, (c, _) in PUBLISHED.items() if c is FalconH1Config])
+def test_falcon_h1_preset_writes_back_its_published_config(name, tmp_path) -> None:
+    """The export's config path (the checkpoint's config.yaml read back, then the adapter's
+    ``config_to_hf`` with no source config) writes every published field of the preset's id
+    back unchanged: the µP multipliers are its config.json's numbers, float for float."""
+    from composer.convert.falcon_h1 import FalconH1Adapter
+
+    get_preset(name).config().save(tmp_path / "config.yaml")
+    out = FalconH1Adapter().config_to_hf(ModelConfig.load(tmp_path / "config.yaml"), {})
+    out["rope_theta"] = out.pop("rope_parameters")["rope_theta"]  # transformers 5's form
+    published = PUBLISHED[name][1]
+    assert {k: out.get(k) for k in published} == published
