@@ -11,9 +11,16 @@ with ``glu(g, u) = act(g) * u``, or gpt-oss's clamped SwiGLU when ``moe.swiglu_l
 
     g' = min(g, L),   u' = clamp(u, -L, L),   glu = (u' + 1) * g' * sigmoid(a g')
 
-Each hidden unit is computed on its own, so expert-tensor parallel may split them; the down
-bias ``d_e`` would then be added once per rank, which is why expert biases refuse ``tp > 1``
-(:class:`NoExpertTensorParallel`).
+Each hidden unit is computed on its own, so expert-tensor parallel splits them over ``tp``
+(``F`` of ``G_e``, ``U_e``, ``g_e``, ``u_e`` and the columns of ``D_e``): each rank's ``y`` is
+then a partial sum over its hidden units, which the parallel layer reduces. The down bias
+``d_e`` is no sum over hidden units, so it must count once: the MoE's plan names it
+(``ParallelPlan.expert_partial``) and ``composer/parallel/`` (``count_once``) makes it read as
+zeros on every tp rank but rank 0 for each forward, as a row-parallel linear adds its bias once.
+Why that form: the forward stays this single-device code with no switch to read (the zeros come
+from a pre-hook, next to the local views of the shards), it is exact for any ``tp`` (one rank
+adds ``d_e``, nothing is divided by ``tp``), and its gradient is zero off rank 0, so the ``tp``
+sum of the partial gradients gives every rank the single-process gradient of ``d_e``.
 
 Computation: rows sorted by expert, then one grouped GEMM per projection on CUDA in bf16
 (``torch._grouped_mm``, no host synchronisation; other CUDA dtypes loop). On the CPU, training
@@ -25,8 +32,6 @@ Shape legend: D d_model, E experts, F expert hidden width, A token-expert assign
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,19 +55,6 @@ def clamped_swiglu_ref(gate: torch.Tensor, up: torch.Tensor, alpha: float,
     up = torch.where(up > limit, torch.full_like(up, limit), up)
     up = torch.where(up < -limit, torch.full_like(up, -limit), up)
     return (up + 1) * gate / (1 + torch.exp(-alpha * gate))
-
-
-@dataclass(frozen=True)
-class NoExpertTensorParallel:
-    """The layout rule that refuses ``tp > 1`` for experts with biases (module docstring)."""
-
-    def problem(self, sizes: dict[str, int]) -> str | None:
-        if sizes["tp"] > 1:
-            return (f"MoE (symbol 'E') with moe.expert_bias has no tensor-parallel form yet: the "
-                    f"experts' hidden units split over tp ({sizes['tp']}) leave partial sums to "
-                    "which each rank would add the down-projection bias; use --tp 1 (expert "
-                    "parallel works)")
-        return None
 
 
 def grouped_mm_dtype(x_AD: torch.Tensor, w_EFD: torch.Tensor) -> torch.dtype | None:

@@ -56,7 +56,6 @@ from torch import nn
 
 from composer.blocks.experts import (  # noqa: F401  (Experts, grouped_mm_dtype: re-exported)
     Experts,
-    NoExpertTensorParallel,
     expert_ref,
     grouped_mm_dtype,
 )
@@ -314,23 +313,23 @@ class MoE(nn.Module):
 
     def parallel_plan(self) -> ParallelPlan:
         """The routed experts are the expert group (split over ep on dim 0); expert-tensor
-        parallel splits each expert's hidden units over ``tp``; the router is replicated with
-        partial gradients; the shared experts follow the MLP's own plan."""
+        parallel splits each expert's hidden units over ``tp`` (the gate/up biases with them,
+        the down bias counted once); the router is replicated with partial gradients; the
+        shared experts follow the MLP's own plan."""
         return ParallelPlan(partial=("router.weight", "router.bias", "shared_expert_gate.weight"),
                             experts="experts",
                             expert_hidden={"gate_proj": 1, "up_proj": 1, "down_proj": 2,
                                            "gate_proj_bias": 1, "up_proj_bias": 1},
+                            expert_partial=("down_proj_bias",),
                             token_sums=("token_sum",), local_sums=("seq_sum",))
 
     @staticmethod
-    def layout_rules(cfg: ModelConfig) -> list[Divisible | NoExpertTensorParallel]:
+    def layout_rules(cfg: ModelConfig) -> list[Divisible]:
         moe = cfg.moe
         assert moe is not None
         rules = [Divisible("moe.n_experts", moe.n_experts, "ep"), Divisible("moe.d_ff", moe.d_ff)]
         if moe.n_shared_experts:
             rules.append(Divisible("the shared-expert width", d_ff_shared_of(moe)))
-        if moe.expert_bias:
-            rules.append(NoExpertTensorParallel())
         return rules
 
     @staticmethod

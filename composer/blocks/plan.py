@@ -150,6 +150,11 @@ class ParallelPlan:
     sorted by expert, and its parameters have the expert on dim 0 (expert parallel splits it)."""
     expert_hidden: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     """Expert weights (names inside ``experts``) -> their hidden dimension, split over ``tp``."""
+    expert_partial: tuple[str, ...] = ()
+    """Expert parameters (names inside ``experts``) that the experts add to the partial sums of
+    their split hidden units (the down-projection bias): replicated over ``tp`` and counted once,
+    as a row-parallel bias is (tp rank 0 reads them, the others read zeros), so that their
+    per-rank gradients are partial sums over ``tp``."""
     token_sums: tuple[str, ...] = ()
     """:class:`TokenSum` submodules: sums over tokens that must cover the global batch."""
     local_sums: tuple[str, ...] = ()

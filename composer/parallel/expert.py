@@ -50,14 +50,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.func import functional_call
 
 from composer.blocks.plan import TokenSum
 from composer.blocks.protocol import declared, plan_of
 from composer.parallel.comm import AllReduceSum, ScaleGrad
 from composer.parallel.mesh import ParallelDims
-from composer.parallel.tensor import distribute_param, replace_submodule
+from composer.parallel.tensor import count_once, distribute_param, replace_submodule
 
 
 def expert_grad_scale(ep: int) -> float:
@@ -231,7 +231,9 @@ def apply_ep(moe: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None 
     overlaps the dispatch of later chunks with the computation of earlier ones.
 
     With ``ep_tp_mesh`` (the 2-D ``("ep", "tp")`` mesh) each expert's hidden units are also split
-    over tp (expert-tensor parallel), ``[Shard(0), Shard(hidden dim)]``.
+    over tp (expert-tensor parallel), ``[Shard(0), Shard(hidden dim)]``; the plan's
+    ``expert_partial`` (the down bias) ``[Shard(0), Replicate()]``, counted once over tp
+    (:func:`~composer.parallel.tensor.count_once`; ``apply_tp`` recorded its gradient kind).
 
     Each rank keeps its own chunk of its own weights (no communication): on the meta device
     before initialisation, or with the same full weights on every rank. Call it once per MoE.
@@ -248,9 +250,14 @@ def apply_ep(moe: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None 
     for name, _ in list(wrapper.named_parameters(recurse=False)):
         if ep_tp_mesh is None:
             distribute_param(wrapper, name, ep_mesh, [Shard(0)])
+        elif name in plan.expert_partial:  # replicated over tp, counted once (below)
+            distribute_param(wrapper, name, ep_tp_mesh, [Shard(0), Replicate()])
         else:  # with tensor parallel too: experts over ep, each expert's hidden units over tp
             hidden = plan.expert_hidden[name]
             distribute_param(wrapper, name, ep_tp_mesh, [Shard(0), Shard(hidden)])
+    if ep_tp_mesh is not None:
+        once = [name for name in plan.expert_partial if name in wrapper._parameters]
+        count_once(wrapper, once, ep_tp_mesh.get_local_rank("tp"))
     replace_submodule(moe, plan.experts, wrapper)
     for name in plan.token_sums:
         make_global(moe, name, group=ep_mesh.get_group())

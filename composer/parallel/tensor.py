@@ -19,8 +19,10 @@ readout (head + loss, never gathering the logits for the loss). A swap builds a 
 holds the old one's Parameter objects and the context it needs, and sets it in the old one's
 place on its parent (:func:`replace_submodule`), so state-dict keys, parameter order and
 everything later layers (FSDP, DCP, the optimizer) see are unchanged; no block is mutated.
+A bias added to partial sums (a row-parallel linear's, the routed experts' down bias, the plans'
+``expert_partial``) counts once: rank 0 adds it (:func:`count_once` for the experts).
 Replicated weights whose per-rank gradients are partial sums (norms under SP, qk-norms, the
-router, replicated kv projections, row-parallel biases) are recorded in the
+router, replicated kv projections, row-parallel biases, the experts' down bias) are recorded in the
 :class:`TPContext` (:attr:`TPContext.grad_kinds`) and summed over ``tp`` by
 :func:`reduce_tp_grads`, in buckets.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -276,12 +279,44 @@ def apply_plan(module: nn.Module, plan: ParallelPlan, tp: TPContext) -> None:
     for pattern in plan.partial:
         for owner, leaf in _params(module, pattern):
             tp.place(owner, leaf, [Replicate()], grad=PARTIAL)
-    if plan.experts is not None and not tp.experts_on_ep:
-        experts = module.get_submodule(plan.experts)
-        own = dict(experts.named_parameters(recurse=False))
-        for leaf, dim in plan.expert_hidden.items():
-            if own.get(leaf) is not None:
-                tp.place(experts, leaf, [Shard(dim)])
+    if plan.experts is not None:
+        _place_experts(module.get_submodule(plan.experts), plan, tp)
+
+
+def _place_experts(experts: nn.Module, plan: ParallelPlan, tp: TPContext) -> None:
+    """The expert group's hidden units split over ``tp``, its ``expert_partial`` parameters
+    replicated and counted once (:func:`count_once`). Under expert parallel too, ``apply_ep``
+    places them on the ``ep x tp`` mesh and counts them once; their gradient kind is recorded
+    here, by name, like every other ``tp`` partial sum."""
+    own = dict(experts.named_parameters(recurse=False))
+    once = [leaf for leaf in plan.expert_partial if leaf in own]
+    if tp.experts_on_ep:
+        tp.param_kinds.update((id(own[leaf]), PARTIAL) for leaf in once)
+        return
+    for leaf, dim in plan.expert_hidden.items():
+        if leaf in own:
+            tp.place(experts, leaf, [Shard(dim)])
+    for leaf in once:
+        tp.place(experts, leaf, [Replicate()], grad=PARTIAL)
+    count_once(experts, once, tp.rank)
+
+
+def _zero_local(names: list[str], module: nn.Module, args: tuple) -> None:
+    for name in names:  # after the local views: what this forward reads, times zero
+        module.__dict__[name] = module.__dict__.get(name, module._parameters[name]) * 0
+
+
+def count_once(module: nn.Module, names: list[str], tp_rank: int) -> None:
+    """Parameters ``names`` of ``module``, whole on every tp rank, that its forward adds to
+    partial sums (a row-split bias): on tp rank 0 its forward reads them, on the others zeros
+    of the same graph (for that forward, through a pre-hook after the local views), so the
+    reduction over ``tp`` counts them once and their gradients are zeros off rank 0, whose
+    ``tp`` sum (``reduce_tp_grads``) is the single-process gradient on every rank. The forward
+    is the single-device one, unchanged."""
+    if not names or tp_rank == 0:
+        return
+    install_local_views(module)  # first: the zeros replace its views, never the reverse
+    module.register_forward_pre_hook(partial(_zero_local, names))
 
 
 def expert_params(mixer: nn.Module) -> list[nn.Parameter]:

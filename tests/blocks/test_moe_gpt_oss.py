@@ -151,14 +151,14 @@ def test_invalid_configs(extra: dict, message: str) -> None:
     assert str(err.value) == message
 
 
-def test_tensor_parallel_refused_with_expert_biases() -> None:
+def test_tensor_parallel_takes_expert_biases_and_refuses_an_indivisible_width() -> None:
+    """tp (and tp x ep) with expert biases is checked in tests/parallel/test_gpt_oss_parallel.py;
+    what remains refused is what refuses without biases: a hidden width tp does not divide."""
     from composer.build.builder import check_model
     from composer.parallel.mesh import LayoutError, ParallelConfig, resolve_layout
 
+    check_model(resolve_layout(ParallelConfig(tp=2), world_size=2), make_cfg())
+    check_model(resolve_layout(ParallelConfig(tp=2, ep=2), world_size=4), make_cfg())
     with pytest.raises(LayoutError) as err:
-        check_model(resolve_layout(ParallelConfig(tp=2), world_size=2), make_cfg())
-    assert str(err.value) == (
-        "MoE (symbol 'E') with moe.expert_bias has no tensor-parallel form yet: the experts' "
-        "hidden units split over tp (2) leave partial sums to which each rank would add the "
-        "down-projection bias; use --tp 1 (expert parallel works)")
-    check_model(resolve_layout(ParallelConfig(ep=2), world_size=2), make_cfg())
+        check_model(resolve_layout(ParallelConfig(tp=2), world_size=2), make_cfg(d_ff=15))
+    assert str(err.value) == "moe.d_ff (15) is not divisible by tp (2)"

@@ -362,6 +362,25 @@ def test_mamba_out_proj_refused(converted, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.parametrize("converted", ["gpt-oss"], indirect=True)
+def test_routed_expert_adapters_refused(converted, tmp_path):
+    """LoRA on the routed experts' 3-D weights (``targets: [experts]``) has no PEFT module: the
+    export names the weight and the way out, before writing anything."""
+    _, _, _, _, lmap = converted
+    lora = random_lora(lmap, ("q_proj",))
+    base = next(k for k in lmap.our_shapes if k.endswith("mixer.experts.up_proj"))
+    E, F, D = lmap.our_shapes[base]
+    lora.tensors |= {f"{base.removesuffix('.up_proj')}.lora.up_proj.A": torch.ones(E, 2, D),
+                     f"{base.removesuffix('.up_proj')}.lora.up_proj.B": torch.ones(E, F, 2)}
+    with pytest.raises(ConfigError) as err:
+        write_peft(tmp_path / "a", lmap, lora, base_model=None)
+    assert str(err.value) == (
+        f"{base}: routed-expert LoRA (on the 3-D expert weights) is not exported to PEFT: PEFT "
+        "adapts those through target_parameters, which this export does not write; export with "
+        "--merge")
+    assert not (tmp_path / "a").exists()
+
+
 # ---------------------------------------------------------------- the commands
 
 

@@ -21,7 +21,8 @@ without an adapter get zero B rows. Nemotron-H's HF modules are named as transfo
 them in memory (``model.``, not the checkpoint's ``backbone.``): what PEFT's keys use.
 
 Only row links can be followed (a column permutation, or a routed expert's slice of a 3-D
-tensor, is refused in one line); routed-expert adapters are written by ``--merge`` instead.
+tensor, is refused in one line); routed-expert adapters (their 3-D weights: PEFT's
+``target_parameters``, not written here) are refused in one line and written by ``--merge``.
 Strict like the converters: every PEFT tensor consumed, every shape the config's, PEFT options
 that change the forward refused by name.
 """
@@ -57,6 +58,8 @@ REFUSED = {"use_dora": "DoRA", "use_rslora": "rank-stabilised scaling",
            "layer replication", "use_qalora": "QA-LoRA", "alora_invocation_tokens": "aLoRA",
            "megatron_config": "Megatron layers"}
 """PEFT LoRA options that change the forward away from ``W x + (alpha/r) B A x``."""
+EXPERT_ADAPTER = re.compile(r"(.+)\.lora\.([^.]+)\.[AB]")
+"""A routed-expert adapter's tensor (``composer/lora.py``: ``<experts>.lora.<weight>.A``)."""
 PEFT_MAMBA_TYPES = {"mamba", "mamba2", "falcon_mamba", "nemotron_h", "falcon_h1"}
 PEFT_MAMBA_REFUSED = ("out_proj", "conv1d")
 """peft 0.21 refuses LoRA on these modules of these model types (transformers' fused Mamba
@@ -191,9 +194,15 @@ class HFModule:
 def _check_ours(lmap: LinkMap, lora: LoRATensors) -> None:
     """Every key is an A or a B of a module with both; shapes are the config's."""
     for key in lora.tensors:
+        expert = EXPERT_ADAPTER.fullmatch(key)
+        if expert:
+            raise ConfigError(f"{expert[1]}.{expert[2]}: routed-expert LoRA (on the 3-D "
+                              "expert weights) is not exported to PEFT: PEFT adapts those "
+                              "through target_parameters, which this export does not write; "
+                              "export with --merge")
         if not key.endswith((A_SUFFIX, B_SUFFIX)):
             raise ConfigError(f"adapter tensor {key!r} is not a LoRA A or B of a projection "
-                              "(routed-expert adapters cannot be PEFT modules; use --merge)")
+                              "(ours are <base>.lora.A.weight / .lora.B.weight)")
         base = key.removesuffix(A_SUFFIX).removesuffix(B_SUFFIX)
         if base + A_SUFFIX not in lora.tensors or base + B_SUFFIX not in lora.tensors:
             raise ConfigError(f"{base}: the adapter has only one of lora.A and lora.B")
