@@ -1,9 +1,9 @@
 """Test-only: mamba_ssm's and fla's Triton kernels on CPU tensors under Triton's interpreter.
 
-``TRITON_INTERPRET`` is read when a ``@triton.jit`` decorator runs, i.e. when a kernel module
-is imported, so :func:`interpreted` imports the kernel packages afresh inside its context (any
-copy already in ``sys.modules`` is set aside and put back after), with
-``triton.knobs.runtime.interpret`` on. The four things the interpreter lacks on a CPU-only
+Triton picks the interpreter when a ``@triton.jit`` decorator runs (triton's own
+``tl.cumsum`` & co. at its import, the kernels at their packages' import), so :func:`activate`
+must run first thing in a fresh process (the tests' worker, :mod:`tests.kernels.wiring.cases`).
+The four things the interpreter lacks on a CPU-only
 torch build, found when this was first tried (issue 28):
 
 1. every ``triton.autotune`` keeps its first config: autotuning benchmarks each config through a GPU
@@ -32,7 +32,6 @@ import importlib.util
 import os
 import sys
 import types
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -40,7 +39,7 @@ import torch
 from composer.kernels import probe
 
 PACKAGES = ("mamba_ssm", "fla")
-"""The kernel packages whose Triton kernels the tests run (each imported afresh)."""
+"""The kernel packages whose Triton kernels the tests run."""
 KERNEL_MODULES = ("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.layernorm_gated",
                   "fla.ops.gated_delta_rule", "fla.ops.kda")
 CPU_SMS = 4
@@ -135,6 +134,19 @@ def log_launches(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(JITFunction, "run", _logging(JITFunction.run))
 
 
+def compiled() -> None:
+    """On a real GPU: the launch log, and mamba_ssm as a bare package when its ``__init__``
+    does not import (a build without its CUDA extension: the Triton kernels need none)."""
+    mp = pytest.MonkeyPatch()
+    log_launches(mp)
+    try:
+        importlib.import_module("mamba_ssm")
+    except Exception:
+        sys.modules.pop("mamba_ssm", None)
+        _bare_package(mp, "mamba_ssm")
+    probe.reset()
+
+
 def _bare_package(mp: pytest.MonkeyPatch, name: str) -> None:
     """``name`` in ``sys.modules`` as a package whose ``__init__`` did not run."""
     spec = importlib.util.find_spec(name)
@@ -156,7 +168,6 @@ def activate() -> None:
     mp.setattr(torch.cuda, "device", _cuda_device(torch.cuda.device))
     mp.setattr(torch.cuda, "get_device_properties",
                _device_properties(torch.cuda.get_device_properties))
-    import triton
     from triton.runtime import interpreter
     from triton.runtime.autotuner import Autotuner
     mp.setattr(Autotuner, "__init__", _one_config(Autotuner.__init__))

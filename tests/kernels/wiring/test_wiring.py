@@ -33,7 +33,9 @@ def _skip_reason() -> str | None:
     if cases.MODE not in ("interpret", "cuda"):
         return f"COMPOSER_KERNEL_WIRING={cases.MODE!r}: expected interpret or cuda"
     if cases.MODE == "cuda":
-        return None if torch.cuda.is_available() else "COMPOSER_KERNEL_WIRING=cuda: no GPU"
+        if not torch.cuda.is_available():
+            return "COMPOSER_KERNEL_WIRING=cuda: no GPU"
+        return shim.missing()
     if torch.cuda.is_available():
         return ("a GPU is present: run these compiled with COMPOSER_KERNEL_WIRING=cuda "
                 "(bench/gpu_check.sh does)")
