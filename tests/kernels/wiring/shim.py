@@ -54,7 +54,7 @@ def missing() -> str | None:
     for name in ("triton", "numpy", "einops", *PACKAGES):
         if importlib.util.find_spec(name) is None:
             return (f"{name} is not installed (pip install --no-deps triton==3.9.0 numpy "
-                    "fla-core==0.6.0 and mamba-ssm: docs/kernels.md)")
+                    "einops fla-core==0.6.0, and mamba-ssm: docs/kernels.md)")
     return None
 
 
