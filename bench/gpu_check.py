@@ -715,11 +715,16 @@ def phase_moe(out: Path, dry: bool) -> int:
 
 def phase_tests(out: Path, dry: bool, seconds: float) -> int:
     """The correctness checks: ``pytest tests/gpu`` (kernels, blocks and MoE against fp64, a
-    short training run on CUDA), output in tests.txt and a JUnit file; ``dry``: their logic on
+    short training run on CUDA) and the kernel-wiring cases of ``tests/kernels/wiring`` compiled
+    (``COMPOSER_KERNEL_WIRING=cuda``: fp32 and bf16, a few seconds), output in tests.txt and a
+    JUnit file; ``dry``: their logic on
     the CPU (``COMPOSER_GPU_TESTS_DEVICE=cpu``: the kernel tests skip)."""
-    env = {**child_env(), **({"COMPOSER_GPU_TESTS_DEVICE": "cpu"} if dry else {})}
-    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider",
-           f"--junitxml={out / 'tests.xml'}"]
+    env = {**child_env(), **({"COMPOSER_GPU_TESTS_DEVICE": "cpu"} if dry else
+                             {"COMPOSER_KERNEL_WIRING": "cuda"})}
+    # on the GPU also the kernel-wiring cases, compiled (fp32 and bf16; tests/kernels/wiring)
+    wiring = [] if dry else ["tests/kernels/wiring"]
+    cmd = [sys.executable, "-m", "pytest", "tests/gpu", *wiring, "-q", "-rs", "-p",
+           "no:cacheprovider", f"--junitxml={out / 'tests.xml'}"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
                               timeout=max(10.0, seconds - 10))

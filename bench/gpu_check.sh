@@ -30,7 +30,9 @@
 #            (rows as they come), $OUT/kernels.json
 #   tests    the correctness checks: pytest tests/gpu (kernels, blocks and routed experts
 #            against fp64, a MoE layer without host synchronisation, a short training run on
-#            CUDA) -> $OUT/tests.txt, $OUT/tests.xml
+#            CUDA) and tests/kernels/wiring compiled (COMPOSER_KERNEL_WIRING=cuda: composer's
+#            dispatch into mamba_ssm's and fla's Triton kernels against the torch path, fp32
+#            and bf16) -> $OUT/tests.txt, $OUT/tests.xml
 #   summary  one line per phase -> $OUT/summary.txt; exit status 0 when every phase passed
 # bench/gpu_check.py (its docstring) says what each phase checks and measures.
 #

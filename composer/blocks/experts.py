@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.mlp import ACTIVATIONS, activation_ref, is_gated
+from composer.kernels import probe
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float,
@@ -66,7 +67,7 @@ def grouped_mm_dtype(x_AD: torch.Tensor, w_EFD: torch.Tensor) -> torch.dtype | N
     if not hasattr(torch, "_grouped_mm"):
         return None
     dtype = x_AD.dtype
-    if x_AD.is_cuda:
+    if probe.on_gpu(x_AD):
         if torch.is_autocast_enabled("cuda"):
             dtype = torch.get_autocast_dtype("cuda")
         if dtype != torch.bfloat16:

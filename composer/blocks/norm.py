@@ -12,7 +12,8 @@ Gated RMSNorm (Mamba-2 paper §7, "normalization"): ``y = w * rms_g(x * silu(z))
 normalises each group of ``group_size`` channels on its own. transformers 5.x and Megatron use
 ``group_size = d_inner / n_groups``; older code normalised over the whole width (one group).
 With ``norm_before_gate`` (Falcon-H1's ``mamba_norm_before_gate``) the gate comes after:
-``y = w * rms_g(x) * silu(z)``.
+``y = w * rms_g(x) * silu(z)``. On CUDA it is mamba_ssm's fused Triton kernel
+(:mod:`composer.kernels.norm`), same math and result dtype.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.plan import ONES, ZEROS, Init
+from composer.kernels.norm import gated_rms_norm_kernel, use_gated_norm_kernel
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
@@ -72,6 +74,9 @@ class GatedRMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if use_gated_norm_kernel(x):  # CUDA: mamba_ssm's fused kernel (composer.kernels.norm)
+            return gated_rms_norm_kernel(x, gate, self.weight, self.group_size, self.eps,
+                                         self.norm_before_gate)
         h = x.to(_math_dtype(x))
         if gate is not None and not self.norm_before_gate:
             h = h * F.silu(gate.to(h.dtype))

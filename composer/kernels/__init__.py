@@ -9,6 +9,7 @@
 | ``doc_sdpa`` (packed docs)    | a varlen flash kernel: hook, not wired yet  | SDPA + bool mask  |
 | ``gated_delta_rule`` (GDN)    | ``chunk_gated_delta_rule`` (fla)            | ``kernels.gdn``   |
 | ``gated_delta_rule`` (KDA)    | ``chunk_kda`` (fla, ``fla_kda``)            | ``kernels.gdn``   |
+| ``GatedRMSNorm`` (Mamba-2)    | ``rmsnorm_fn`` (mamba_ssm, ``mamba_gated_norm``) | the block's  |
 
 Rules: nothing optional is imported when ``composer`` is; a CPU tensor always takes the torch path
 and never triggers an import; a kernel is used only when its import succeeds (any ``Exception``

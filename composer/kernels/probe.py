@@ -24,6 +24,7 @@ ENV_DISABLE = "COMPOSER_DISABLE_KERNELS"
 
 KERNELS: dict[str, str | None] = {
     "mamba_ssm": "mamba_ssm.ops.triton.ssd_combined",  # the SSD chunked scan (Triton)
+    "mamba_gated_norm": "mamba_ssm.ops.triton.layernorm_gated",  # the gated RMSNorm (Triton)
     "selective_scan": "mamba_ssm.ops.selective_scan_interface",  # Mamba-1's scan (CUDA)
     "causal_conv1d": "causal_conv1d",  # the depthwise causal conv + SiLU (CUDA)
     "transformer_engine": "transformer_engine.pytorch",  # te.Linear (cuBLASLt, FP8)
