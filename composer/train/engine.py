@@ -33,6 +33,7 @@ from composer.parallel.checkpoint import (
     load_checkpoint,
     remove_incomplete,
 )
+from composer.parallel.data import default_grad_sync
 from composer.parallel.mesh import LayoutError, build_parallel_dims
 from composer.portable import CONFIG_FILE
 from composer.train.data import SYNTHETIC, Batches, Rows, blend_batches, synthetic_rows
@@ -340,6 +341,8 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
               micro_batch=micro, seq_len=seq_len, precision=precision, objective=objective,
               flops_per_token=model_stats(build_model(cfg, device="meta"),
                                           seq_len=seq_len).flops_per_token)
+    run.grad_sync = recipe.parallel.grad_sync or default_grad_sync(
+        model, dims, recipe.global_batch_size // (micro * dims.dp))[0]
     if resume is not None:
         step_dir = latest_step(resume)
         run.start_step = load_checkpoint(resume, model, opt.opts, step_dir)
