@@ -24,6 +24,13 @@ if TYPE_CHECKING:
 
 
 def autocast(run: Run):
+    """bf16 autocast under bf16 and fp8 precision; with ``--fp8-backend te`` TE's FP8 autocast
+    inside it (:func:`composer.train.fp8_te.te_autocast`)."""
+    if run.fp8_backend == "te":
+        from composer.train.fp8_te import te_autocast
+
+        dims = run.dims
+        return te_autocast(dims.device, dims.fsdp_mesh.get_group() if dims.fsdp_mesh else None)
     if run.precision in ("bf16", "fp8"):
         return torch.autocast(run.dims.device.type, dtype=torch.bfloat16)
     return nullcontext()

@@ -108,6 +108,8 @@ class Run:
     seq_len: int  # tokens per row (--data: --seq-len + 1); `tokens` counts the predicted ones
     flops_per_token: int
     precision: str
+    fp8_backend: str | None = None
+    """Under ``--precision fp8``: ``te`` or ``torchao`` (:mod:`composer.train.precision`)."""
     start_step: int = 0
     consumed: int = 0
     tokens: int = 0
