@@ -176,6 +176,36 @@ selected moe && phase moe 60 $((R_KERNELS + R_TESTS + 25))
 selected kernels && phase kernels 120 $((R_TESTS + 25))
 selected tests && phase tests 300 25
 
+# ---- BEGIN fp8-te (issue 29): a short FP8 run through transformer-engine, when TE imports
+# 6 steps of a small hybrid with --precision fp8 --fp8-backend te, then tests/gpu/test_fp8_te.py
+# (te.Linear with bf16's names, losses near bf16's) -> $OUT/fp8_te/ (metrics.jsonl, stdout.txt,
+# train.log, pytest.txt, status). Not in the summary's phases: its status file says what ran.
+mkdir -p "$OUT/fp8_te"
+if [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ]; then
+  echo "skipped: dry run" >"$OUT/fp8_te/status"
+elif ! "$PY" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
+  echo "skipped: transformer_engine.pytorch does not import" >"$OUT/fp8_te/status"
+  say "fp8-te: skipped (transformer-engine does not import)"
+elif [ "$(left)" -lt 60 ]; then
+  echo "skipped: $(left)s left" >"$OUT/fp8_te/status"
+  say "fp8-te: skipped (too little time)"
+else
+  say "fp8-te: 6 steps with --fp8-backend te"
+  printf '%s\n' 'model: {pattern: "M-M*-M-M*-", set: {d_model: 1024, vocab_size: 32768}}' \
+    >"$OUT/fp8_te/recipe.yaml"  # 95M parameters
+  timeout -k 5 60 "$PY" -m composer train --config "$OUT/fp8_te/recipe.yaml" \
+    --tokens synthetic --seq-len 2048 --steps 6 --global-batch-size 4 --micro-batch-size 2 \
+    --precision fp8 --fp8-backend te --device cuda --log-every 1 --log-dir "$OUT/fp8_te" \
+    --json >"$OUT/fp8_te/stdout.txt" 2>"$OUT/fp8_te/train.log"
+  rc=$?
+  echo "train exit $rc" >"$OUT/fp8_te/status"
+  if [ "$(left)" -gt 40 ]; then
+    timeout -k 5 30 "$PY" -m pytest -q tests/gpu/test_fp8_te.py >"$OUT/fp8_te/pytest.txt" 2>&1
+    echo "pytest exit $?" >>"$OUT/fp8_te/status"
+  fi
+  say "fp8-te: $(tr '\n' ' ' <"$OUT/fp8_te/status")"
+fi
+# ---- END fp8-te
 timeout 15 "$PY" bench/gpu_check.py summary --out "$OUT"
 rc=$?
 say "done in $(($(date +%s) - START))s (exit $rc); results in $OUT"

@@ -159,7 +159,8 @@ def fp64_masters() -> Iterator[None]:
 def train_case(values: dict, source: str | None = None, fp64: bool = False) -> dict:
     """Run ``composer train`` with recipe ``values`` in this process (every rank calls it) and
     return its per-step ``losses``, logged ``rows``, final ``params`` and ``buffers`` (whole
-    tensors, by name): what tests of the engine compare between layouts. ``fp64``: masters in
+    tensors, by name), and ``local_numel`` (the parameter entries this rank holds): what tests
+    of the engine compare between layouts. ``fp64``: masters in
     fp64 (:func:`fp64_masters`)."""
     from composer.train.engine import resolve, setup
     from composer.train.loop import train_loop
@@ -174,7 +175,11 @@ def train_case(values: dict, source: str | None = None, fp64: bool = False) -> d
     def whole(v: torch.Tensor) -> torch.Tensor:
         return (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
 
+    def local(v: torch.Tensor) -> torch.Tensor:
+        return v.to_local() if hasattr(v, "to_local") else v
+
     return {"losses": summary.losses, "rows": summary.rows, "step": summary.step,
+            "local_numel": sum(local(v).numel() for v in run.model.parameters()),
             "params": {k: whole(v) for k, v in run.model.named_parameters()},
             "buffers": {k: whole(v) for k, v in run.model.named_buffers()}}
 

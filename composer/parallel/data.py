@@ -40,8 +40,9 @@ from composer.parallel.tensor import expert_params, local_grad, reduce_tp_grads
 
 
 def experts_sharded(dims: ParallelDims) -> bool:
-    """Whether the routed experts are FSDP units over ``dp_outer`` (module docstring)."""
-    return dims.ep > 1 and dims.dp_outer > 1 and dims.dp_mode == "shard"
+    """Whether the routed experts are FSDP units over ``dp_outer`` (module docstring; under
+    HSDP over its ``dp_outer / dp_replicate`` ranks of a replica group)."""
+    return dims.ep > 1 and dims.dp_outer // dims.dp_replicate > 1 and dims.dp_mode == "shard"
 
 
 def _experts_apart(layer: nn.Module, dims: ParallelDims) -> set[nn.Parameter] | None:
@@ -63,15 +64,17 @@ def _expert_modules(mixer: nn.Module) -> list[nn.Module]:
 
 def shard_experts(layer: nn.Module, dims: ParallelDims,
                   mp: MixedPrecisionPolicy) -> list[nn.Module]:
-    """Expert FSDP: each expert group of ``layer`` its own unit over ``dp_outer``, on dim 0 (the
-    local experts) when they divide evenly, else on dim 1; gradients divided by ``dp``.
-    Returns the units."""
-    mesh = dims.mesh["dp_outer"]
+    """Expert FSDP: each expert group of ``layer`` its own unit over ``dp_outer`` (HSDP: sharded
+    over a replica group's share of it, replicated across the groups), on dim 0 (the local
+    experts) when they divide evenly, else on dim 1; gradients divided by ``dp``. Returns the
+    units."""
+    shards = dims.dp_outer // dims.dp_replicate
     units = _expert_modules(layer.mixer)
     for experts in units:
         n_local = next(iter(experts.parameters())).shape[0] // dims.ep
-        dim = 0 if n_local % dims.dp_outer == 0 else 1
-        fully_shard(experts, mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p, d=dim: Shard(d))
+        dim = 0 if n_local % shards == 0 else 1
+        fully_shard(experts, mesh=dims.expert_mesh, mp_policy=mp,
+                    shard_placement_fn=lambda p, d=dim: Shard(d))
         experts.set_gradient_divide_factor(float(dims.dp))
         if dims.device.type != "cuda":  # gloo has no pre-multiplied sum: SUM, then divide
             experts.set_force_sum_reduction_for_comms(True)
@@ -138,9 +141,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims,
         experts = [shard_experts(layer, dims, mp) if experts_sharded(dims) else []
                    for layer in layers]
         for layer in layers:
-            fully_shard(layer, mesh=dims.fsdp_mesh, ignored_params=_experts_apart(layer, dims),
+            fully_shard(layer, mesh=dims.shard_mesh, ignored_params=_experts_apart(layer, dims),
                         mp_policy=mp)
-        fully_shard(root, mesh=dims.fsdp_mesh, mp_policy=mp)
+        fully_shard(root, mesh=dims.shard_mesh, mp_policy=mp)
         _register_forward_methods(root)
         for i, layer in enumerate(layers):
             # a layer gathers its own experts (their units sit inside it) and the next layer
@@ -185,3 +188,38 @@ def finish_grads(model: nn.Module, dims: ParallelDims) -> None:
     grads = [local_grad(p) for layer in model.all_layers()
              for p in expert_params(layer.mixer) if p.grad is not None]
     all_reduce_coalesced(grads, dims.mesh["dp_outer"].get_group(), scale=1.0 / dims.dp)
+
+
+GRAD_SYNC_MEMORY_SHARE = 0.25
+"""``--grad-sync`` default on CUDA: ``last`` when the unsharded fp32 gradients fit in this share
+of the device's memory (:func:`default_grad_sync`)."""
+
+
+def default_grad_sync(model: nn.Module, dims: ParallelDims, n_micro: int) -> tuple[str, str]:
+    """``--grad-sync``'s default and why: ``every`` with one micro-batch per step (the same
+    thing) or where no data parallelism reduces, else ``last`` on the CPU (its memory holds the
+    model already) and on CUDA when this rank's unsharded fp32 gradients (an upper bound: every
+    parameter's, divided by tp) fit in ``GRAD_SYNC_MEMORY_SHARE`` of the device's memory.
+    A pipeline's schedule reduces once per step by itself (its last backward)."""
+    if dims.pp > 1:
+        return "last", "the pipeline schedule reduces after its last backward"
+    if dims.grad_replicas == 1 or n_micro == 1:
+        return "every", ("one micro-batch per step" if n_micro == 1 else "no data parallelism")
+    if dims.device.type != "cuda":
+        return "last", f"{n_micro} micro-batches, on the CPU"
+    grad_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad) / dims.tp
+    total = torch.cuda.get_device_properties(dims.device).total_memory
+    fits = grad_bytes <= GRAD_SYNC_MEMORY_SHARE * total
+    return ("last" if fits else "every",
+            f"unsharded fp32 gradients {grad_bytes / 2**30:.1f} GiB "
+            f"{'<=' if fits else '>'} {GRAD_SYNC_MEMORY_SHARE:.0%} of {total / 2**30:.0f} GiB")
+
+
+def set_grad_sync(model: nn.Module, sync: bool) -> None:
+    """Whether the next backward reduces the gradients over data parallel (every FSDP2 and
+    replicate unit's ``set_requires_gradient_sync``). Off, each unit adds this rank's
+    unreduced gradients (whole, also in the sharded mode) to what it holds; the next backward
+    with it on reduces their sum, once (HSDP: the reduce-scatter and the all-reduce)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(sync, recurse=False)

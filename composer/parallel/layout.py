@@ -22,6 +22,18 @@ class ParallelConfig:
     """``None`` fills the world: ``world // (pp * cp * tp)``."""
     dp_mode: Literal["shard", "replicate"] = setting(
         "shard", "FSDP2 sharding (default) or replication")
+    dp_replicate: int = setting(
+        1, "HSDP: dp as R replica groups x dp/R shards (weights sharded within a group, "
+           "replicated across groups; needs --dp-mode shard)")
+    """``R > 1``: FSDP2 over a 2-D ``(dp_replicate, dp_shard)`` mesh (``composer.parallel.mesh``):
+    each rank holds ``1 / (dp * cp / R)`` of the weights; gathers and reduce-scatters stay within
+    a replica group, one all-reduce of the shards crosses the groups."""
+    grad_sync: Literal["every", "last"] | None = setting(
+        None, "reduce gradients after every micro-batch, or once per step after the last "
+              "(default: last where the unsharded gradients fit, docs/parallelism.md)")
+    """``last`` keeps each rank's gradients unreduced (and, sharded, whole) across the
+    micro-batches of a step and reduces once (FSDP2 ``set_requires_gradient_sync``); the default
+    is resolved by :func:`composer.parallel.data.default_grad_sync`."""
     sequence_parallel: bool = setting(True, "keep activations replicated across tp ranks")
     """The flag is ``--no-sequence-parallel`` (it defaults to on), hence its help."""
     ep_overlap: bool = setting(

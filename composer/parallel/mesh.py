@@ -13,6 +13,15 @@ which read the same rows: for the data they are one data-parallel rank, for the 
 Mesh dimensions (always all present, sizes may be 1): ``("dp_outer", "ep", "cp", "tp")``,
 with ``"pp"`` in front when ``pp > 1``, plus the flattened ``"dp"`` (= dp_outer x ep: the
 data shards) and ``"dp_cp"`` (dp x cp: what data parallelism shards the weights over).
+
+HSDP (``dp_replicate = R > 1``): the ``dp x cp`` ranks are unflattened into a 2-D
+``(dp_replicate, dp_shard)`` mesh (``ParallelDims.shard_mesh``; ``dp_shard = dp * cp / R``),
+the replica index outermost: ``R`` groups of consecutive data-parallel ranks, each holding one
+whole copy of the weights sharded over its ``dp_shard`` ranks (FSDP2: ``Replicate`` on dim 0,
+``Shard`` on dim 1), as Megatron's distributed optimizer and torchtitan shard within a node
+and replicate across nodes. ``R`` divides ``dp_outer`` (ep's and cp's ranks lie within one
+replica group), so the expert replicas split the same way (``ParallelDims.expert_mesh``).
+Which rows a rank reads does not change: ``dp`` is still every data-parallel rank.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from composer.parallel.layout import LAYOUT_KEYS, ParallelConfig
 from composer.settings import ConfigError, check
 
 __all__ = ["LayoutError", "ParallelConfig", "ParallelDims", "build_parallel_dims",
-           "check_layout", "resolve_device", "resolve_layout"]
+           "check_layout", "check_replicas", "resolve_device", "resolve_layout"]
 
 
 class LayoutError(ConfigError):
@@ -75,8 +84,14 @@ class ParallelDims:
     tied embeddings; None elsewhere."""
     cp_mesh: DeviceMesh | None = None
     fsdp_mesh: DeviceMesh | None = None
-    """``dp x cp`` flattened (``dp_mesh`` when ``cp = 1``): data parallelism's mesh, and the
+    """``dp x cp`` flattened (``dp_mesh`` when ``cp = 1``): data parallelism's ranks, and the
     group over which the MoE load statistics are summed."""
+    shard_mesh: DeviceMesh | None = None
+    """What FSDP2 wraps the units over: ``fsdp_mesh``, or under HSDP its 2-D
+    ``(dp_replicate, dp_shard)`` view (module docstring)."""
+    expert_mesh: DeviceMesh | None = None
+    """The routed experts' replicas (``mesh["dp_outer"]``), under HSDP as a 2-D
+    ``(dp_replicate, dp_shard)`` view: what expert FSDP wraps them over."""
 
     def __getattr__(self, name: str) -> Any:
         # only reached for names that are not fields: the layout's other settings
@@ -93,6 +108,15 @@ class ParallelDims:
     @property
     def dp_outer(self) -> int:
         return self.dp // self.ep
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.config.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        """The ranks one copy of the weights is sharded over: ``dp x cp / dp_replicate``."""
+        return self.grad_replicas // self.dp_replicate
 
     @property
     def enabled(self) -> bool:
@@ -133,8 +157,31 @@ def resolve_layout(pc: ParallelConfig, world_size: int) -> ParallelDims:
     if dp % pc.ep:
         raise LayoutError(f"ep ({pc.ep}) must divide dp ({dp}): experts are spread over the "
                           "data-parallel ranks")
+    check_replicas(pc, dp)
     return ParallelDims(config=dataclasses.replace(pc, dp=dp), world_size=world_size,
                         tp=pc.tp, ep=pc.ep, dp=dp, pp=pc.pp, cp=pc.cp)
+
+
+def check_replicas(pc: ParallelConfig, dp: int) -> None:
+    """HSDP's sizes: ``R`` divides ``dp / ep`` (an ep group lies within one replica group), and
+    only the sharded mode has shards to replicate; a pipeline reduces once per step (its
+    schedule's last backward), so ``--grad-sync every`` is refused with ``pp > 1``."""
+    r = pc.dp_replicate
+    if r < 1:
+        raise LayoutError(f"--dp-replicate must be >= 1, got {r}")
+    if pc.grad_sync == "every" and pc.pp > 1:
+        raise LayoutError("--grad-sync every with --pp > 1: the pipeline schedule reduces the "
+                          "gradients once per step, after its last backward")
+    if r == 1:
+        return
+    if pc.dp_mode != "shard":
+        raise LayoutError(f"--dp-replicate {r} needs --dp-mode shard (replicate already keeps "
+                          "a whole copy on every rank)")
+    if dp % r:
+        raise LayoutError(f"--dp-replicate ({r}) must divide dp ({dp})")
+    if (dp // pc.ep) % r:
+        raise LayoutError(f"--dp-replicate ({r}) must divide dp / ep ({dp} / {pc.ep}): an "
+                          "expert-parallel group lies within one replica group")
 
 
 def check_layout(dims: ParallelDims, rules: Iterable[LayoutRule]) -> None:
@@ -187,6 +234,12 @@ def build_parallel_dims(pc: ParallelConfig, device: str | torch.device | None = 
         dims.cp_mesh = mesh["cp"]
         dims.fsdp_mesh = (mesh["dp_outer", "ep", "cp"]._flatten("dp_cp") if dims.cp > 1
                           else dims.dp_mesh)
+        dims.shard_mesh, dims.expert_mesh = dims.fsdp_mesh, mesh["dp_outer"]
+        if dims.dp_replicate > 1:
+            names = ("dp_replicate", "dp_shard")
+            r = dims.dp_replicate
+            dims.shard_mesh = dims.fsdp_mesh._unflatten(0, (r, dims.dp_shard), names)
+            dims.expert_mesh = dims.expert_mesh._unflatten(0, (r, dims.dp_outer // r), names)
         dims.mesh = mesh
     return dims
 

@@ -194,14 +194,17 @@ class DPO(Pretrain):
         run.ref_model = build_reference(run)
 
     def accumulate(self, run: Run) -> StepSums:
+        from composer.train.loop import sync_grads
+
         dims = run.dims
         micro = run.batches.local(run.consumed, dims.dp, dims.dp_rank(), run.micro_batch)
         scale = dims.grad_replicas / run.recipe.global_batch_size
         zero = torch.zeros((), dtype=torch.float64, device=dims.device)
         loss_sum, aux_sum = zero.clone(), zero.clone()
         stats = torch.zeros(6, dtype=torch.float64)
-        for mb in micro:
+        for i, mb in enumerate(micro):
             loss, chosen, rejected, logp, aux = _sums(run, mb, grad=True)
+            sync_grads(run, i, len(micro) - 1)
             (loss.sum() * scale + aux / len(micro)).backward()
             loss_sum += loss.detach().sum()
             aux_sum += aux.detach().double()

@@ -33,6 +33,7 @@ from composer.parallel.checkpoint import (
     load_checkpoint,
     remove_incomplete,
 )
+from composer.parallel.data import default_grad_sync
 from composer.parallel.mesh import LayoutError, build_parallel_dims
 from composer.portable import CONFIG_FILE
 from composer.train.data import SYNTHETIC, Batches, Rows, blend_batches, synthetic_rows
@@ -40,7 +41,7 @@ from composer.train.loop import Run, Summary, seed_everything, train_loop
 from composer.train.metrics import MetricsLog
 from composer.train.objectives import get_objective
 from composer.train.optim import build_optimizers
-from composer.train.precision import model_transform, resolve_precision
+from composer.train.precision import model_transform, resolve_fp8_backend, resolve_precision
 from composer.train.recipe import (
     RECIPE_FILE,
     Recipe,
@@ -305,6 +306,11 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         raise LayoutError(f"{exc} (the layout of a resumed run comes from its saved recipe; "
                           "give --tp/--ep/--dp to change it)") from None
     precision = resolve_precision(recipe.precision, dims.device)
+    fp8_backend = resolve_fp8_backend(recipe.fp8_backend, precision)
+    if fp8_backend == "te":
+        from composer.train.fp8_te import check_layout
+
+        check_layout(dims.tp, recipe.lora_rank)
     dims.precision = "bf16" if precision in ("bf16", "fp8") else "fp32"
     micro = _check(recipe, dims.dp)
     schedule = None
@@ -321,7 +327,8 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     try:  # fp32 masters whatever the source's dtype
         model = build_sharded(cfg, dims, seed=None if resume else recipe.seed, tensors=tensors,
                               dtype=torch.float32,
-                              transform=model_transform(precision, recipe.freeze),
+                              transform=model_transform(precision, recipe.freeze,
+                                                        fp8_backend),
                               lora=lora)
     finally:
         if tensors is not None:
@@ -337,9 +344,12 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
               schedule=Schedule(recipe.lr, recipe.lr / 10 if recipe.min_lr is None
                                 else recipe.min_lr, recipe.steps, recipe.warmup_steps,
                                 recipe.schedule, recipe.decay_steps),
-              micro_batch=micro, seq_len=seq_len, precision=precision, objective=objective,
+              micro_batch=micro, seq_len=seq_len, precision=precision,
+              fp8_backend=fp8_backend, objective=objective,
               flops_per_token=model_stats(build_model(cfg, device="meta"),
                                           seq_len=seq_len).flops_per_token)
+    run.grad_sync = recipe.parallel.grad_sync or default_grad_sync(
+        model, dims, recipe.global_batch_size // (micro * dims.dp))[0]
     if resume is not None:
         step_dir = latest_step(resume)
         run.start_step = load_checkpoint(resume, model, opt.opts, step_dir)

@@ -185,7 +185,7 @@ class GRPO(Pretrain):
             run.state["rollout"] = make_rollout(run, step)
 
     def accumulate(self, run: Any) -> StepSums:
-        from composer.train.loop import autocast
+        from composer.train.loop import autocast, sync_grads
 
         r, dims, rollout = run.recipe, run.dims, run.state["rollout"]
         start = time.perf_counter()
@@ -197,7 +197,7 @@ class GRPO(Pretrain):
         mismatch = torch.zeros((), dtype=torch.float64, device=device)
         parts = list(micro_batches(rollout, run.micro_batch))
         processed = 0
-        for seqs, adv, weights in parts:
+        for i, (seqs, adv, weights) in enumerate(parts):
             with autocast(run):
                 out = run.model.token_logprobs(seqs.ids, seqs.targets,
                                                temperature=r.rollout_temperature, entropy=True)
@@ -209,6 +209,7 @@ class GRPO(Pretrain):
                                                  r.clip_high, logp_ref=ref, kl_coef=r.kl_coef)
             term = (weights * per_token).sum()
             # data parallel averages gradients over its replicas: their sum is the rollout's
+            sync_grads(run, i, len(parts) - 1)
             (term * dims.grad_replicas + out.aux_loss / len(parts)).backward()
             loss += term.detach().double()
             aux += out.aux_loss.detach().double()

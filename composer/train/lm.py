@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from composer.parallel.data import reshard
+from composer.parallel.data import reshard, set_grad_sync
 from composer.train.data import Micro
 from composer.train.objectives import StepSums, n_targets, stand_in_labels
 from composer.train.vision import image_inputs
@@ -24,6 +24,13 @@ if TYPE_CHECKING:
 
 
 def autocast(run: Run):
+    """bf16 autocast under bf16 and fp8 precision; with ``--fp8-backend te`` TE's FP8 autocast
+    inside it (:func:`composer.train.fp8_te.te_autocast`)."""
+    if run.fp8_backend == "te":
+        from composer.train.fp8_te import te_autocast
+
+        dims = run.dims
+        return te_autocast(dims.device, dims.fsdp_mesh.get_group() if dims.fsdp_mesh else None)
     if run.precision in ("bf16", "fp8"):
         return torch.autocast(run.dims.device.type, dtype=torch.bfloat16)
     return nullcontext()
@@ -56,6 +63,15 @@ def _forward(run: Run, micro: Micro, training: bool = True):
         return run.model(ids, ids if labels is None else labels, **kwargs)
 
 
+def sync_grads(run: Run, i: int, last: int) -> None:
+    """Before micro-batch ``i``'s backward: whether data parallel reduces the gradients after
+    it. ``every``: after each; ``last``: from micro-batch ``last`` on, the last one sure to run
+    a backward (-1: none is; the later ones reduce too, so nothing is left unreduced), summed
+    over the micro-batches before it unreduced (the same update, one reduction per step)."""
+    if run.dims.grad_replicas > 1 and run.dims.pp == 1:
+        set_grad_sync(run.model, run.grad_sync == "every" or i >= last)
+
+
 def dp_total(run: Run, n_local: float) -> torch.Tensor:
     """``n_local`` summed over the data-parallel ranks (fp64, on the device)."""
     total = torch.tensor(float(n_local), dtype=torch.float64, device=run.dims.device)
@@ -86,7 +102,10 @@ def lm_accumulate(run: Run) -> StepSums:
     ce_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
     aux_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
     mtp_sum = torch.zeros((), dtype=torch.float64, device=dims.device)
-    for mb, n in zip(micro, counts, strict=True):
+    # a micro-batch with a target (or stand-in labels) has a graph; the others may not
+    sure = [i for i, (mb, n) in enumerate(zip(micro, counts, strict=True))
+            if n or mb.labels is not None]
+    for i, (mb, n) in enumerate(zip(micro, counts, strict=True)):
         stand_in = None if n or mb.labels is None else stand_in_labels(mb, isolated)
         out = _forward(run, mb if stand_in is None else stand_in)
         # loss = ce + aux + mtp: the main cross-entropy is weighted by its tokens, the
@@ -98,6 +117,7 @@ def lm_accumulate(run: Run) -> StepSums:
             ce = out.loss - extra if n else out.aux_loss * 0.0  # no target: NaN mean
         term = ce * (n * dims.dp / n_global) + extra / len(micro)
         if term.requires_grad:  # a dense model's micro-batch without a target has no graph
+            sync_grads(run, i, sure[-1] if sure else -1)
             term.backward()
         ce_sum += ce.detach().double() * n
         aux_sum += out.aux_loss.detach().double()

@@ -43,7 +43,7 @@ from composer.parallel.expert import finish_moe_step
 from composer.parallel.grads import clip_grads, grad_norm
 from composer.parallel.mesh import ParallelDims
 from composer.train.data import Batches
-from composer.train.lm import autocast, dp_total, lm_accumulate, validate
+from composer.train.lm import autocast, dp_total, lm_accumulate, sync_grads, validate
 from composer.train.metrics import MetricsLog, max_memory_bytes, peak_flops
 from composer.train.objectives import Pretrain, StepSums
 from composer.train.optim import Optimizers
@@ -108,6 +108,8 @@ class Run:
     seq_len: int  # tokens per row (--data: --seq-len + 1); `tokens` counts the predicted ones
     flops_per_token: int
     precision: str
+    fp8_backend: str | None = None
+    """Under ``--precision fp8``: ``te`` or ``torchao`` (:mod:`composer.train.precision`)."""
     start_step: int = 0
     consumed: int = 0
     tokens: int = 0
@@ -129,6 +131,10 @@ class Run:
     :mod:`composer.train.reference`)."""
     state: dict[str, Any] = field(default_factory=dict)
     """The objective's own state between steps (GRPO's current rollout)."""
+    grad_sync: str = "every"
+    """``--grad-sync`` resolved (:func:`composer.parallel.data.default_grad_sync`): ``last``
+    reduces the data-parallel gradients once per step (:func:`composer.train.lm.sync_grads`);
+    the first logged row says which."""
 
 
 def accumulate(run: Run) -> StepSums:
@@ -275,7 +281,7 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
     summary = Summary(step=run.start_step)
     stop = StopRequest()
     peak = peak_flops(run.dims.device, run.precision, r.peak_tflops)
-    consecutive = 0
+    consecutive, first_row = 0, True
     start = t_log = time.perf_counter()
     tokens_at_log = tokens_at_start = run.rows_tokens
     can_validate = run.valid is not None or not run.objective.needs_valid_data
@@ -299,6 +305,8 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
                 row = _row(run, step, s,
                            (run.rows_tokens - tokens_at_log) / max(now - t_log, 1e-9),
                            peak)
+                if first_row:  # says how data parallel reduces the gradients
+                    row["grad_sync"], first_row = run.grad_sync, False
                 if evaluating:
                     row.update(run.objective.validate(run))
                 t_log, tokens_at_log = time.perf_counter(), run.rows_tokens
@@ -338,7 +346,8 @@ def train_loop(run: Run, last_step: int, quiet: bool = False) -> Summary:
 
 
 __all__ = ["Run", "Summary", "TrainingHalted", "accumulate", "autocast", "dp_total",
-           "lm_accumulate", "seed_everything", "take_step", "train_loop", "validate"]
+           "lm_accumulate", "seed_everything", "sync_grads", "take_step", "train_loop",
+           "validate"]
 """The step helpers of :mod:`composer.train.lm` are re-exported for the objectives."""
 
 

@@ -131,6 +131,8 @@ def format_row(row: dict[str, Any]) -> str:
             text += f"  {key} {value:.4f}"
     if row.get("skipped"):
         text += f"  skipped {row['skipped']}"
+    if row.get("grad_sync"):  # the first row: how data parallel reduces the gradients
+        text += f"  grad_sync {row['grad_sync']}"
     return text
 
 

@@ -139,7 +139,11 @@ class Recipe:
     grad_clip: float = setting(
         1.0, "clip the global gradient norm to this (default 1.0; 0 disables)")
     precision: Literal["fp32", "bf16", "fp8"] | None = setting(
-        None, "fp32, bf16 (fp32 masters; the default on CUDA) or fp8 (CUDA, torchao)")
+        None, "fp32, bf16 (fp32 masters; the default on CUDA) or fp8 (CUDA: transformer-engine "
+        "or torchao, --fp8-backend)")
+    fp8_backend: Literal["te", "torchao"] | None = setting(
+        None, "with --precision fp8: te (transformer-engine's linears, current scaling; the "
+        "default when it imports) or torchao (float8 linears)")
     parallel: ParallelConfig = setting(factory=ParallelConfig, title="parallel layout",
                                        help="the recipe's `parallel:` mapping")
     save: str | None = setting(

@@ -102,7 +102,8 @@ def build_copy(run: Run) -> HybridModel:
         with torch.random.fork_rng(devices=devices):
             model = composer.run.build_sharded(
                 cfg, run.dims, seed=recipe.seed, tensors=tensors, dtype=dtype,
-                transform=model_transform(run.precision, recipe.freeze), lora=lora)
+                transform=model_transform(run.precision, recipe.freeze, run.fp8_backend),
+                lora=lora)
     finally:
         if tensors is not None:
             tensors.close()

@@ -43,13 +43,17 @@ PAIRS = {"tp2-dp2": {"tp": 2}, "tp2-cp2": {"tp": 2, "cp": 2}, "tp2-pp2": {"tp": 
          "tp2-ep2": {"tp": 2, "ep": 2}, "dp2-cp2": {"cp": 2}, "dp2-pp2": {"pp": 2},
          "dp4-ep2": {"ep": 2}, "cp2-pp2": {"cp": 2, "pp": 2}, "ep2-pp2": {"ep": 2, "pp": 2},
          "tp2-dp2-replicate": {"tp": 2, "dp_mode": "replicate"},
-         "dp4-ep2-replicate": {"ep": 2, "dp_mode": "replicate"}}
+         "dp4-ep2-replicate": {"ep": 2, "dp_mode": "replicate"},
+         "dp4-hsdp2": {"dp_replicate": 2}, "dp2-cp2-hsdp2": {"cp": 2, "dp_replicate": 2},
+         "dp4-ep2-hsdp2": {"ep": 2, "dp_replicate": 2}}
 """World 4; dp fills the rest (``ep`` splits dp: dp4-ep2 shards the experts over dp_outer)."""
 TRIPLES = {"tp2-dp2-cp2": {"tp": 2, "cp": 2}, "tp2-dp2-pp2": {"tp": 2, "pp": 2},
            "tp2-dp4-ep2": {"tp": 2, "ep": 2}, "tp2-cp2-pp2": {"tp": 2, "cp": 2, "pp": 2},
            "tp2-ep2-pp2": {"tp": 2, "ep": 2, "pp": 2}, "dp2-cp2-pp2": {"cp": 2, "pp": 2},
-           "dp4-ep2-pp2": {"ep": 2, "pp": 2}}
-"""World 8."""
+           "dp4-ep2-pp2": {"ep": 2, "pp": 2}, "tp2-dp4-hsdp2": {"tp": 2, "dp_replicate": 2},
+           "dp8-ep2-hsdp2": {"ep": 2, "dp_replicate": 2}}
+"""World 8. HSDP (``dp_replicate``): dp8-ep2-hsdp2 shards the experts over the two dp_outer
+ranks of each replica group (dp4-ep2-hsdp2 has one: its experts are replicated)."""
 
 
 def layouts_in_ranks(layouts: dict[str, dict]) -> dict:

@@ -224,6 +224,27 @@ def test_bad_recipes_are_one_line_errors(tmp_path, capsys):
     assert "multiple of --micro-batch-size" in capsys.readouterr().err
 
 
+def test_fp8_through_transformer_engine_on_the_cpu_is_one_line(capsys):
+    assert main(["train", "--config", "debug", "--steps", "1", "--precision", "fp8",
+                 "--fp8-backend", "te"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("composer: error: --precision fp8 needs a CUDA device (transformer-engine "
+                   "or torchao float8 training)\n")
+
+
+def test_the_transformer_engine_module_imports_without_cuda():
+    import importlib
+
+    import torch
+
+    fp8_te = importlib.import_module("composer.train.fp8_te")
+    if not torch.cuda.is_available():  # a CPU-only TE raises at import: not available
+        assert fp8_te.available() is False
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 10))
+    # the selection needs no TE: widths that are multiples of 16 only
+    assert [fp8_te._keep(n, m) for n, m in model.named_children()] == [True, False]
+
+
 def test_config_then_flags_and_the_saved_recipe(tmp_path, capsys):
     assert main(["train", "--config", "debug", "--steps", "3", "--lr", "1e-3", "--save",
                  str(tmp_path / "r"), "--json"]) == 0
