@@ -1,0 +1,141 @@
+"""composer plan: the exact bytes of every rank class equal the construction of concrete ranks
+(impersonated through the fake process group) and what gloo ranks hold after a training step;
+validity refusals are train's; the modelled parts follow their stated formulas."""
+
+import pytest
+import torch
+
+from composer.parallel.layout import ParallelConfig
+from composer.plan.ranks import build_rank, impersonate, rank_bytes, rank_classes
+from composer.zoo import get_preset
+
+# (preset, world, layout): tp, pp, ep, cp and both dp modes at worlds 8 and 64
+CASES = [
+    ("llama-debug", 8, {"tp": 2}),
+    ("llama-debug", 64, {"tp": 2, "pp": 2, "dp_mode": "replicate"}),
+    ("qwen3-moe-debug", 8, {"tp": 2, "ep": 2}),
+    ("qwen3-moe-debug", 64, {"ep": 4, "pp": 2}),
+    ("nemotron-h-debug", 8, {"cp": 2, "tp": 2}),
+    ("nemotron-h-debug", 64, {"cp": 2, "dp_mode": "replicate"}),
+    ("deepseek-v3-debug", 8, {"pp": 2, "ep": 2}),
+    ("deepseek-v3-debug", 64, {"pp": 2, "ep": 8, "tp": 2}),
+]
+
+
+def concrete(cfg, layout: ParallelConfig, world: int, rank: int) -> tuple[int, int]:
+    """(local parameter bytes, trainable local parameter bytes) of ``rank``, built itself."""
+    with impersonate(rank, world):
+        model, _ = build_rank(cfg, layout, "bf16")
+        local = [(p.to_local().numel() * p.element_size(), p.requires_grad)
+                 for p in model.parameters()]
+    return sum(n for n, _ in local), sum(n for n, t in local if t)
+
+
+@pytest.mark.parametrize(("preset", "world", "layout"), CASES)
+def test_rank_classes_equal_concrete_ranks(preset, world, layout):
+    cfg = get_preset(preset).config()
+    pc = ParallelConfig(**layout)
+    classes = rank_classes(cfg, pc, world)
+    assert sum(c.n_ranks for c in classes) == world
+    assert {c.stage for c in classes} == set(range(pc.pp))
+    # every class's first rank, and the world's last rank (in the last class of the last stage,
+    # the one most likely to hold the short end of an uneven shard), built by themselves
+    checks = [(c, c.example_rank) for c in classes] + [(classes[-1], world - 1)]
+    for c, rank in checks:
+        params, trainable = concrete(cfg, pc, world, rank)
+        assert c.bytes.params == params, (c, rank)
+        assert c.bytes.grads == trainable
+        n_trainable = sum(1 for p in _meta_params(cfg, pc, world, rank) if p.requires_grad)
+        assert c.bytes.optimizer == 2 * trainable + 4 * n_trainable  # AdamW: 2 moments + step
+
+
+def _meta_params(cfg, pc, world, rank):
+    with impersonate(rank, world):
+        model, _ = build_rank(cfg, pc, "bf16")
+        return list(model.parameters())
+
+
+def test_tp_closed_form():
+    """llama-debug at tp=2 on 2 ranks: the matrices halve, the norms are whole on each rank."""
+    from composer.build.builder import build_model
+
+    cfg = get_preset("llama-debug").config()
+    params = list(build_model(cfg, device="meta").parameters())
+    full = sum(p.numel() for p in params) * 4
+    replicated = sum(p.numel() for p in params if p.ndim == 1) * 4
+    (only,) = rank_classes(cfg, ParallelConfig(tp=2), 2)
+    assert only.n_ranks == 2
+    assert only.bytes.params == (full - replicated) // 2 + replicated
+    # bf16 compute, no data parallelism: nothing is gathered, the whole fp32 model is cast
+    # unit by unit only under data parallelism
+    assert only.bytes.buffers == 0
+
+
+def test_fsdp_closed_form_and_units_in_flight():
+    """dp=4 shard: each rank holds a quarter of every parameter (torch.chunk on dim 0); the two
+    largest units (the root's embedding + head, and one layer) are gathered in bf16."""
+    from composer.build.builder import build_model
+
+    cfg = get_preset("llama-debug").config()
+    model = build_model(cfg, device="meta")
+    classes = rank_classes(cfg, ParallelConfig(), 4)
+    for c in classes:
+        expected = 0
+        r = c.example_rank
+        for p in model.parameters():
+            sizes = [len(part) for part in torch.arange(p.shape[0]).chunk(4)] + [0] * 4
+            expected += sizes[r] * p[0].numel() * 4
+        assert c.bytes.params == expected
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.layers.values()]
+    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
+    assert classes[0].bytes.buffers == 2 * sum(sorted([root, *layers], reverse=True)[:2])
+
+
+# one training step on 2 gloo ranks: (preset, layout and recipe values)
+STEPPED = [
+    ("llama-debug", {"dp_mode": "shard"}),
+    ("llama-debug", {"tp": 2, "optimizer": "muon"}),
+    ("qwen3-moe-debug", {"ep": 2}),
+    ("deepseek-v3-debug", {"pp": 2, "global_batch_size": 4, "micro_batch_size": 1}),
+    ("nemotron-h-debug", {"cp": 2, "dp_mode": "replicate"}),
+]
+
+
+def held_after_a_step(cases: list) -> list[dict]:
+    """Each case trained one step by the engine; then what the rank holds (its gradients from
+    a second forward and backward: the step's own are zeroed after it)."""
+    from composer.parallel.data import finish_grads
+    from composer.plan.ranks import local_bytes
+    from composer.train.engine import resolve, setup
+    from composer.train.loop import accumulate, train_loop
+
+    out = []
+    for preset, values in cases:
+        values = {"tokens": "synthetic", "seq_len": 16, "steps": 1, "global_batch_size": 2,
+                  **values}
+        recipe, _ = resolve(preset, None, values)
+        run, last = setup(recipe, None, quiet=True)
+        train_loop(run, last, quiet=True)
+        run.log.close()
+        accumulate(run)
+        finish_grads(run.model, run.dims)
+        held = local_bytes(run.model, run.optimizers.opts)
+        out.append(held)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_plan_equals_what_gloo_ranks_hold_after_a_step():
+    from composer.parallel.launch import run_distributed
+
+    held = run_distributed(held_after_a_step, 2, STEPPED)
+    layout_keys = set(ParallelConfig.__dataclass_fields__)
+    for i, (preset, values) in enumerate(STEPPED):
+        pc = ParallelConfig(**{k: v for k, v in values.items() if k in layout_keys})
+        planned = rank_bytes(get_preset(preset).config(), pc, 2, precision="fp32",
+                             optimizer=values.get("optimizer", "adamw"))
+        for rank in range(2):
+            b = planned[rank][1]
+            assert {"params": b.params, "grads": b.grads, "optimizer": b.optimizer} == \
+                held[rank][i], (preset, values, rank)
