@@ -299,9 +299,9 @@ class Attention(nn.Module):
         with a flash-style kernel (no ``T x T`` scores): the projections' input, q, k and v after
         rope, the attention output and its log-sum-exp per head, the rope tables (``2 E`` per
         position, with rope); a per-head qk-norm keeps each norm's input, its scaled input and
-        ``1/rms``. ``selective`` keeps the matmul and attention outputs (q, k, v, output, log-sum-exp, the
-        output projection's ``d``). Variants (output gates, sinks, partial rope) are not
-        counted."""
+        ``1/rms``. ``selective`` keeps the matmul and attention outputs (q, k, v, output,
+        log-sum-exp, the output projection's ``d``). Variants (output gates, sinks, partial
+        rope) are not counted."""
         a = cfg.attention
         assert a is not None
         e, kv = d_head_of(cfg), a.n_kv_heads or a.n_heads
