@@ -143,6 +143,9 @@ class StageParts:
     """(shape, bytes per element, trainable, optimizer state copies: 2 AdamW, 1 Muon)."""
     units: list[list[int]]
     compute_size: int
+    kinds: list = dataclasses.field(default_factory=list)
+    dims: ParallelDims | None = None
+    """The :class:`~composer.blocks.kind.LayerKind` of each layer on the stage (None: unknown)."""
 
     def bytes_at(self, coords: dict[str, int]) -> RankBytes:
         params = grads = opt = 0
@@ -153,6 +156,11 @@ class StageParts:
                 grads += n
                 opt += copies * n + (STEP_BYTES if copies == 2 else 0)
         return RankBytes(params, grads, opt, self.in_flight(coords))
+
+    def unsharded_params(self, rank: int, dims: ParallelDims | None = None) -> int:
+        """Elements of ``rank``'s parameters with data parallelism's shards gathered."""
+        coords = rank_coords(rank, dims or self.dims)
+        return sum(shape.numel_at(coords, gathered=True) for shape, _, _, _ in self.params)
 
     def in_flight(self, coords: dict[str, int]) -> int:
         """The two largest units' gathered bytes in the compute dtype (current + prefetched)."""
@@ -193,7 +201,11 @@ def stage_parts(model: nn.Module, optimizer: str, compute_size: int) -> StagePar
             group = module._get_fsdp_state()._fsdp_param_group
             if group is not None:
                 units.append([index[id(fp.sharded_param)] for fp in group.fsdp_params])
-    return StageParts(params, units, compute_size)
+    from composer.blocks.kind import KINDS
+
+    by_mixer = {kind.mixer: kind for kind in KINDS.values()}
+    kinds = [by_mixer.get(type(layer.mixer)) for layer in model.all_layers()]
+    return StageParts(params, units, compute_size, kinds)
 
 
 def build_rank(cfg: ModelConfig, layout: ParallelConfig, precision: str) -> tuple[nn.Module,
@@ -207,9 +219,11 @@ def build_rank(cfg: ModelConfig, layout: ParallelConfig, precision: str) -> tupl
 
 
 def rank_bytes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: str = "bf16",
-               optimizer: str = "adamw") -> list[tuple[int, RankBytes]]:
+               optimizer: str = "adamw", stages: list[StageParts] | None = None
+               ) -> list[tuple[int, RankBytes]]:
     """``(stage, bytes)`` of every rank of ``layout`` on ``world`` ranks, in rank order: one
-    impersonated construction per stage, the stage's other ranks from their coordinates."""
+    impersonated construction per stage, the stage's other ranks from their coordinates.
+    ``stages``: filled with each stage's :class:`StageParts`."""
     compute_size = 2 if precision in ("bf16", "fp8") else 4
     per_stage = world // layout.pp
     out = []
@@ -217,16 +231,21 @@ def rank_bytes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: 
         with impersonate(stage * per_stage, world):
             model, dims = build_rank(cfg, layout, precision)
             parts = stage_parts(model, optimizer, compute_size)
+            parts.dims = dims
+        if stages is not None:
+            stages.append(parts)
         out.extend((stage, parts.bytes_at(rank_coords(rank, dims)))
                    for rank in range(stage * per_stage, (stage + 1) * per_stage))
     return out
 
 
 def rank_classes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: str = "bf16",
-                 optimizer: str = "adamw") -> list[RankClass]:
+                 optimizer: str = "adamw", stages: list[StageParts] | None = None
+                 ) -> list[RankClass]:
     """The distinct rank classes (equal bytes on one stage), by stage, then first rank."""
     seen: dict[tuple, RankClass] = {}
-    for rank, (stage, b) in enumerate(rank_bytes(cfg, layout, world, precision, optimizer)):
+    per_rank = rank_bytes(cfg, layout, world, precision, optimizer, stages)
+    for rank, (stage, b) in enumerate(per_rank):
         key = (stage, *dataclasses.astuple(b))
         if key in seen:
             seen[key].n_ranks += 1

@@ -177,3 +177,52 @@ def test_activation_model_within_10_percent_of_saved_tensors(preset, symbol):
         measured = saved_bytes(layer, x) / (2 * seq_len)
         modelled = KINDS[symbol].activation_bytes_per_token(cfg, seq_len, "none", 4)
         assert abs(modelled - measured) <= 0.1 * measured, (seq_len, modelled, measured)
+
+
+PLAN = ["plan", "qwen3-moe-debug", "--gpus", "8", "--gpu", "h100", "--tp", "2", "--ep", "2",
+        "--seq-len", "64", "--global-batch-size", "8", "--micro-batch-size", "1", "--json"]
+
+
+def test_cli_json_fields_and_exact_bytes(capsys):
+    import json
+
+    from composer.cli import main
+
+    assert main(PLAN) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert set(plan["layout"]) == {"tp", "pp", "cp", "ep", "dp", "dp_mode", "micro_batch_size",
+                                   "pp_schedule"}
+    assert plan["layout"]["dp"] == 4 and plan["feasible"] is True
+    keys = {"stage", "example_rank", "n_ranks", "params_bytes", "grads_bytes", "optimizer_bytes",
+            "activations_bytes", "buffers_bytes", "total_bytes", "worst"}
+    assert all(set(c) == keys for c in plan["rank_classes"])
+    assert sum(c["worst"] for c in plan["rank_classes"]) == 1
+    expected = rank_classes(get_preset("qwen3-moe-debug").config(), ParallelConfig(tp=2, ep=2), 8)
+    assert [(c["params_bytes"], c["grads_bytes"], c["optimizer_bytes"])
+            for c in plan["rank_classes"]] == \
+        [(c.bytes.params, c.bytes.grads, c.bytes.optimizer) for c in expected]
+    assert {c["kind"] for c in plan["comm"]} >= {"fsdp_all_gather", "ep_all_to_all",
+                                                  "tp_all_gather_reduce_scatter"}
+    assert all(set(c) == {"kind", "group", "bytes_per_step", "intra_node"} for c in plan["comm"])
+    for field in ("step_time_s", "tokens_per_s_per_gpu", "mfu"):
+        assert plan[field]["lower"] <= plan[field]["upper"]
+    assert plan["exactness"]["params_bytes"] == "exact"
+    assert plan["exactness"]["activations_bytes"] == "model"
+    assert plan["unknowns"]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"--gpu": "a100"}, "--gpu must be one of h100, h200, b200; got 'a100'"),
+    ({"--tp": "3"}, "world size 8 is not a multiple of tp*pp*cp = 3"),
+    ({"--gpus": "7"}, "world size 7 is not a multiple of tp*pp*cp = 2"),
+    ({"--global-batch-size": "6"}, "--global-batch-size (6) must be divisible by dp (4)"),
+    ({"--ep": "8"}, "ep (8) must divide dp (4): experts are spread over the data-parallel ranks"),
+])
+def test_bad_input_is_trains_one_line(change, message, capsys):
+    from composer.cli import main
+
+    argv = list(PLAN)
+    for flag, value in change.items():
+        argv[argv.index(flag) + 1] = value
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"composer: error: {message}"
