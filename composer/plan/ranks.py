@@ -37,7 +37,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 from composer.config import ModelConfig
 from composer.parallel.layout import ParallelConfig
-from composer.parallel.mesh import ParallelDims, build_parallel_dims
+from composer.parallel.mesh import LayoutError, ParallelDims, build_parallel_dims
 
 ROOT_DIMS = ("pp", "dp_outer", "ep", "cp", "tp")
 DP_DIMS = ("dp", "dp_cp", "dp_outer")
@@ -229,7 +229,11 @@ def rank_bytes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: 
     out = []
     for stage in range(layout.pp):
         with impersonate(stage * per_stage, world):
-            model, dims = build_rank(cfg, layout, precision)
+            try:
+                model, dims = build_rank(cfg, layout, precision)
+            except NotImplementedError as exc:  # what the same layout's training would meet
+                first = str(exc).splitlines()[0]
+                raise LayoutError(f"rank {stage * per_stage} cannot be built: {first}") from None
             parts = stage_parts(model, optimizer, compute_size)
             parts.dims = dims
         if stages is not None:

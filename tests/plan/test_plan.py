@@ -226,3 +226,16 @@ def test_bad_input_is_trains_one_line(change, message, capsys):
         argv[argv.index(flag) + 1] = value
     assert main(argv) == 2
     assert capsys.readouterr().err.strip() == f"composer: error: {message}"
+
+
+def test_a_layout_the_construction_refuses_is_one_line(capsys):
+    """FSDP2 refuses experts too few to shard over dp_outer: the plan says so, as one line."""
+    from composer.cli import main
+
+    argv = ["plan", "deepseek-v3-debug", "--gpus", "256", "--gpu", "h100", "--pp", "2", "--ep",
+            "2", "--seq-len", "64", "--global-batch-size", "256", "--micro-batch-size", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("composer: error: rank 128 cannot be built: FSDP does not support "
+                          "uneven sharding"), err
+    assert "\n" not in err
