@@ -152,13 +152,33 @@ def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,
                   tensors: TensorSource | None = None, dtype: torch.dtype | None = None,
                   transform: Callable[[HybridModel], None] | None = None,
                   lora: LoRAConfig | None = None) -> HybridModel:
-    """Build on meta, parallelise there, allocate this rank's shards on its device and fill them:
-    from a portable checkpoint's ``tensors``, from ``seed``, or not at all (``seed=None``: a
-    training checkpoint loads next). Tensors take ``dtype`` (fp32 masters for training; kept
-    names stay at least fp32) or, without it, the checkpoint's dtypes (fp32 for a seed).
-    ``transform`` changes the model on meta before it is parallelised (float8 linears).
-    ``lora``: LoRA adapters on the projections, the base frozen (:mod:`composer.lora`); a
-    portable checkpoint holds the base only, the adapters are initialised from ``seed``."""
+    """Build on meta, parallelise there (:func:`build_meta`), allocate this rank's shards on its
+    device and fill them: from a portable checkpoint's ``tensors``, from ``seed``, or not at all
+    (``seed=None``: a training checkpoint loads next). ``lora``: a portable checkpoint holds the
+    base only, the adapters are initialised from ``seed``."""
+    model = build_meta(cfg, dims, tensors=tensors, dtype=dtype, transform=transform, lora=lora)
+    model.to_empty(device=dims.device)
+    if tensors is not None:
+        skip = is_adapter if lora is not None else None
+        load_weights(model, tensors, strict=model.pipeline is None, skip=skip)
+        if lora is not None and seed is not None:
+            init_weights(model, seed, only=is_adapter)
+    elif seed is not None:
+        init_weights(model, seed)
+    return model
+
+
+def build_meta(cfg: ModelConfig, dims: ParallelDims, tensors: TensorSource | None = None,
+               dtype: torch.dtype | None = None,
+               transform: Callable[[HybridModel], None] | None = None,
+               lora: LoRAConfig | None = None) -> HybridModel:
+    """This rank's model, built and parallelised on the meta device: what training allocates
+    (:func:`build_sharded`) and what ``composer plan`` measures (:mod:`composer.plan`), one path.
+    With ``pp > 1`` only this rank's stages (``model.pipeline``, else None). Tensors take
+    ``dtype`` (fp32 masters for training; kept names stay at least fp32) or, without it, the
+    checkpoint's dtypes (fp32 for a seed). ``transform`` changes the model on meta before it is
+    parallelised (float8 linears). ``lora``: LoRA adapters on the projections, the base frozen
+    (:mod:`composer.lora`)."""
     check_buildable(cfg)
     check_model(dims, cfg)
     pipeline = None
@@ -179,14 +199,6 @@ def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,
     if transform is not None:
         transform(model)
     parallelize(model, dims, roots=None if pipeline is None else pipeline.views, lora=lora)
-    model.to_empty(device=dims.device)
-    if tensors is not None:
-        skip = is_adapter if lora is not None else None
-        load_weights(model, tensors, strict=pipeline is None, skip=skip)
-        if lora is not None and seed is not None:
-            init_weights(model, seed, only=is_adapter)
-    elif seed is not None:
-        init_weights(model, seed)
     model.pipeline = pipeline
     return model
 

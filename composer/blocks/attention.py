@@ -293,6 +293,26 @@ class Attention(nn.Module):
         proj = cfg.d_model * e * ((3 if a.output_gate else 2) * a.n_heads + 2 * kv)
         return 2 * proj + 4 * a.n_heads * e * seq_len
 
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int) -> int:
+        """Saved for the backward per token (``ac``: none or selective; ``full`` keeps none),
+        with a flash-style kernel (no ``T x T`` scores): the projections' input, q, k and v after
+        rope, the attention output and its log-sum-exp per head, the rope tables (``2 E`` per
+        position, with rope); a per-head qk-norm keeps each norm's input, its scaled input and
+        ``1/rms``. ``selective`` keeps the matmul and attention outputs (q, k, v, output,
+        log-sum-exp, the output projection's ``d``). Variants (output gates, sinks, partial
+        rope) are not counted."""
+        a = cfg.attention
+        assert a is not None
+        e, kv = d_head_of(cfg), a.n_kv_heads or a.n_heads
+        qkv = (a.n_heads + 2 * kv) * e
+        core = qkv + a.n_heads * e + a.n_heads  # q, k, v; output; log-sum-exp
+        if ac == "selective":
+            return size * (core + cfg.d_model)
+        norms = (2 * (a.n_heads + kv) * e + a.n_heads + kv) if a.qk_norm else 0
+        tables = 0 if a.position == "none" else 2 * e
+        return size * (cfg.d_model + core + norms + tables)
+
 
 @dataclass(frozen=True)
 class Unsplit:

@@ -8,7 +8,8 @@ code and reached through the record, one hop away (:class:`composer.blocks.proto
 - ``init_rules()``: each parameter's initialisation (``composer/blocks/plan.py``);
 - ``parallel_plan()`` and ``layout_rules(cfg)``: how it splits over tensor / expert parallel ranks
   and what must divide by their sizes;
-- ``flops_per_token(cfg, seq_len)``;
+- ``flops_per_token(cfg, seq_len)`` and ``activation_bytes_per_token(cfg, seq_len, ac, size)``
+  (what ``composer plan`` models);
 - ``init_cache(...)``: its decoding state (a stateful kind) or ``stateless = True``;
 - ``ops``: its time-mixing ops, each naming its context-parallel variant
   (``composer/parallel/context/variants.py``);
@@ -82,6 +83,21 @@ class LayerKind:
 
     def flops_per_token(self, cfg: Any, seq_len: int) -> int:
         return self.mixer.flops_per_token(cfg, seq_len)
+
+    def activation_bytes_per_token(self, cfg: Any, seq_len: int, ac: str,
+                                   size: int) -> int | None:
+        """Bytes one layer of this kind keeps for the backward per token of a micro-batch with
+        ``size``-byte activations, under activation checkpointing ``ac``; None when the mixer
+        declares no ``activation_bytes_per_token`` (``composer plan`` lists it as unknown).
+        The layer's own part: with ``ac`` none, its input and the pre-norm's scaled input
+        and ``1/rms`` (``2 d + 1``); checkpointed, its input (``d``), the mixer's recomputed."""
+        mixer = declared(self.mixer, "activation_bytes_per_token")
+        if mixer is None:
+            return None
+        if ac == "full":
+            return size * cfg.d_model
+        own = 2 * cfg.d_model + 1 if ac == "none" else cfg.d_model
+        return size * own + mixer(cfg, seq_len, ac, size)
 
     def layout_rules(self, cfg: Any) -> list:
         rules = declared(self.mixer, "layout_rules")

@@ -152,6 +152,18 @@ class MLP(nn.Module):
         n_proj = 3 if is_gated(cfg.mlp.activation) else 2
         return 2 * n_proj * cfg.d_model * cfg.mlp.d_ff
 
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int) -> int:
+        """Saved for the backward per token (``ac``: none or selective; ``full`` keeps none):
+        the input of the projections and, gated, the gate and up outputs, the activation and
+        the product (``d + 4 d_ff``; ungated ``d + 2 d_ff``); ``selective`` keeps the matmul
+        outputs only (gate and up, down: ``2 d_ff + d``; ungated ``d_ff + d``)."""
+        assert cfg.mlp is not None
+        d, f, gated = cfg.d_model, cfg.mlp.d_ff, is_gated(cfg.mlp.activation)
+        if ac == "selective":
+            return size * ((2 if gated else 1) * f + d)
+        return size * (d + (4 if gated else 2) * f)
+
 
 def mlp_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: str,
             gate: torch.Tensor | None = None, gate_multiplier: float = 1.0,

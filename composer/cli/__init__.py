@@ -411,6 +411,10 @@ def make_parser(argv: Sequence[str] | None = None) -> Parser:
     add_arguments(tr)
     tr.set_defaults(func=cmd_train)
 
+    from composer.cli.plan import add_parser as add_plan
+
+    add_plan(sub)
+
     data = sub.add_parser("data", help="prepare and inspect Megatron-format indexed datasets")
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=Parser)
     dp = data_sub.add_parser("prepare", help="tokenise .jsonl/.jsonl.gz/.txt/.parquet files")

@@ -34,7 +34,7 @@ from composer.parallel.checkpoint import (
     remove_incomplete,
 )
 from composer.parallel.data import default_grad_sync
-from composer.parallel.mesh import LayoutError, build_parallel_dims
+from composer.parallel.mesh import LayoutError, ParallelDims, build_parallel_dims
 from composer.portable import CONFIG_FILE
 from composer.train.data import SYNTHETIC, Batches, Rows, blend_batches, synthetic_rows
 from composer.train.loop import Run, Summary, seed_everything, train_loop
@@ -182,6 +182,21 @@ def _check(recipe: Recipe, dp: int) -> int:
     return m
 
 
+def check_batches(recipe: Recipe, cfg: ModelConfig,
+                  dims: ParallelDims) -> tuple[int, str | None]:
+    """The micro-batch size and the pipeline schedule (None without ``pp``) of a resolved
+    layout: the batch splits over dp and micro-batches, the stage split and the schedule, or a
+    one-line error before any work (``composer train`` and ``composer plan``)."""
+    micro = _check(recipe, dims.dp)
+    schedule = None
+    if dims.pp > 1:
+        from composer.build.stages import check_pipeline
+
+        _, schedule = check_pipeline(cfg, dims.pp, recipe.parallel.pp_schedule,
+                                     recipe.global_batch_size // (micro * dims.dp))
+    return micro, schedule
+
+
 def _indexed(recipe: Recipe, cfg: ModelConfig, blend: list[tuple[float, str]],
              split: str | None) -> tuple[Batches, Batches | None, int]:
     """Train (and validation) batches of a blend of indexed datasets."""
@@ -312,13 +327,7 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
 
         check_layout(dims.tp, recipe.lora_rank)
     dims.precision = "bf16" if precision in ("bf16", "fp8") else "fp32"
-    micro = _check(recipe, dims.dp)
-    schedule = None
-    if dims.pp > 1:  # the stage split, the schedule and the micro-batch count, before any work
-        from composer.build.stages import check_pipeline
-
-        _, schedule = check_pipeline(cfg, dims.pp, recipe.parallel.pp_schedule,
-                                     recipe.global_batch_size // (micro * dims.dp))
+    micro, schedule = check_batches(recipe, cfg, dims)
     if recipe.eval_every and valid is None and recipe.steps and objective.needs_valid_data:
         raise ConfigError("--eval-every needs validation data: an indexed dataset (--data) "
                           "with a valid share in --split, e.g. --split 98,2,0")

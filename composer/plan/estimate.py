@@ -1,0 +1,130 @@
+"""The modelled part of a plan (docs/planning.md): activations, communication, step time.
+
+Activations: each layer's declared ``activation_bytes_per_token`` (its kind's record) times the
+tokens of a micro-batch, divided by tp under sequence parallel and by cp, times the micro-batches
+a stage holds at once (1F1B: ``pp - stage``; GPipe: all of them; no pipeline: one), plus the
+last stage's fp32 logits of one micro-batch (vocab-parallel: ``/ tp``) and an allocator reserve.
+Communication: bytes each rank sends per step, by collective, ring algorithms
+(``(n - 1) / n`` of the buffer per all-gather, reduce-scatter or all-to-all, twice that per
+all-reduce). Step time: compute at peak plus the pipeline bubble; the lower bound adds only the
+communication that cannot overlap compute (TP, PP, EP, CP), the upper bound adds all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from composer.config import ModelConfig
+from composer.parallel.mesh import ParallelDims
+from composer.plan.hardware import GPU
+
+RESERVE = 0.05
+"""Allocator reserve: a fraction of the GPU's memory kept free for fragmentation (model)."""
+UNKNOWNS = ["allocator fragmentation beyond the reserve", "NCCL and CUDA context buffers",
+            "real overlap of communication with compute", "kernel efficiency below peak",
+            "MoE routing imbalance (uniform routing assumed)",
+            "fp32 internals of norms and softmax under bf16 (counted in the compute dtype)"]
+
+
+def in_flight(stage: int, pp: int, n_micro: int, schedule: str | None) -> int:
+    """Micro-batches whose activations a stage holds at once."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return n_micro
+    return min(pp - stage, n_micro)
+
+
+def activation_bytes(cfg: ModelConfig, kinds: list, dims: ParallelDims, seq_len: int,
+                     micro: int, ac: str, size: int, held: int, last: bool
+                     ) -> tuple[int, list[str]]:
+    """A stage's activation bytes, and the kinds it could not model."""
+    tokens = micro * seq_len // dims.cp
+    shard = dims.tp if dims.sequence_parallel else 1
+    per_token, unknown = 0, []
+    for kind in kinds:
+        b = kind.activation_bytes_per_token(cfg, seq_len, ac, size) if kind is not None else None
+        if b is None:
+            name = kind.name if kind is not None else "a layer"
+            unknown.append(f"activations of {name} layers (no activation_bytes_per_token)")
+        else:
+            per_token += b
+    total = per_token * tokens // shard * held
+    if ac != "none" and kinds:  # one layer recomputed at a time, whole
+        total += max((k.activation_bytes_per_token(cfg, seq_len, "none", size) or 0
+                      for k in kinds if k is not None), default=0) * tokens // shard
+    if last:
+        total += micro * seq_len // dims.cp * cfg.vocab_size * 4 // dims.tp  # fp32 logits
+    return total, sorted(set(unknown))
+
+
+@dataclass
+class Collective:
+    kind: str
+    group: str
+    bytes_per_step: int
+    intra_node: bool
+
+
+def _ring(n: int, nbytes: float) -> float:
+    return nbytes * (n - 1) / n if n > 1 else 0.0
+
+
+def intra(dims: ParallelDims, group: str, hw: GPU) -> bool:
+    """Whether a group's ranks share a node (the mesh is pp, dp_outer, ep, cp, tp row-major)."""
+    span = {"tp": dims.tp, "cp": dims.tp * dims.cp, "ep": dims.tp * dims.cp * dims.ep,
+            "dp_cp": dims.tp * dims.cp * dims.dp, "dp": dims.tp * dims.cp * dims.dp,
+            "pp": dims.world_size}[group]
+    return span <= hw.per_node
+
+
+def communication(cfg: ModelConfig, dims: ParallelDims, kinds: list, seq_len: int, micro: int,
+                  n_micro: int, unsharded_params: int, size: int, hw: GPU) -> list[Collective]:
+    """Bytes one rank sends per step, by collective (module docstring)."""
+    d, out = cfg.d_model, []
+    act = micro * seq_len // dims.cp * d * size  # one layer's activations of a micro-batch
+
+    def add(kind: str, group: str, n: float) -> None:
+        if n > 0:
+            out.append(Collective(kind, group, int(n), intra(dims, group, hw)))
+
+    g = dims.grad_replicas
+    if dims.dp_mode == "shard":
+        add("fsdp_all_gather", "dp_cp", n_micro * 2 * _ring(g, unsharded_params * size))
+        add("fsdp_reduce_scatter", "dp_cp", n_micro * _ring(g, unsharded_params * 4))
+    else:
+        add("dp_all_reduce", "dp_cp", 2 * _ring(g, unsharded_params * 4))
+    n_layers = len(kinds)
+    # sequence parallel: all-gather + reduce-scatter per layer forward, the same backward
+    add("tp_all_gather_reduce_scatter", "tp", n_micro * n_layers * 4 * _ring(dims.tp, act))
+    if dims.pp > 1:
+        add("pp_send_recv", "pp", n_micro * 2 * act)
+    moe = [k for k in kinds if k is not None and k.section == "moe"]
+    if moe and dims.ep > 1:
+        top_k = cfg.moe.top_k
+        add("ep_all_to_all", "ep", n_micro * len(moe) * 4 * top_k * _ring(dims.ep, act))
+    attn = [k for k in kinds if k is not None and k.section == "attention"]
+    if attn and dims.cp > 1:
+        a = cfg.attention
+        kv = 2 * (a.n_kv_heads or a.n_heads) * (a.d_head or d // a.n_heads)
+        kv_bytes = micro * seq_len * kv * size // dims.tp
+        add("cp_kv_all_gather", "cp", n_micro * len(attn) * 2 * _ring(dims.cp, kv_bytes))
+    return out
+
+
+OVERLAPPED = ("fsdp_all_gather", "fsdp_reduce_scatter", "dp_all_reduce")
+"""What data parallelism overlaps with compute (prefetch, bucketed backward reduction)."""
+
+
+def step_time(flops_per_rank: float, comm: list[Collective], dims: ParallelDims, n_micro: int,
+              hw: GPU, precision: str) -> dict[str, float]:
+    compute = flops_per_rank / hw.peak_flops(precision)
+    bubble = compute * (dims.pp - 1) / n_micro if dims.pp > 1 else 0.0
+
+    def seconds(c: Collective) -> float:
+        return c.bytes_per_step / ((hw.nvlink_gbs if c.intra_node else hw.net_gbs) * 1e9)
+
+    exposed = sum(seconds(c) for c in comm if c.kind not in OVERLAPPED)
+    everything = sum(seconds(c) for c in comm)
+    return {"lower": compute + bubble + exposed, "upper": compute + bubble + everything,
+            "compute": compute, "bubble": bubble}

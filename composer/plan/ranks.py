@@ -1,0 +1,276 @@
+"""The exact part of a plan: what each rank holds, read from the real construction path.
+
+One process impersonates a rank of a world of any size through torch's fake process group
+(``init_process_group("fake", ...)``: collectives are no-ops, meshes and groups are real), builds
+and parallelises the model on the meta device exactly as training does
+(:func:`composer.run.build_meta`) and reads that rank's shards. One rank is built per pipeline
+stage (the stages hold different layers); the other ranks of a stage hold the same parameters
+over meshes of the same shape, so their shard sizes follow from each parameter's global shape
+and placements at their mesh coordinates (torch's own DTensor arithmetic). Ranks whose bytes are
+equal form one *rank class*, named by its first rank.
+
+Bytes per rank:
+- ``params``: the fp32 masters' local shards (``to_local()``);
+- ``grads``: one gradient per trainable master, in the master's dtype (FSDP2 reduces in fp32,
+  ``MixedPrecisionPolicy.reduce_dtype``, into the sharded fp32 gradient; replicated and
+  expert-apart gradients are the masters' shape and dtype too);
+- ``optimizer``: AdamW's two moments per trainable master plus its fp32 ``step`` scalar;
+  Muon's momentum for the matrices :func:`composer.train.optim.build_optimizers` gives it;
+- ``buffers``: data parallelism's unsharded units in flight, the current and the prefetched
+  one (the two largest units' all-gathered bytes in the compute dtype; none where a unit is
+  neither sharded nor cast).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from composer.config import ModelConfig
+from composer.parallel.layout import ParallelConfig
+from composer.parallel.mesh import LayoutError, ParallelDims, build_parallel_dims
+
+ROOT_DIMS = ("pp", "dp_outer", "ep", "cp", "tp")
+DP_DIMS = ("dp", "dp_cp", "dp_outer")
+"""Mesh dimensions data parallelism shards over (what an FSDP unit gathers)."""
+STEP_BYTES = 4
+"""AdamW's ``step``: one fp32 scalar per parameter (``torch.optim.AdamW``, not fused)."""
+
+
+@dataclass
+class RankBytes:
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.buffers
+
+
+@dataclass
+class RankClass:
+    stage: int
+    example_rank: int
+    n_ranks: int
+    bytes: RankBytes
+
+
+@contextmanager
+def impersonate(rank: int, world: int) -> Iterator[None]:
+    """Be ``rank`` of ``world`` (fake process group) for the block; refused inside a real one."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("composer plan impersonates ranks: it runs outside a process group")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
+    """``rank``'s coordinate on every mesh dimension, the flattened ones included (the mesh is
+    ``(pp, dp_outer, ep, cp, tp)``, row-major over the ranks)."""
+    coords, rest = {}, rank
+    for name in reversed(ROOT_DIMS):
+        size = {"pp": dims.pp, "dp_outer": dims.dp_outer, "ep": dims.ep, "cp": dims.cp,
+                "tp": dims.tp}[name]
+        coords[name], rest = rest % size, rest // size
+    coords["dp"] = coords["dp_outer"] * dims.ep + coords["ep"]
+    coords["dp_cp"] = coords["dp"] * dims.cp + coords["cp"]
+    return coords
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What decides a parameter's local size on any rank: global shape, mesh, placements."""
+
+    shape: tuple[int, ...]
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+    placements: tuple
+
+    def numel_at(self, coords: dict[str, int], gathered: bool = False) -> int:
+        """Local elements at ``coords``; ``gathered``: with data parallelism's shards
+        all-gathered (an FSDP unit's unsharded view)."""
+        return _local_numel(self, tuple(coords[d] for d in self.dims), gathered)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _local_numel(shape: Shape, at: tuple[int, ...], gathered: bool) -> int:
+    if not shape.dims:
+        return _prod(shape.shape)
+    placements = [Replicate() if gathered and d in DP_DIMS else p
+                  for d, p in zip(shape.dims, shape.placements, strict=True)]
+    local, _ = _compute_local_shape_and_global_offset(shape.shape, shape.sizes, list(at),
+                                                      placements, skip_offset=True)
+    return _prod(local)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+def shape_of(p: torch.Tensor) -> Shape:
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        return Shape(tuple(p.shape), tuple(mesh.mesh_dim_names), tuple(mesh.mesh.shape),
+                     tuple(p.placements))
+    return Shape(tuple(p.shape), (), (), ())
+
+
+@dataclass
+class StageParts:
+    """One stage's parameters, each with its shape rule, element size and optimizer state
+    count, and its data-parallel units (lists of parameter indices)."""
+
+    params: list[tuple[Shape, int, bool, int]]
+    """(shape, bytes per element, trainable, optimizer state copies: 2 AdamW, 1 Muon)."""
+    units: list[list[int]]
+    compute_size: int
+    kinds: list = dataclasses.field(default_factory=list)
+    dims: ParallelDims | None = None
+    """The :class:`~composer.blocks.kind.LayerKind` of each layer on the stage (None: unknown)."""
+
+    def bytes_at(self, coords: dict[str, int]) -> RankBytes:
+        params = grads = opt = 0
+        for shape, size, trainable, copies in self.params:
+            n = shape.numel_at(coords) * size
+            params += n
+            if trainable:
+                grads += n
+                opt += copies * n + (STEP_BYTES if copies == 2 else 0)
+        return RankBytes(params, grads, opt, self.in_flight(coords))
+
+    def unsharded_params(self, rank: int, dims: ParallelDims | None = None) -> int:
+        """Elements of ``rank``'s parameters with data parallelism's shards gathered."""
+        coords = rank_coords(rank, dims or self.dims)
+        return sum(shape.numel_at(coords, gathered=True) for shape, _, _, _ in self.params)
+
+    def in_flight(self, coords: dict[str, int]) -> int:
+        """The two largest units' gathered bytes in the compute dtype (current + prefetched)."""
+        sizes = []
+        for unit in self.units:
+            total = 0
+            for i in unit:
+                shape, size, _, _ = self.params[i]
+                sharded = any(d in DP_DIMS for d in shape.dims) and \
+                    shape.numel_at(coords, gathered=True) != shape.numel_at(coords)
+                if sharded or size != self.compute_size:
+                    total += shape.numel_at(coords, gathered=True) * self.compute_size
+            sizes.append(total)
+        return sum(sorted(sizes, reverse=True)[:2])
+
+
+def stage_parts(model: nn.Module, optimizer: str, compute_size: int) -> StageParts:
+    """The parameters of an impersonated rank's model (built by :func:`build_rank`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from composer.train.optim import build_optimizers
+
+    opts = build_optimizers(model, optimizer, 1e-3, 0.0, (0.9, 0.95), 1e-8).opts
+    copies = {}
+    for opt in opts:
+        n = 2 if isinstance(opt, torch.optim.AdamW) else 1
+        for group in opt.param_groups:
+            for p in group["params"]:
+                copies[id(p)] = n
+    index: dict[int, int] = {}
+    params = []
+    for p in model.parameters():  # each parameter once (tied ones are one)
+        index[id(p)] = len(params)
+        params.append((shape_of(p), p.element_size(), p.requires_grad, copies.get(id(p), 0)))
+    units = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                units.append([index[id(fp.sharded_param)] for fp in group.fsdp_params])
+    from composer.blocks.kind import KINDS
+
+    by_mixer = {kind.mixer: kind for kind in KINDS.values()}
+    kinds = [by_mixer.get(type(layer.mixer)) for layer in model.all_layers()]
+    return StageParts(params, units, compute_size, kinds)
+
+
+def build_rank(cfg: ModelConfig, layout: ParallelConfig, precision: str) -> tuple[nn.Module,
+                                                                                   ParallelDims]:
+    """The current (impersonated) rank's model on meta, as training builds it (fp32 masters)."""
+    from composer.run import build_meta
+
+    dims = build_parallel_dims(layout, "cpu")
+    dims.precision = "bf16" if precision in ("bf16", "fp8") else "fp32"
+    return build_meta(cfg, dims, dtype=torch.float32), dims
+
+
+def rank_bytes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: str = "bf16",
+               optimizer: str = "adamw", stages: list[StageParts] | None = None
+               ) -> list[tuple[int, RankBytes]]:
+    """``(stage, bytes)`` of every rank of ``layout`` on ``world`` ranks, in rank order: one
+    impersonated construction per stage, the stage's other ranks from their coordinates.
+    ``stages``: filled with each stage's :class:`StageParts`."""
+    compute_size = 2 if precision in ("bf16", "fp8") else 4
+    per_stage = world // layout.pp
+    out = []
+    for stage in range(layout.pp):
+        with impersonate(stage * per_stage, world):
+            try:
+                model, dims = build_rank(cfg, layout, precision)
+            except NotImplementedError as exc:  # what the same layout's training would meet
+                first = str(exc).splitlines()[0]
+                raise LayoutError(f"rank {stage * per_stage} cannot be built: {first}") from None
+            parts = stage_parts(model, optimizer, compute_size)
+            parts.dims = dims
+        if stages is not None:
+            stages.append(parts)
+        out.extend((stage, parts.bytes_at(rank_coords(rank, dims)))
+                   for rank in range(stage * per_stage, (stage + 1) * per_stage))
+    return out
+
+
+def rank_classes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: str = "bf16",
+                 optimizer: str = "adamw", stages: list[StageParts] | None = None
+                 ) -> list[RankClass]:
+    """The distinct rank classes (equal bytes on one stage), by stage, then first rank."""
+    seen: dict[tuple, RankClass] = {}
+    per_rank = rank_bytes(cfg, layout, world, precision, optimizer, stages)
+    for rank, (stage, b) in enumerate(per_rank):
+        key = (stage, *dataclasses.astuple(b))
+        if key in seen:
+            seen[key].n_ranks += 1
+        else:
+            seen[key] = RankClass(stage, rank, 1, b)
+    return list(seen.values())
+
+
+def local_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer] | None = None
+                ) -> dict[str, int]:
+    """What this rank holds now (``to_local()`` sums): parameters, gradients, optimizer state."""
+    def size(t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    state = 0
+    for opt in optimizers or []:
+        for s in opt.state.values():
+            state += sum(size(v) for v in s.values() if isinstance(v, torch.Tensor))
+    return {"params": sum(size(p) for p in params), "grads": sum(size(p.grad) for p in params),
+            "optimizer": state}

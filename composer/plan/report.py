@@ -1,0 +1,93 @@
+"""One plan: the layout checked as ``composer train`` checks it, the exact bytes of every rank
+class, the modelled activations, communication and step time, as the ``--json`` object."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer.plan.estimate import (
+    RESERVE,
+    UNKNOWNS,
+    activation_bytes,
+    communication,
+    in_flight,
+    step_time,
+)
+from composer.plan.hardware import GPU
+from composer.plan.ranks import StageParts, rank_classes
+
+EXACTNESS = {"params_bytes": "exact", "grads_bytes": "exact", "optimizer_bytes": "exact",
+             "buffers_bytes": "model", "activations_bytes": "model", "total_bytes": "model",
+             "feasible": "model", "flops_per_token": "exact", "comm": "model",
+             "step_time_s": "model", "tokens_per_s_per_gpu": "model", "mfu": "model"}
+"""``buffers_bytes``: the units' sizes are exact, that two are in flight is the model."""
+
+
+def check(recipe: Any, cfg: Any, world: int) -> tuple[Any, int, str | None]:
+    """The layout's dims, micro-batch size and schedule, through train's own checks: context
+    parallel lengths, the sizes against the world, the model's divisibility rules, the batch
+    splits and the pipeline's stages (the same one-line errors)."""
+    from composer.build.builder import check_buildable, check_model
+    from composer.parallel.mesh import resolve_layout
+    from composer.train.engine import _check_cp, check_batches
+
+    check_buildable(cfg)
+    _check_cp(recipe, cfg, recipe.seq_len + 1)  # rows of seq_len + 1 tokens, as with --data
+    dims = resolve_layout(recipe.parallel, world)
+    check_model(dims, cfg)
+    micro, schedule = check_batches(recipe, cfg, dims)
+    return dims, micro, schedule
+
+
+def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU) -> dict[str, Any]:
+    from composer.build.builder import build_model, model_stats
+
+    dims, micro, schedule = check(recipe, cfg, world)
+    precision = recipe.precision or "bf16"
+    size = 2 if precision in ("bf16", "fp8") else 4
+    seq = recipe.seq_len
+    n_micro = recipe.global_batch_size // (micro * dims.dp)
+    stages: list[StageParts] = []
+    classes = rank_classes(cfg, recipe.parallel, world, precision, recipe.optimizer, stages)
+    unknowns = list(UNKNOWNS)
+    fpt = model_stats(build_model(cfg, device="meta"), seq_len=seq).flops_per_token
+    out_classes, comms = [], []
+    reserve = int(RESERVE * hw.mem_bytes)
+    for c in classes:
+        parts = stages[c.stage]
+        held = in_flight(c.stage, dims.pp, n_micro, schedule)
+        act, unknown = activation_bytes(cfg, parts.kinds, dims, seq, micro, dims.ac, size, held,
+                                        c.stage == dims.pp - 1)
+        unknowns += [u for u in unknown if u not in unknowns]
+        b = c.bytes
+        total = b.params + b.grads + b.optimizer + b.buffers + act + reserve
+        out_classes.append({"stage": c.stage, "example_rank": c.example_rank,
+                            "n_ranks": c.n_ranks, "params_bytes": b.params,
+                            "grads_bytes": b.grads, "optimizer_bytes": b.optimizer,
+                            "activations_bytes": act, "buffers_bytes": b.buffers + reserve,
+                            "total_bytes": total, "worst": False})
+    worst = max(range(len(out_classes)), key=lambda i: out_classes[i]["total_bytes"])
+    out_classes[worst]["worst"] = True
+    w = classes[worst]
+    gathered = stages[w.stage].unsharded_params(w.example_rank)
+    comm = communication(cfg, dims, stages[w.stage].kinds, seq, micro, n_micro, gathered, size,
+                         hw)
+    comms = [{"kind": c.kind, "group": c.group, "bytes_per_step": c.bytes_per_step,
+              "intra_node": c.intra_node} for c in comm]
+    tokens = recipe.global_batch_size * seq
+    recompute = 4 / 3 if dims.ac == "full" else 1.0  # a second forward
+    flops_rank = fpt * tokens * recompute / world
+    t = step_time(flops_rank, comm, dims, n_micro, hw, precision)
+    tps = {k: tokens / (t[k] * world) for k in ("lower", "upper")}
+    mfu = {k: fpt * tps[k] / hw.peak_flops(precision) for k in ("lower", "upper")}
+    # the fastest step gives the most tokens/s: the bounds swap
+    return {"layout": {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep,
+                       "dp": dims.dp, "dp_mode": dims.dp_mode, "micro_batch_size": micro,
+                       "pp_schedule": schedule},
+            "feasible": out_classes[worst]["total_bytes"] <= hw.mem_bytes,
+            "gpu": hw.name, "gpu_mem_bytes": hw.mem_bytes,
+            "flops_per_token": fpt, "rank_classes": out_classes, "comm": comms,
+            "step_time_s": {"lower": t["lower"], "upper": t["upper"]},
+            "tokens_per_s_per_gpu": {"lower": tps["upper"], "upper": tps["lower"]},
+            "mfu": {"lower": mfu["upper"], "upper": mfu["lower"]},
+            "exactness": EXACTNESS, "unknowns": unknowns}
