@@ -43,9 +43,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer.config import BranchScale, ModelConfig, ParallelConfig
+from composer.config import ModelConfig
 from composer.zoo import Preset
-from composer.zoo.sections import AttentionConfig, MambaConfig, MLPConfig
+from composer.zoo.sections import (
+    AttentionConfig,
+    BranchScale,
+    MambaConfig,
+    MLPConfig,
+    ParallelConfig,
+)
 
 FAMILY = "falcon-h1"
 
