@@ -20,9 +20,13 @@ low-rank adapters (transformers' per-site adapter lists, "formally LoRA but in t
 The layer reads the un-normed ``x`` and its norm (``takes_residual``) and the embeddings
 (``uses_embeddings``) through :func:`composer.blocks.protocol.call_mixer`. Packed documents:
 both the attention and the Mamba-2 mixer isolate them. Decoding keeps the attention's keys and
-values and the Mamba-2 state (:class:`ZambaState`). Parallel forms: not yet: tensor and pipeline
-parallelism refuse the kind in one line (layout rules: the block has no tp plan, a stage does not
-carry the embeddings), and so does context parallelism (no time-mixing op declared).
+values and the Mamba-2 state (:class:`ZambaState`). Tensor parallel: the block's attention
+(heads of the ``W`` wide input) and MLP and the Mamba-2 mixer split by their own plans; the two
+:class:`~composer.blocks.plan.PartialSum` marks of the block (``attn_sum``, ``out_sum``) are
+where the parallel layer sums a row-parallel output before the block goes on; the adapters'
+``up`` split like their base (:meth:`ZambaMixer.parallel_plan`). Pipeline parallel: a stage that
+holds ``Z`` recomputes the embeddings from the token ids (``composer/parallel/pipeline.py``).
+Context parallelism refuses the kind in one line (no time-mixing op declared).
 
 Shape legend: B batch, T time, D d_model, W = 2 * D the block's input width, R adapter rank.
 """

@@ -14,7 +14,8 @@ with explicit collectives around each mixer:
 
 Module swaps that live here: row-parallel linears (bias added on one rank), head-selecting
 linears (fewer kv heads than ranks), the sequence cut of multi-token prediction's keep mask
-(:class:`SequenceChunkTP`); and from ``vocab.py`` the vocabulary-parallel embedding and
+(:class:`SequenceChunkTP`), the sums inside a mixer that chains sub-layers
+(:class:`PartialSumTP`); and from ``vocab.py`` the vocabulary-parallel embedding and
 readout (head + loss, never gathering the logits for the loss). A swap builds a new module that
 holds the old one's Parameter objects and the context it needs, and sets it in the old one's
 place on its parent (:func:`replace_submodule`), so state-dict keys, parameter order and
