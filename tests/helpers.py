@@ -245,10 +245,12 @@ def adamw_steps(model: torch.nn.Module, dims, opt: torch.optim.Optimizer,
 
 
 def layout_case(layout: dict, cfg_dict: dict, data: np.ndarray, fp64: bool = False,
-                lr: float = 1e-4, steps: int = 3) -> dict:
+                lr: float = 1e-4, steps: int = 3, doc_ids: np.ndarray | None = None) -> dict:
     """What a parallel layout computes, for layout-parity tests (every rank runs it; ``{}`` is
     one process): the eval loss, the gradients of one global batch (gathered whole) and the
-    weights after ``steps`` plain AdamW steps, for a model built shard-local with seed 7."""
+    weights after ``steps`` plain AdamW steps, for a model built shard-local with seed 7.
+    ``doc_ids`` (one row per data row): also the eval loss of the rows as packed documents
+    (``eval_packed``)."""
     from composer.config import ModelConfig
     from composer.parallel.mesh import ParallelConfig, build_parallel_dims
     from composer.run import build_sharded, evaluate
@@ -261,6 +263,7 @@ def layout_case(layout: dict, cfg_dict: dict, data: np.ndarray, fp64: bool = Fal
     model = build_sharded(cfg, dims, seed=7, dtype=torch.float64 if fp64 else None)
     rows = list(data)
     loss, _ = evaluate(model, dims, rows, batch_size=2)
+    packed = None if doc_ids is None else evaluate(model, dims, rows, 2, list(doc_ids))[0]
     share = len(rows) // dims.dp
     mine = torch.from_numpy(data[dims.dp_rank() * share:(dims.dp_rank() + 1) * share]).long()
     model.train()
@@ -269,7 +272,8 @@ def layout_case(layout: dict, cfg_dict: dict, data: np.ndarray, fp64: bool = Fal
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     result = adamw_steps(model, dims, opt, rows, steps, batch_size=4, seed=3)
     params = {k: whole(p.detach()).clone() for k, p in model.named_parameters()}
-    return {"eval": loss, "grads": grads, "losses": result.losses, "params": params}
+    return {"eval": loss, "grads": grads, "losses": result.losses, "params": params,
+            "eval_packed": packed}
 
 
 VL_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",

@@ -19,7 +19,8 @@ that set ``uses_positions = True`` (attention), and the model's input embeddings
 that sets ``takes_residual = True`` gets ``x`` itself and this layer's norm (``norm=``), and
 normalises where its math puts the norm (Zamba2: ``x + mamba(norm(x + linear(T(x, e))))``). A
 keyword passes untouched through the
-tensor-parallel pre-hooks (they rewrite ``args[0]`` only) and activation checkpointing.
+tensor-parallel pre-hooks (they rewrite ``args[0]``, and ``embeddings``, which enter the mixer
+like its input) and activation checkpointing.
 
 Decoding (:mod:`composer.blocks.cache`): the same ``forward`` with ``step=`` (a
 :class:`~composer.blocks.cache.Step`: the layer's state and the call's context); a stateful

@@ -160,13 +160,27 @@ class ParallelPlan:
     local_sums: tuple[str, ...] = ()
     """:class:`TokenSum` submodules: sums over this rank's own tokens (whole sequences, e.g.
     per-sequence statistics), which every tensor-parallel rank computes whole."""
-
+    partial_sums: tuple[str, ...] = ()
+    """:class:`PartialSum` submodules: points inside the block where a row-parallel output
+    (a partial sum over ``tp``) must be whole before the block goes on (a norm, a second
+    sub-layer)."""
 
 
 class TokenSum(nn.Module):
     """The identity on one device. It marks statistics summed over tokens (expert counts, summed
     router probabilities) that must cover the whole batch: the parallel layer replaces it by a
     differentiable sum over the ranks that hold the batch's other tokens."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class PartialSum(nn.Module):
+    """The identity on one device. It marks a tensor inside a block that tensor parallelism
+    leaves as partial sums (the output of a row-parallel projection) where the block's math
+    needs it whole: a block that chains sub-layers inside one mixer (Zamba2's shared block:
+    attention, then a norm and an MLP). The parallel layer replaces it by a sum over the
+    ranks."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -233,4 +247,18 @@ class DividesShard:
         return None
 
 
-LayoutRule = Divisible | DivideEachOther | DividesShard
+@dataclass(frozen=True)
+class Inside:
+    """A rule of a part that a block is built from, its message naming the block (Zamba2's
+    ``'Z'`` holds an attention, an MLP and a Mamba-2 mixer)."""
+
+    where: str
+    rule: object
+    """A layout rule (anything with ``problem(sizes)``)."""
+
+    def problem(self, sizes: Mapping[str, int]) -> str | None:
+        problem = self.rule.problem(sizes)  # type: ignore[attr-defined]
+        return None if problem is None else f"{self.where}: {problem}"
+
+
+LayoutRule = Divisible | DivideEachOther | DividesShard | Inside

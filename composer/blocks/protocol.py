@@ -162,8 +162,7 @@ def call_mixer(mixer: nn.Module, h_BTD: torch.Tensor, doc_ids: torch.Tensor | No
     if declared(mixer, "uses_embeddings"):
         if embeddings is None:
             raise ValueError(f"{type(mixer).__name__} reads the model's input embeddings, "
-                             "which this call does not carry (a pipeline stage or an MTP "
-                             "depth does not yet)")
+                             "which this call does not carry (an MTP depth does not yet)")
         kwargs["embeddings"] = embeddings
     if norm is not None and declared(mixer, "takes_residual"):
         kwargs["norm"] = norm

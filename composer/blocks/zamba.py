@@ -20,9 +20,13 @@ low-rank adapters (transformers' per-site adapter lists, "formally LoRA but in t
 The layer reads the un-normed ``x`` and its norm (``takes_residual``) and the embeddings
 (``uses_embeddings``) through :func:`composer.blocks.protocol.call_mixer`. Packed documents:
 both the attention and the Mamba-2 mixer isolate them. Decoding keeps the attention's keys and
-values and the Mamba-2 state (:class:`ZambaState`). Parallel forms: not yet: tensor and pipeline
-parallelism refuse the kind in one line (layout rules: the block has no tp plan, a stage does not
-carry the embeddings), and so does context parallelism (no time-mixing op declared).
+values and the Mamba-2 state (:class:`ZambaState`). Tensor parallel: the block's attention
+(heads of the ``W`` wide input) and MLP and the Mamba-2 mixer split by their own plans; the two
+:class:`~composer.blocks.plan.PartialSum` marks of the block (``attn_sum``, ``out_sum``) are
+where the parallel layer sums a row-parallel output before the block goes on; the adapters'
+``up`` split like their base (:meth:`ZambaMixer.parallel_plan`). Pipeline parallel: a stage that
+holds ``Z`` recomputes the embeddings from the token ids (``composer/parallel/pipeline.py``).
+Context parallelism refuses the kind in one line (no time-mixing op declared).
 
 Shape legend: B batch, T time, D d_model, W = 2 * D the block's input width, R adapter rank.
 """
@@ -34,13 +38,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from composer.blocks.attention import Attention, Unsplit, attention_ref
+from composer.blocks.attention import Attention, attention_ref
 from composer.blocks.cache import KVState, RecurrentState, Step
 from composer.blocks.kind import LayerKind
 from composer.blocks.mamba2 import Mamba2Mixer, mamba2_ref
 from composer.blocks.mlp import MLP, activation_ref, is_gated
 from composer.blocks.norm import RMSNorm
-from composer.blocks.plan import Init, Normal, init_module
+from composer.blocks.plan import Init, Inside, Normal, ParallelPlan, PartialSum, init_module
+from composer.blocks.split import SplitLinear
 from composer.config import ConfigError, ModelConfig, positive
 
 # ---------------------------------------------------------------- the kind's config section
@@ -77,12 +82,17 @@ class ZambaState:
 
 
 class LowRank(nn.Module):
-    """``up(down(x))``: one per-site adapter (``down [R, in]``, ``up [out, R]``)."""
+    """``up(down(x))``: one per-site adapter (``down [R, in]``, ``up [out, R]``). ``parts``:
+    ``up``'s rows are the parts of a fused output (the MLP's ``[gate; up]``), kept as named
+    parts (:class:`~composer.blocks.split.SplitLinear`) so that tensor parallelism splits each
+    like the projection it adds to; the state dict still holds one ``up.weight``."""
 
-    def __init__(self, d_in: int, rank: int, d_out: int) -> None:
+    def __init__(self, d_in: int, rank: int, d_out: int,
+                 parts: dict[str, int] | None = None) -> None:
         super().__init__()
         self.down = nn.Linear(d_in, rank, bias=False)
-        self.up = nn.Linear(rank, d_out, bias=False)
+        self.up: nn.Module = (nn.Linear(rank, d_out, bias=False) if parts is None
+                              else SplitLinear(rank, parts, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.up(self.down(x))
@@ -100,6 +110,14 @@ class SharedBlock(nn.Module):
         self.attn = Attention(cfg, d_in=2 * d)
         self.ff_norm = RMSNorm(d, cfg.norm_eps)
         self.mlp = MLP(cfg)
+        self.attn_sum = PartialSum()  # the attention's output, whole before ff_norm
+        self.out_sum = PartialSum()  # the MLP's, whole before linear and the norm
+
+    def parallel_plan(self) -> ParallelPlan:
+        """The attention's and the MLP's own plans (heads, hidden units); the norms replicated,
+        read inside the mixer (partial gradients); the two sub-layers' outputs summed inside."""
+        return ParallelPlan(partial=("input_norm.weight", "ff_norm.weight"),
+                            partial_sums=("attn_sum", "out_sum"))
 
     def forward(self, x_BTD: torch.Tensor, e_BTD: torch.Tensor, adapters: nn.ModuleDict, *,
                 doc_ids: torch.Tensor | None = None, step: Step | None = None) -> torch.Tensor:
@@ -113,11 +131,11 @@ class SharedBlock(nn.Module):
                 p_BTX = p_BTX + adapters[name](h_BTW)
             heads.append(p_BTX.view(b, t, -1, a.d_head).transpose(1, 2))
         o_BHTE = a.core(*heads, a.rotary, a.scale, doc_ids=doc_ids, step=step)
-        y_BTD = self.ff_norm(a._output(o_BHTE, None))
+        y_BTD = self.ff_norm(self.attn_sum(a._output(o_BHTE, None)))
         m = self.mlp
         g_BTF, u_BTF = m.gate_proj(y_BTD), m.up_proj(y_BTD)
         ag_BTF, au_BTF = adapters["mlp"](y_BTD).chunk(2, dim=-1)
-        return m.down_proj(m.act(g_BTF + ag_BTF) * (u_BTF + au_BTF))
+        return self.out_sum(m.down_proj(m.act(g_BTF + ag_BTF) * (u_BTF + au_BTF)))
 
 
 class ZambaMixer(nn.Module):
@@ -145,12 +163,24 @@ class ZambaMixer(nn.Module):
             for name in ("q", "k", "v"):
                 out = getattr(a, f"{name}_proj").out_features
                 self.adapters[name] = LowRank(2 * d, r, out)
-        self.adapters["mlp"] = LowRank(d, r, 2 * mlp.d_ff)
+        self.adapters["mlp"] = LowRank(d, r, 2 * mlp.d_ff, {"gate": mlp.d_ff, "up": mlp.d_ff})
 
     def init_rules(self) -> dict[str, Init]:
         std = Normal(self.init_std)
         return {"linear.weight": std, "adapters.*.down.weight": std,
-                "adapters.*.up.weight": std}
+                "adapters.*.up.weight*": std}
+
+    def parallel_plan(self) -> ParallelPlan:
+        """Tensor parallel (the block's modules and ``mamba`` declare their own plans): each
+        adapter's ``down`` replicated (it reads the whole normed input; partial gradients),
+        its ``up`` split like the projection it adds to: q by heads, k and v by kv heads (or
+        replicated, each rank keeping its head), the MLP's ``[gate; up]`` part by part as
+        ``gate_proj`` and ``up_proj``; ``linear`` replicated on the block's whole output."""
+        heads = {f"adapters.{n}.up": self.block.attn.n_kv_heads for n in ("k", "v")
+                 if n in self.adapters}
+        return ParallelPlan(colwise=("adapters.q.up",) if "q" in self.adapters else (),
+                            heads=heads, shard={"adapters.mlp.up.weight_*": 0},
+                            partial=("adapters.*.down.weight", "linear.weight"))
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         init_module(self, generator)
@@ -172,11 +202,13 @@ class ZambaMixer(nn.Module):
                           self.mamba.init_cache(batch, max_len, device, dtype))
 
     @staticmethod
-    def layout_rules(cfg: ModelConfig) -> list[Unsplit]:
-        return [Unsplit("'Z' (Zamba2 hybrid layer: its shared block has no tensor-parallel "
-                        "plan yet)"),
-                Unsplit("'Z' (Zamba2 hybrid layer: a pipeline stage does not carry the input "
-                        "embeddings it reads yet)", dim="pp")]
+    def layout_rules(cfg: ModelConfig) -> list[Inside]:
+        """The shared block's attention and MLP and the Mamba-2 mixer split as they do alone
+        (the 2 * d_model wide attention by heads); a broken rule names the kind."""
+        where = "'Z' (Zamba2 hybrid layer)"
+        return [Inside(where, rule) for rule in (*Attention.layout_rules(cfg),
+                                                 *MLP.layout_rules(cfg),
+                                                 *Mamba2Mixer.layout_rules(cfg))]
 
     @staticmethod
     def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

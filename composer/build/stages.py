@@ -19,7 +19,7 @@ from composer.build.builder import build_model
 from composer.build.registry import layer_kind
 from composer.config import ModelConfig
 from composer.parallel.mesh import LayoutError, ParallelDims
-from composer.parallel.pipeline import SCHEDULES, embed_on_last, prune, rank_stages
+from composer.parallel.pipeline import SCHEDULES, embed_stages, prune, rank_stages
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class StageInfo:
     """Global layer indices."""
     pattern: str
     n_params: int
-    """Parameters the stage holds (the embedding copy of tied weights on the last stage too)."""
+    """Parameters the stage holds (a copy of the embedding on the stages of
+    :func:`~composer.parallel.pipeline.embed_stages` too)."""
     flops_per_token: int
     """Forward FLOPs per token of its layers (and the head on the last stage)."""
 
@@ -94,12 +95,13 @@ def split_stages(cfg: ModelConfig, pp: int, seq_len: int = 4096) -> list[StageIn
     model = build_model(cfg, device="meta")
     flops = _layer_flops(cfg, seq_len)
     infos = []
+    holders = embed_stages(cfg, groups)
     for s, layers in enumerate(groups):
         first, last = s == 0, s == len(groups) - 1
         params = sum(p.numel() for i in layers for p in model.layers[str(i)].parameters())
         labels = {model.layers[str(i)].shared_label for i in layers} - {None}
         params += sum(p.numel() for a in labels for p in model.shared[a].parameters())  # copies
-        if first or (last and embed_on_last(model)):
+        if s in holders:
             params += model.embed.weight.numel()
         if first and getattr(model, "visual", None) is not None:  # the tower feeds the embedding
             params += sum(p.numel() for p in model.visual.parameters())

@@ -7,9 +7,16 @@ Stage ``s``
 lives on pipeline rank ``s % pp`` (rank ``r`` holds ``r, r + pp, ...``: the interleaved layout).
 The embedding sits on the first stage; the final norm, the head, the loss (and multi-token
 prediction) on the last; with tied embeddings or multi-token prediction the last stage holds a
-copy of the embedding, and the two copies' gradients are summed after every backward (they
-start equal and stay equal). A shared layer (``{a:T}``, :mod:`composer.blocks.shared`) is
-held by every pipeline rank whose stages use it, its copies' gradients summed the same way.
+copy of the embedding, and so does every stage with a layer whose mixer reads the model's input
+embeddings (``uses_embeddings``: Zamba2's ``Z``); the copies' gradients are summed after every
+backward (they start equal and stay equal). Such a stage recomputes the embeddings from the
+token ids, which reach every stage with each micro-batch like the labels (``embed_ids``),
+rather than receiving them beside the hidden state: the same table and the same lookup give
+the same tensor (exact), a lookup is cheap next to sending ``[B, T, D]`` more each way per
+micro-batch, and the backward needs no second tensor through the schedule; the cost is the
+table's copy and one sum of its gradient per step, as for tied embeddings. A shared layer
+(``{a:T}``, :mod:`composer.blocks.shared`) is held by every pipeline rank whose stages use it,
+its copies' gradients summed the same way.
 
 Each rank builds only its stages: the model is built on the meta device, pruned to the rank's
 layers (:func:`prune`), and parallelised and materialised as without pipelining. Layers keep
@@ -66,13 +73,33 @@ def rank_stages(n_stages: int, pp: int, pp_rank: int) -> list[int]:
 def embed_on_last(model: HybridModel) -> bool:
     """The last stage holds a copy of the embedding: as the head (tied), or for multi-token
     prediction's shifted tokens."""
-    return model.config.tie_embeddings or bool(model.config.parsed.mtp)  # (pruned or not)
+    return _embed_on_last(model.config)  # (pruned or not)
+
+
+def _embed_on_last(cfg: Any) -> bool:
+    return cfg.tie_embeddings or bool(cfg.parsed.mtp)
+
+
+def reads_embeddings(cfg: Any, layers: tuple[int, ...]) -> bool:
+    """Whether a mixer of ``layers`` reads the model's input embeddings (``uses_embeddings``)."""
+    from composer.build.registry import layer_kind  # (composer.build imports this module)
+
+    return any(declared(layer_kind(cfg.parsed.layers[i]).mixer, "uses_embeddings")
+               for i in layers)
+
+
+def embed_stages(cfg: Any, groups: list[tuple[int, ...]]) -> list[int]:
+    """The stages holding a copy of the embedding: the first, the last with tied weights or
+    multi-token prediction, and every stage whose layers read the input embeddings."""
+    last = len(groups) - 1
+    return [s for s, layers in enumerate(groups)
+            if s == 0 or (s == last and _embed_on_last(cfg)) or reads_embeddings(cfg, layers)]
 
 
 def prune(model: HybridModel, groups: list[tuple[int, ...]], stages: list[int]) -> None:
     """Keep (on meta) only what ``stages`` need: their layers, the embedding (and a vision
-    tower) on the first stage (the embedding on the last too with tied weights), the final
-    norm, head and MTP on the last."""
+    tower) on the first stage (the embedding on the others of :func:`embed_stages` too), the
+    final norm, head and MTP on the last."""
     keep = {i for s in stages for i in groups[s]}
     for key in list(model.layers.keys()):
         if int(key) not in keep:
@@ -83,7 +110,7 @@ def prune(model: HybridModel, groups: list[tuple[int, ...]], stages: list[int]) 
             if label not in used:
                 del model.shared[label]
     first, last = 0 in stages, len(groups) - 1 in stages
-    if not (first or (last and embed_on_last(model))):
+    if not set(stages) & set(embed_stages(model.config, groups)):
         model.embed = None
     if not first and getattr(model, "visual", None) is not None:
         model.visual = None
@@ -146,7 +173,7 @@ class StageView(nn.Module):
     data parallelism's root gathers their weights around it."""
 
     def __init__(self, model: HybridModel, layers: tuple[int, ...], first: bool,
-                 last: bool) -> None:
+                 last: bool, holds_embed: bool | None = None) -> None:
         super().__init__()
         self.config = model.config
         self.__dict__["_model"] = model  # not a submodule: the view registers its own parts
@@ -157,8 +184,13 @@ class StageView(nn.Module):
         if any(label is not None for label in labels):  # its shared layers' copies
             self.shared = nn.ModuleDict({label: model.shared[label] for label in labels
                                          if label is not None})
-        if first or (last and embed_on_last(model)):
+        if holds_embed is None:
+            holds_embed = first or (last and embed_on_last(model))
+        if holds_embed:
             self.embed = model.embed
+        self.reads_embeddings = reads_embeddings(model.config, layers)
+        """Its layers read the input embeddings: recomputed from ``embed_ids`` after the first
+        stage."""
         if last:
             self.final_norm = model.final_norm
             if not model.config.tie_embeddings:
@@ -182,12 +214,15 @@ class StageView(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                 cp_doc: torch.Tensor | None = None, cp_pos: torch.Tensor | None = None,
-                cp_ids: torch.Tensor | None = None) -> torch.Tensor:
+                cp_ids: torch.Tensor | None = None,
+                embed_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``targets`` (shifted, instead of ``labels``), ``cp_doc`` (the whole rows' doc ids),
         ``cp_pos`` (the local tokens' RoPE positions) and ``cp_ids`` (the whole rows' ids, for
         multi-token prediction): context parallelism's cut rows
-        (:mod:`composer.parallel.context`), which reach every stage with each micro-batch."""
-        args = (x, labels, doc_ids, targets, cp_doc, cp_pos, cp_ids)
+        (:mod:`composer.parallel.context`), which reach every stage with each micro-batch.
+        ``embed_ids``: the first stage's input ids, for a later stage whose layers read the
+        input embeddings."""
+        args = (x, labels, doc_ids, targets, cp_doc, cp_pos, cp_ids, embed_ids)
         if not self.placeholder:
             return self._forward(*args)
         self.placeholder = False
@@ -202,7 +237,7 @@ class StageView(nn.Module):
     def _forward(self, x: torch.Tensor, labels: torch.Tensor | None,
                  doc_ids: torch.Tensor | None, targets: torch.Tensor | None,
                  cp_doc: torch.Tensor | None, cp_pos: torch.Tensor | None,
-                 cp_ids: torch.Tensor | None) -> torch.Tensor:
+                 cp_ids: torch.Tensor | None, embed_ids: torch.Tensor | None) -> torch.Tensor:
         given = labels if labels is not None else targets
         if self.cp is not None and cp_pos is not None:
             self.cp.set_rows(cp_pos.shape[1] * self.cp.size, cp_pos, cp_doc, cp_ids)
@@ -211,8 +246,14 @@ class StageView(nn.Module):
             # its sequence-sharded hidden states and must know (the readout gathers them).
             self.tp.last_sp = self.tp.sp_active(given.shape[1])
         model: HybridModel = self._model
+        embeddings = None
         if self.first:
-            x = model.embed_tokens(x)
+            x = embeddings = model.embed_tokens(x)
+        elif self.reads_embeddings:
+            if embed_ids is None:
+                raise ValueError("this stage's layers read the input embeddings: give it "
+                                 "embed_ids")
+            embeddings = model.embed_tokens(embed_ids)
         auxes: list[torch.Tensor] = []
 
         def attach(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -222,7 +263,8 @@ class StageView(nn.Module):
             auxes.append(aux.detach())
             return AttachAux.apply(x, aux, self.aux_scale) if torch.is_grad_enabled() else x
 
-        x = model.run_layers(x, doc_ids=doc_ids, keys=self.keys, after=attach)
+        x = model.run_layers(x, doc_ids=doc_ids, keys=self.keys, after=attach,
+                             embeddings=embeddings)
         if auxes:
             self.aux_log.append(sum(auxes[1:], auxes[0]).double())
         if not self.last or given is None:
@@ -264,8 +306,15 @@ class Pipeline:
         self.model, self.dims, self.groups = model, dims, groups
         self.n_stages = len(groups)
         self.stage_ids = rank_stages(self.n_stages, dims.pp, dims.pp_rank())
-        self.views = [StageView(model, groups[s], s == 0, s == self.n_stages - 1)
-                      for s in self.stage_ids]
+        self.embed_stages = embed_stages(model.config, groups)
+        self.views = [StageView(model, groups[s], s == 0, s == self.n_stages - 1,
+                                s in self.embed_stages) for s in self.stage_ids]
+        self.embed_holders = sorted({s % dims.pp for s in self.embed_stages})
+        """The pipeline ranks holding a copy of the embedding."""
+        self.embed_group = (dims.tied_group if self.embed_holders == [0, dims.pp - 1]
+                            else _shared_groups(dims, {"embed": self.embed_holders}).get("embed"))
+        """This rank's group of the embedding's copies (None: it holds none, or the only)."""
+        self.feeds_ids = any(v.reads_embeddings and not v.first for v in self.views)
         self.shared_holders = shared_holders(model.config, dims.pp, groups)
         self.shared_groups = _shared_groups(dims, self.shared_holders)
         self.schedule_name = schedule
@@ -289,6 +338,8 @@ class Pipeline:
             kwargs = {"labels": labels_BT}  # the last stage masks document boundaries
             if doc_ids_BT is not None:
                 kwargs["doc_ids"] = doc_ids_BT
+            if self.feeds_ids:
+                kwargs["embed_ids"] = ids_BT
             return ids_BT, kwargs, None
         from composer.parallel.context import cut_rows
 
@@ -298,6 +349,8 @@ class Pipeline:
             kwargs["cp_ids"] = rows.rows_ids
         if doc_ids_BT is not None:
             kwargs |= {"doc_ids": rows.doc_ids, "cp_doc": rows.rows_doc_ids}
+        if self.feeds_ids:
+            kwargs["embed_ids"] = rows.ids
         return rows.ids, kwargs, rows
 
     def configure(self, schedule: str, n_micro: int) -> None:
@@ -378,18 +431,17 @@ class Pipeline:
         return ce, aux, mtp
 
     def sync_tied(self) -> None:
-        """Sum the gradients of the two copies of the embedding (first and last stage; tied
-        weights, or multi-token prediction)."""
-        if not embed_on_last(self.model) or self.dims.tied_group is None:
-            return
-        if not (self.has_first or self.has_last):
+        """Sum the gradients of the embedding's copies (:func:`embed_stages`: the first stage;
+        the last with tied weights or multi-token prediction; the stages whose layers read the
+        input embeddings)."""
+        if self.embed_group is None or self.model.embed is None:
             return
         weight = self.model.embed.weight
         if weight.grad is None:  # both ends must take part (a copy no loss reached: zeros)
             weight.grad = torch.zeros_like(weight)
         g = weight.grad
         local = g.to_local() if hasattr(g, "to_local") else g
-        dist.all_reduce(local, group=self.dims.tied_group)
+        dist.all_reduce(local, group=self.embed_group)
 
     def sync_shared(self) -> None:
         """Sum the gradients of each shared layer's copies over the pipeline ranks that hold
@@ -406,7 +458,8 @@ class Pipeline:
     def copies(self) -> dict[str, int]:
         """Parameter name -> the pipeline ranks holding a copy of it, where more than one:
         the tied embedding's and the shared layers' (what the gradient norm counts once)."""
-        out = {"embed.weight": 2} if embed_on_last(self.model) and self.dims.pp > 1 else {}
+        holders = len(self.embed_holders)
+        out = {"embed.weight": holders} if holders > 1 else {}
         for label in (self.model.shared or {}):
             for name, _ in self.model.shared[label].named_parameters():
                 out[f"shared.{label}.{name}"] = len(self.shared_holders[label])

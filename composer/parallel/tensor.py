@@ -14,7 +14,8 @@ with explicit collectives around each mixer:
 
 Module swaps that live here: row-parallel linears (bias added on one rank), head-selecting
 linears (fewer kv heads than ranks), the sequence cut of multi-token prediction's keep mask
-(:class:`SequenceChunkTP`); and from ``vocab.py`` the vocabulary-parallel embedding and
+(:class:`SequenceChunkTP`), the sums inside a mixer that chains sub-layers
+(:class:`PartialSumTP`); and from ``vocab.py`` the vocabulary-parallel embedding and
 readout (head + loss, never gathering the logits for the loss). A swap builds a new module that
 holds the old one's Parameter objects and the context it needs, and sets it in the old one's
 place on its parent (:func:`replace_submodule`), so state-dict keys, parameter order and
@@ -40,8 +41,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from composer.blocks.plan import ParallelPlan, SequenceChunk
-from composer.blocks.protocol import plan_of
+from composer.blocks.plan import ParallelPlan, PartialSum, SequenceChunk
+from composer.blocks.protocol import declared, plan_of
 from composer.blocks.shared import SharedLayer
 from composer.parallel.comm import all_gather, all_reduce_coalesced, reduce_scatter
 from composer.parallel.vocab import VocabParallelEmbedding, VocabParallelReadout
@@ -119,6 +120,36 @@ class _Leave(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         tp = ctx.tp
         return (all_gather(g, 1, tp.group, tp.size) if ctx.sp else g), None, None
+
+
+class _SumInside(torch.autograd.Function):
+    """A partial sum made whole inside a mixer: all-reduce; backward all-reduces too, since
+    inside a mixer every rank's gradient of a replicated tensor is its share of the whole (what
+    the mixer's entry sums)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.tp = tp
+        y = y.contiguous().clone()
+        dist.all_reduce(y, group=tp.group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.tp.group)
+        return g, None
+
+
+class PartialSumTP(PartialSum):
+    """:class:`~composer.blocks.plan.PartialSum` under tp: the sum over the ranks."""
+
+    def __init__(self, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SumInside.apply(x, self.tp)
 
 
 # ---------------------------------------------------------------- local views of DTensors
@@ -279,6 +310,9 @@ def apply_plan(module: nn.Module, plan: ParallelPlan, tp: TPContext) -> None:
     for pattern in plan.partial:
         for owner, leaf in _params(module, pattern):
             tp.place(owner, leaf, [Replicate()], grad=PARTIAL)
+    for name in plan.partial_sums:
+        if not isinstance(module.get_submodule(name), PartialSumTP):
+            replace_submodule(module, name, PartialSumTP(tp))
     if plan.experts is not None:
         _place_experts(module.get_submodule(plan.experts), plan, tp)
 
@@ -334,7 +368,13 @@ def expert_params(mixer: nn.Module) -> list[nn.Parameter]:
 
 
 def _mixer_enter(tp: TPContext):
-    return lambda module, args: (tp.enter(args[0]), *args[1:])
+    """Into a mixer: its input, and the model's input embeddings for a mixer that reads them
+    (``uses_embeddings``: they are cut over the sequence like the residual stream)."""
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("embeddings") is not None:
+            kwargs = {**kwargs, "embeddings": tp.enter(kwargs["embeddings"])}
+        return (tp.enter(args[0]), *args[1:]), kwargs
+    return enter
 
 
 def _mixer_leave(tp: TPContext):
@@ -376,7 +416,10 @@ def _shard_layers(model: nn.Module, tp: TPContext) -> None:
         if id(layer.mixer) in seen:  # a shared layer's later use (composer.blocks.shared)
             continue
         seen.add(id(layer.mixer))
-        tp.place(layer.norm, "weight", [Replicate()], grad=PARTIAL_IF_SP)
+        # a mixer that takes the residual applies the norm itself, inside (on the entered,
+        # replicated input): there each rank's gradient is its share, whatever SP
+        inside = declared(layer.mixer, "takes_residual")
+        tp.place(layer.norm, "weight", [Replicate()], grad=PARTIAL if inside else PARTIAL_IF_SP)
         if layer.out_norm is not None:  # sandwich norm: on the reduced output, like norm
             tp.place(layer.out_norm, "weight", [Replicate()], grad=PARTIAL_IF_SP)
         mixer = layer.mixer
@@ -392,7 +435,7 @@ def _shard_layers(model: nn.Module, tp: TPContext) -> None:
             if not isinstance(p, DTensor) and id(p) not in skip:
                 raise LayoutError(f"{type(mixer).__name__} (symbol {layer.symbol!r}): parameter "
                                   f"{name!r} is not in its parallel plan; use --tp 1")
-        mixer.register_forward_pre_hook(_mixer_enter(tp))
+        mixer.register_forward_pre_hook(_mixer_enter(tp), with_kwargs=True)
         mixer.register_forward_hook(_mixer_leave(tp))
     _shard_shared_parts(model, tp)
 

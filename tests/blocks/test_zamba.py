@@ -2,7 +2,8 @@
 its plain-math twin in fp64 (forward and every gradient, packed documents too); packed documents
 equal each document alone; cached decoding (a left-padded prefill, then token by token) equals
 the full forward; a shared block is stored once and its gradient is the sum over its uses; the
-record (section, FLOPs, the tp, pp and cp refusals)."""
+record (section, FLOPs, the layout refusals); tp=2 and pp=2 (the shared block used on both
+stages) equal one process (fp64, gloo), and the pp=2 checkpoint holds the shared block once."""
 
 from __future__ import annotations
 
@@ -154,13 +155,13 @@ def test_the_record() -> None:
     kind = REGISTRY["Z"]
     assert (kind.name, kind.section, kind.halo_width(cfg)) == ("Zamba2 hybrid", "zamba", 3)
     assert kind.context_strategy(cfg) is None and kind.decoding_state is ZambaMixer.init_cache
-    with pytest.raises(LayoutError, match=r"'Z' \(Zamba2 hybrid layer: its shared block has no "
-                                          r"tensor-parallel plan yet\) cannot be split over tp"):
-        check_model(resolve_layout(ParallelConfig(tp=2), 2), cfg)
-    with pytest.raises(LayoutError, match=r"'Z' \(Zamba2 hybrid layer: a pipeline stage does not "
-                                          r"carry the input embeddings it reads yet\) cannot be "
-                                          r"split over pp \(2\)"):
-        check_model(resolve_layout(ParallelConfig(pp=2), 2), cfg)
+    check_model(resolve_layout(ParallelConfig(tp=2), 2), cfg)  # tp and pp: no refusal
+    check_model(resolve_layout(ParallelConfig(pp=2), 2), cfg)
+    odd = ModelConfig.from_dict({"pattern": "Z", **SIZES, "mamba": {**SIZES["mamba"],
+                                                                    "n_groups": 1}})
+    with pytest.raises(LayoutError, match=r"^'Z' \(Zamba2 hybrid layer\): attention.n_heads "
+                                          r"\(2\) is not divisible by tp \(4\)$"):
+        check_model(resolve_layout(ParallelConfig(tp=4), 4), odd)
     with pytest.raises(LayoutError, match=r"--cp: layers.1 \('Z', ZambaMixer\) has no "
                                           "context-parallel form yet"):
         check_cp(composer.build_model(cfg, device="meta"), 2)
@@ -218,3 +219,80 @@ def test_trains_two_steps_with_the_engine(tmp_path) -> None:
                       "save": str(tmp_path / "run")})
     assert len(out["losses"]) == 2 and all(np.isfinite(out["losses"]))
     assert out["losses"][1] < out["losses"][0]
+
+
+# ---------------------------------------------------------------- tp=2, pp=2: gloo ranks
+
+PARALLEL_CFG = {"pattern": "M{a:Z}|M{a}", **SIZES}  # pp=2: both stages use the shared block
+GQA_CFG = {**PARALLEL_CFG, "attention": {**SIZES["attention"], "n_kv_heads": 1}}
+LAYOUTS = {"tp2": ({"tp": 2}, PARALLEL_CFG),  # kv heads split, sequence parallel
+           "tp2_gqa": ({"tp": 2, "sequence_parallel": False}, GQA_CFG),  # kv heads replicated
+           "pp2": ({"pp": 2}, PARALLEL_CFG)}
+
+
+def _data() -> tuple:
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 61, (8, 16))
+    docs = np.sort(np.random.default_rng(1).integers(0, 3, (8, 16)), axis=1)
+    return data, docs
+
+
+def _in_ranks(folder: str) -> dict:
+    from composer.parallel.checkpoint import save_checkpoint
+    from composer.parallel.mesh import ParallelConfig, build_parallel_dims
+    from composer.run import build_sharded
+    from tests.helpers import layout_case
+
+    data, docs = _data()
+    out = {name: layout_case(layout, cfg, data, fp64=True, doc_ids=docs)
+           for name, (layout, cfg) in LAYOUTS.items()}
+    dims = build_parallel_dims(ParallelConfig(pp=2))
+    model = build_sharded(ModelConfig.from_dict(PARALLEL_CFG), dims, seed=7, dtype=F64)
+    save_checkpoint(folder, 0, model)
+    return out
+
+
+@pytest.mark.slow
+def test_tp2_pp2_equal_one_process_fp64(tmp_path) -> None:
+    """The eval loss (packed documents too), every gradient and three AdamW steps, each pipeline
+    rank's copies of the shared block and the embedding included (one spawn of two gloo
+    ranks); the pp=2 checkpoint exports the single-process model's tensors, the shared block
+    once (``shared.a.*``)."""
+    from composer.cli import main
+    from composer.parallel.launch import run_distributed
+    from composer.parallel.mesh import ParallelConfig, build_parallel_dims
+    from composer.run import build_sharded
+    from tests.helpers import layout_case, read_all
+
+    data, docs = _data()
+    ranks = run_distributed(_in_ranks, 2, str(tmp_path / "run"))
+    refs = {id(cfg): layout_case({}, cfg, data, fp64=True, doc_ids=docs)
+            for cfg in (PARALLEL_CFG, GQA_CFG)}
+    for name, (_, cfg) in LAYOUTS.items():
+        ref = refs[id(cfg)]
+        for rank in ranks:
+            got = rank[name]
+            for key in ("eval", "eval_packed"):
+                assert abs(got[key] - ref[key]) < 1e-10, (name, key)
+            assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"],
+                                                  strict=True)) < 1e-10, name
+            for part in ("grads", "params"):  # every copy a rank holds equals the one model's
+                assert set(got[part]) <= set(ref[part]), (name, part)
+                for k, v in got[part].items():
+                    err = float((v - ref[part][k]).abs().max())
+                    assert err < 1e-10, (name, part, k, err)
+        held = {k for rank in ranks for k in rank[name]["params"]}
+        assert held == set(ref["params"]), name
+    # both pipeline ranks hold a copy of the shared block and of the embedding, nothing else
+    pp = [set(rank["pp2"]["params"]) for rank in ranks]
+    shared = {k for k in refs[id(PARALLEL_CFG)]["params"] if k.startswith("shared.a.")}
+    assert pp[0] & pp[1] == shared | {"embed.weight"}
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    exported = read_all(tmp_path / "out")
+    one = build_sharded(ModelConfig.from_dict(PARALLEL_CFG), build_parallel_dims(ParallelConfig()),
+                        seed=7, dtype=F64).state_dict()
+    assert set(exported) == set(one)
+    assert not any(".mixer.block." in k for k in exported)
+    for k, v in one.items():
+        assert (exported[k].to(F64) - v).abs().max() < 1e-12, k
