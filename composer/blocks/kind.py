@@ -143,6 +143,13 @@ def kinds_of(cfg: Any) -> list[LayerKind]:
     return [KINDS[s] for s in pattern.symbols_used() if s in KINDS]
 
 
+def token_declares(token: str, attr: str) -> bool:
+    """Whether a mixer of pattern token ``token`` (a symbol, or a parallel group ``[..]`` of
+    symbols) declares ``attr`` (:func:`~composer.blocks.protocol.declared`)."""
+    symbols = token[1:-1] if token.startswith("[") else token
+    return any(declared(KINDS[s].mixer, attr) for s in symbols if s in KINDS)
+
+
 def halo(cfg: Any) -> tuple[int, str | None]:
     """The widest convolution halo of the kinds ``cfg`` uses, with the kind's section (or
     name): ``(0, None)`` when none convolves over time."""

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from composer.blocks.kind import token_declares
 from composer.blocks.loss import IGNORE_INDEX
 from composer.blocks.model import HybridModel, mask_doc_boundaries, shift_labels
 from composer.blocks.protocol import declared
@@ -82,10 +83,7 @@ def _embed_on_last(cfg: Any) -> bool:
 
 def reads_embeddings(cfg: Any, layers: tuple[int, ...]) -> bool:
     """Whether a mixer of ``layers`` reads the model's input embeddings (``uses_embeddings``)."""
-    from composer.build.registry import layer_kind  # (composer.build imports this module)
-
-    return any(declared(layer_kind(cfg.parsed.layers[i]).mixer, "uses_embeddings")
-               for i in layers)
+    return any(token_declares(cfg.parsed.layers[i], "uses_embeddings") for i in layers)
 
 
 def embed_stages(cfg: Any, groups: list[tuple[int, ...]]) -> list[int]:
