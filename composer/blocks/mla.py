@@ -31,7 +31,8 @@ length it keeps every causal key, so the layer is this dense one. ``mla.max_dens
 ``index_topk``) makes longer sequences a ``ValueError`` rather than a different computation.
 
 Packed documents (``doc_ids``): block-diagonal causal mask and RoPE positions that restart at each
-document, as in ``attention.py``.
+document, as in ``attention.py``; on CUDA the masked cases (documents, a padded prompt, cached calls
+of several tokens) go through FlexAttention's block masks (:mod:`composer.kernels.flex`).
 
 Legend: B batch, T time, D model width, H heads, C kv latent rank, N nope width, R rope width,
 V value width, Q = N + R query/key width.
