@@ -33,6 +33,8 @@
 #            CUDA) and tests/kernels/wiring compiled (COMPOSER_KERNEL_WIRING=cuda: composer's
 #            dispatch into mamba_ssm's and fla's Triton kernels against the torch path, fp32
 #            and bf16) -> $OUT/tests.txt, $OUT/tests.xml
+#   flex     tests/kernels/test_flex.py on CUDA: the FlexAttention paths, compiled (its block
+#            near the end; GPU_CHECK_FLEX=0 skips it) -> $OUT/flex.txt, flex.log
 #   summary  one line per phase -> $OUT/summary.txt; exit status 0 when every phase passed
 # bench/gpu_check.py (its docstring) says what each phase checks and measures.
 #
@@ -174,7 +176,32 @@ selected train && phase train 200 $((R_FP8 + R_MOE + R_KERNELS + R_TESTS + 25)) 
 selected fp8 && phase fp8 60 $((R_MOE + R_KERNELS + R_TESTS + 25))
 selected moe && phase moe 60 $((R_KERNELS + R_TESTS + 25))
 selected kernels && phase kernels 120 $((R_TESTS + 25))
-selected tests && phase tests 300 25
+R_FLEX=0; [ "${GPU_CHECK_FLEX:-1}" = 1 ] && R_FLEX=60  # the flex block below
+selected tests && phase tests 300 $((25 + R_FLEX))
+
+# ---- flex (issue 28, item 3): the FlexAttention paths on CUDA, compiled ------------------------
+# tests/kernels/test_flex.py on CUDA tensors: every masked attention (packed documents, sliding
+# window, sinks, context-parallel chunks, the adaptive layout, cached calls) through the compiled
+# flex_attention against the dense-mask path on the same GPU, fp32, forward and gradients, with
+# the dense-mask builders raising on the flex path. At most 90 s (its compiles dominate); skipped
+# by GPU_CHECK_FLEX=0 or in a dry run. -> $OUT/flex.txt (pytest's output), a line in the summary.
+if [ "${GPU_CHECK_FLEX:-1}" = 1 ] && [ ${#DRY[@]} -eq 0 ]; then
+  t=$(( $(left) - 25 )); [ "$t" -gt 90 ] && t=90
+  if [ "$t" -lt 30 ]; then
+    say "flex: skipped (too little time: $(left)s of ${BUDGET}s left)"
+    printf 'flex\tskipped\t0\n' >>"$OUT/phases.tsv"
+  else
+    say "flex (timeout ${t}s; $(left)s of ${BUDGET}s left)"
+    t0=$(date +%s)
+    timeout -k 10 "$t" "$PY" -m pytest -q -p no:cacheprovider -W ignore::UserWarning \
+      tests/kernels/test_flex.py >"$OUT/flex.log" 2>&1
+    rc=$?
+    { echo "== flex: tests/kernels/test_flex.py on CUDA (exit $rc)"; tail -n 15 "$OUT/flex.log"; } \
+      >"$OUT/flex.txt"
+    printf 'flex\t%s\t%s\n' "$rc" "$(( $(date +%s) - t0 ))" >>"$OUT/phases.tsv"
+  fi
+fi
+# ---- end of the flex block ---------------------------------------------------------------------
 
 # ---- BEGIN fp8-te (issue 29): a short FP8 run through transformer-engine, when TE imports
 # 6 steps of a small hybrid with --precision fp8 --fp8-backend te, then tests/gpu/test_fp8_te.py

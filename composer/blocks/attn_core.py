@@ -11,6 +11,12 @@ joins each softmax denominator and is dropped from the output,
 ``o_t = sum_s exp(l_ts) v_s / (exp(s_h) + sum_s exp(l_ts))``, so a head may attend to nothing.
 SDPA has no such term: with sinks the scores are computed explicitly (:func:`attend`).
 
+Devices. On CUDA every masked call (documents, window, sinks, a decoding chunk of more than one
+token) goes through FlexAttention's block masks (:mod:`composer.kernels.flex`, the sinks joined
+through its log-sum-exp), never a ``[T, S]`` boolean tensor; plain causal attention stays SDPA's
+``is_causal`` (flash). A single decoded token's ``[B, 1, 1, S]`` mask is linear in ``S`` and
+stays dense. CPU keeps the dense masks below.
+
 Decoding (:mod:`composer.blocks.cache`): a full layer keeps every slot; a windowed one keeps a
 ring of ``min(window, max_len)`` slots (slot ``p`` of the sequence lives in ring slot
 ``p % R``), never more: a new query needs at most the ``window - 1`` keys before it.
@@ -24,10 +30,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from composer.blocks.cache import KVState, Step, StepContext, attention_mask
+from composer.blocks.cache import (
+    KVState,
+    Step,
+    StepContext,
+    attention_mask,
+    attention_visible,
+    needs_mask,
+)
 from composer.blocks.protocol import TimeMixingOp
 from composer.blocks.rope import Rotary, apply_rope
 from composer.kernels import sdpa_context
+from composer.kernels.flex import Visible, flex_attend, use_flex
 from composer.kernels.packing import doc_causal_mask
 
 
@@ -55,6 +69,12 @@ def attend(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor, sca
     sink = sinks.to(math_dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
     return (probs @ v_BKSE.to(math_dtype)).to(q_BHTE.dtype)
+
+
+def flex_step(q_BHTE: torch.Tensor) -> bool:
+    """A cached call's dispatch: FlexAttention on CUDA for more than one new token (a single
+    token's mask ``[B, 1, 1, S]`` is linear in the keys and stays dense)."""
+    return q_BHTE.shape[2] > 1 and use_flex(q_BHTE)
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -93,10 +113,15 @@ class CausalAttention(TimeMixingOp):
         if step is not None:
             return _cached_attention(q_BHTE, k_BKTE, v_BKTE, step.state, step.ctx, scale, sinks)
         t = q_BHTE.shape[2]
+        window = self.window if self.window is not None and t > self.window else None
+        if use_flex(q_BHTE) and (doc_ids is not None or window is not None or sinks is not None):
+            visible = (Visible.packed(doc_ids, window) if doc_ids is not None
+                       else Visible.causal(t, q_BHTE.device, window))
+            return flex_attend(q_BHTE, k_BKTE, v_BKTE, scale, visible, sinks)
         mask = doc_causal_mask(doc_ids) if doc_ids is not None else None
-        if self.window is not None and t > self.window:
+        if window is not None:
             pos = torch.arange(t, device=q_BHTE.device)
-            near = window_mask(pos, pos, self.window)
+            near = window_mask(pos, pos, window)
             mask = near if mask is None else mask & near
         return attend(q_BHTE, k_BKTE, v_BKTE, scale, mask=mask, is_causal=mask is None,
                       sinks=sinks)
@@ -110,6 +135,8 @@ def _cached_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.
     state.k_BKSE[:, :, ctx.start:ctx.end] = k_BKTE
     state.v_BKSE[:, :, ctx.start:ctx.end] = v_BKTE
     k_BKSE, v_BKSE = state.k_BKSE[:, :, :ctx.end], state.v_BKSE[:, :, :ctx.end]
+    if flex_step(q_BHTE) and (needs_mask(ctx) or sinks is not None):
+        return flex_attend(q_BHTE, k_BKSE, v_BKSE, scale, attention_visible(ctx), sinks)
     mask = attention_mask(ctx)
     return attend(q_BHTE, k_BKSE, v_BKSE, scale, mask=mask,
                   is_causal=mask is None and ctx.start == 0, sinks=sinks)
@@ -128,12 +155,17 @@ def _ring_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Te
     held_R = start - 1 - torch.remainder(start - 1 - ring, r)  # the slot each holds; < 0: none
     new_T = torch.arange(start, end, device=device)
     k_pos = torch.cat([held_R, new_T])
-    mask_TS = window_mask(new_T, k_pos, window) & (k_pos >= 0)[None]
     real_BS = ctx.real_BS[:, k_pos.clamp(min=0)]
-    same_BTS = ctx.real_BS[:, start:end, None] == real_BS[:, None, :]
-    o_BHTE = attend(q_BHTE, torch.cat([state.k_BKSE, k_BKTE], 2),
-                    torch.cat([state.v_BKSE, v_BKTE], 2), scale,
-                    mask=(mask_TS[None] & same_BTS)[:, None], sinks=sinks)
+    k_BKSE, v_BKSE = torch.cat([state.k_BKSE, k_BKTE], 2), torch.cat([state.v_BKSE, v_BKTE], 2)
+    if flex_step(q_BHTE):  # an empty ring slot gets a position after every query: unseen
+        visible = Visible(new_T, torch.where(k_pos >= 0, k_pos, end), ctx.real_BS[:, start:end],
+                          real_BS, window)
+        o_BHTE = flex_attend(q_BHTE, k_BKSE, v_BKSE, scale, visible, sinks)
+    else:
+        mask_TS = window_mask(new_T, k_pos, window) & (k_pos >= 0)[None]
+        same_BTS = ctx.real_BS[:, start:end, None] == real_BS[:, None, :]
+        o_BHTE = attend(q_BHTE, k_BKSE, v_BKSE, scale, mask=(mask_TS[None] & same_BTS)[:, None],
+                        sinks=sinks)
     n = min(end - start, r)
     slots = new_T[-n:] % r
     state.k_BKSE[:, :, slots] = k_BKTE[:, :, -n:]

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from composer.kernels.flex import Visible
+
 
 @dataclass
 class KVState:
@@ -179,14 +181,18 @@ class InferenceCache:
         return (pos_BT + self.rope_deltas_B1.to(pos_BT.device)).expand(3, -1, -1)
 
 
+def needs_mask(ctx: StepContext) -> bool:
+    """Whether the new queries need a mask over the slots (:func:`attention_mask`)."""
+    return ctx.padded or (ctx.start > 0 and ctx.pos_BT.shape[1] > 1)
+
+
 def attention_mask(ctx: StepContext) -> torch.Tensor | None:
     """``[B, 1, T, start + T]`` bool mask for the new queries over all slots so far, or None
     when no mask is needed: a first call without padding (plain causal attention: the caller
     passes ``is_causal`` when ``start == 0``), or one new token with no padding anywhere (it
     sees every slot). A query sees earlier or same slots of its own kind (real or padding):
     padding queries see padding (never NaN), real ones see real tokens only."""
-    t = ctx.pos_BT.shape[1]
-    if not ctx.padded and (ctx.start == 0 or t == 1):
+    if not needs_mask(ctx):
         return None
     s = ctx.end
     device = ctx.real_BS.device
@@ -195,3 +201,11 @@ def attention_mask(ctx: StepContext) -> torch.Tensor | None:
     real_q_BT = ctx.real_BS[:, ctx.start:]
     same_BTS = real_q_BT[:, :, None] == ctx.real_BS[:, None, :]
     return (causal_TS[None] & same_BTS)[:, None]
+
+
+def attention_visible(ctx: StepContext) -> Visible:
+    """:func:`attention_mask`'s rule as slot positions and slot kinds, for FlexAttention's
+    block mask on CUDA (:mod:`composer.kernels.flex`): no ``[T, start + T]`` tensor."""
+    device = ctx.real_BS.device
+    return Visible(torch.arange(ctx.start, ctx.end, device=device),
+                   torch.arange(ctx.end, device=device), ctx.real_BS[:, ctx.start:], ctx.real_BS)

@@ -31,7 +31,8 @@ length it keeps every causal key, so the layer is this dense one. ``mla.max_dens
 ``index_topk``) makes longer sequences a ``ValueError`` rather than a different computation.
 
 Packed documents (``doc_ids``): block-diagonal causal mask and RoPE positions that restart at each
-document, as in ``attention.py``.
+document, as in ``attention.py``; on CUDA the masked cases (documents, a padded prompt, cached calls
+of several tokens) go through FlexAttention's block masks (:mod:`composer.kernels.flex`).
 
 Legend: B batch, T time, D model width, H heads, C kv latent rank, N nope width, R rope width,
 V value width, Q = N + R query/key width.
@@ -46,7 +47,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.attention import Rotary, apply_rope, rope_frequencies
-from composer.blocks.cache import LatentState, Step, attention_mask
+from composer.blocks.attn_core import flex_step
+from composer.blocks.cache import (
+    LatentState,
+    Step,
+    attention_mask,
+    attention_visible,
+    needs_mask,
+)
 from composer.blocks.kind import LayerKind
 from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Divisible, Init, Normal, ParallelPlan, init_module
@@ -54,6 +62,7 @@ from composer.blocks.protocol import TimeMixingOp
 from composer.blocks.rope import yarn_frequencies, yarn_gain, yarn_mscale
 from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import sdpa_context
+from composer.kernels.flex import Visible, flex_attend
 from composer.kernels.sdpa import doc_sdpa
 
 # ---------------------------------------------------------------- the kind's config section
@@ -209,15 +218,21 @@ class LatentAttention(TimeMixingOp):
             cos, sin = rotary.for_call(qn_BHTN, doc_ids, step)
             qr_BHTR = apply_rope(qr_BHTR, cos, sin)
             kr_B1TR = apply_rope(kr_B1TR, cos, sin)
-        mask = None
+        mask, visible = None, None
         if step is not None:
             state, ctx = step.state, step.ctx
             state.c_BSC[:, ctx.start:ctx.end] = c_BTC
             state.kr_BSR[:, ctx.start:ctx.end] = kr_B1TR[:, 0]
-            mask, doc_ids = attention_mask(ctx), None
+            doc_ids = None
+            if flex_step(qn_BHTN) and needs_mask(ctx):  # CUDA: a block mask, not [T, S]
+                visible = attention_visible(ctx)
+            else:
+                mask = attention_mask(ctx)
             if not step.fresh:
-                return _absorbed(qn_BHTN, qr_BHTR, state, ctx.end, mask, expand, scale)
+                return _absorbed(qn_BHTN, qr_BHTR, state, ctx.end, mask, expand, scale, visible)
         q_BHTQ, k_BHTQ, v_BHTV = latent_keys(qn_BHTN, qr_BHTR, c_BTC, kr_B1TR, expand)
+        if visible is not None:
+            return flex_attend(q_BHTQ, k_BHTQ, v_BHTV, scale, visible)
         if doc_ids is not None:  # block-diagonal causal: each document attends to itself only
             return doc_sdpa(q_BHTQ, k_BHTQ, v_BHTV, doc_ids, scale)
         with sdpa_context(q_BHTQ):  # flash first on CUDA; CPU untouched (kernels.sdpa)
@@ -234,17 +249,21 @@ class LatentAttention(TimeMixingOp):
 
 
 def _absorbed(qn_BHTN: torch.Tensor, qr_BHTR: torch.Tensor, state: LatentState, end: int,
-              mask: torch.Tensor | None, expand: LatentExpand, scale: float) -> torch.Tensor:
+              mask: torch.Tensor | None, expand: LatentExpand, scale: float,
+              visible: Visible | None = None) -> torch.Tensor:
     """New queries against the cached slots ``:end`` in the absorbed form
-    (:class:`LatentAttention`)."""
+    (:class:`LatentAttention`), under ``mask`` or (CUDA) FlexAttention's ``visible``."""
     w_k_HNC, w_v_HVC = expand.heads(qn_BHTN.shape[1])
     q_lat_BHTC = torch.einsum("bhtn,hnc->bhtc", qn_BHTN, w_k_HNC)
     c_B1SC = state.c_BSC[:, None, :end]
     # one shared "kv head": keys [latent | RoPE key], values the latent
     k_B1SX = torch.cat([c_B1SC, state.kr_BSR[:, None, :end]], dim=-1)
-    o_lat_BHTC = F.scaled_dot_product_attention(
-        torch.cat([q_lat_BHTC, qr_BHTR], dim=-1), k_B1SX, c_B1SC, attn_mask=mask,
-        scale=scale, enable_gqa=True)
+    q_BHTX = torch.cat([q_lat_BHTC, qr_BHTR], dim=-1)
+    if visible is not None:
+        o_lat_BHTC = flex_attend(q_BHTX, k_B1SX, c_B1SC, scale, visible)
+    else:
+        o_lat_BHTC = F.scaled_dot_product_attention(q_BHTX, k_B1SX, c_B1SC, attn_mask=mask,
+                                                    scale=scale, enable_gqa=True)
     return torch.einsum("bhtc,hvc->bhtv", o_lat_BHTC, w_v_HVC)
 
 

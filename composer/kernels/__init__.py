@@ -6,7 +6,8 @@
 | ``mamba_scan`` (Mamba-2 scan) | ``mamba_chunk_scan_combined`` (mamba_ssm)   | ``kernels.ssd``   |
 | ``conv_silu`` (Mamba-2 conv)  | ``causal_conv1d_fn`` (causal_conv1d)        | the conv module   |
 | ``sdpa_context`` (attention)  | SDPA flash / cuDNN / efficient (torch)      | SDPA's own choice |
-| ``doc_sdpa`` (packed docs)    | a varlen flash kernel: hook, not wired yet  | SDPA + bool mask  |
+| ``doc_sdpa`` (packed docs)    | FlexAttention block mask (torch, ``flex``)  | SDPA + bool mask  |
+| ``flex_attend`` (masked attn) | FlexAttention, compiled once (``flex``)     | dense bool masks  |
 | ``gated_delta_rule`` (GDN)    | ``chunk_gated_delta_rule`` (fla)            | ``kernels.gdn``   |
 | ``gated_delta_rule`` (KDA)    | ``chunk_kda`` (fla, ``fla_kda``)            | ``kernels.gdn``   |
 | ``GatedRMSNorm`` (Mamba-2)    | ``rmsnorm_fn`` (mamba_ssm, ``mamba_gated_norm``) | the block's  |

@@ -29,6 +29,7 @@ KERNELS: dict[str, str | None] = {
     "causal_conv1d": "causal_conv1d",  # the depthwise causal conv + SiLU (CUDA)
     "transformer_engine": "transformer_engine.pytorch",  # te.Linear (cuBLASLt, FP8)
     "flash": None,  # torch's own fused SDPA kernels: nothing to import, only a switch
+    "flex": "torch.nn.attention.flex_attention",  # masked attention by block masks (torch)
     "fla": "fla.ops.gated_delta_rule",  # the chunked gated delta rule (Triton)
     "fla_kda": "fla.ops.kda",  # the chunked Kimi delta attention (Triton)
 }

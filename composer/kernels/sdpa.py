@@ -10,7 +10,9 @@ Attention always goes through SDPA; only the set of its backends changes:
   changed between releases (cuDNN first in 2.5.0 on Hopper, reverted in 2.5.1).
 - ``COMPOSER_DISABLE_KERNELS=flash`` (or ``all``): math only, the reference for parity checks.
 
-Packed documents (:func:`doc_sdpa`): the same call with a block-diagonal causal boolean mask.
+Packed documents (:func:`doc_sdpa`): on CUDA FlexAttention's block mask of the documents
+(:mod:`composer.kernels.flex`); elsewhere the same SDPA call with a block-diagonal causal boolean
+mask.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from composer.kernels import probe
+from composer.kernels.flex import Visible, flex_attend, use_flex
 from composer.kernels.packing import doc_causal_mask
 
 GPU_ORDER = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
@@ -51,16 +54,12 @@ def sdpa_context(q: torch.Tensor) -> AbstractContextManager:
 
 def doc_sdpa(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
              doc_ids_BT: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention inside each packed document (:mod:`composer.kernels.packing`): SDPA with
-    the ``(B, 1, T, T)`` block-diagonal causal boolean mask, ``o_BHTE`` like the causal call.
-
-    This is the torch path, right on every device. A boolean mask rules FlashAttention out, so
-    on CUDA SDPA takes cuDNN / memory-efficient / math from :data:`GPU_ORDER`. The GPU hook for
-    a varlen kernel (flash-attn's ``flash_attn_varlen_func``, or torch's varlen attention) is
-    here: behind ``probe.on_gpu(q)`` and an availability probe, flatten the rows' documents to
-    ``(total, heads, E)`` with ``cu_seqlens`` from :func:`composer.kernels.packing.doc_segments`
-    (``is_causal=True`` per document), and return the same ``(B, H, T, E)``; not wired yet.
-    """
+    """Causal attention inside each packed document (:mod:`composer.kernels.packing`),
+    ``o_BHTE`` like the causal call. CUDA: FlexAttention over the documents' block mask
+    (:func:`~composer.kernels.flex.use_flex`), no ``T x T`` tensor. Elsewhere SDPA with the
+    ``(B, 1, T, T)`` block-diagonal causal boolean mask (the tested torch path)."""
+    if use_flex(q_BHTE):
+        return flex_attend(q_BHTE, k_BKTE, v_BKTE, scale, Visible.packed(doc_ids_BT))
     mask_B1TS = doc_causal_mask(doc_ids_BT)
     with sdpa_context(q_BHTE):
         return F.scaled_dot_product_attention(

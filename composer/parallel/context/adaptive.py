@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from composer.blocks.loss import IGNORE_INDEX
+from composer.kernels.flex import Visible, use_flex
 from composer.parallel.context.layout import CPContext, gather_padded, safe_targets
 from composer.parallel.mesh import LayoutError
 
@@ -137,8 +138,9 @@ def from_rows(y_PL_: torch.Tensor, rows: PieceRows, n_tokens: int) -> torch.Tens
 
 
 def _adaptive_meta(cp: CPContext, device: torch.device) -> None:
-    """Per batch: the attention mask ``[1, 1, T_r, N * n_max]`` (same document, not later),
-    the rank's piece rows, and the RoPE positions within documents."""
+    """Per batch: the attention mask ``[1, 1, T_r, N * n_max]`` (same document, not later;
+    on CUDA FlexAttention's :class:`~composer.kernels.flex.Visible` instead), the rank's piece
+    rows, and the RoPE positions within documents."""
     layout, n_max = cp.layout, cp.layout.max_tokens
     doc = torch.full((cp.size, n_max), -1, dtype=torch.long)
     pos = torch.zeros((cp.size, n_max), dtype=torch.long)
@@ -150,14 +152,23 @@ def _adaptive_meta(cp: CPContext, device: torch.device) -> None:
     n = layout.tokens(cp.rank)
     q_doc, q_pos = doc[cp.rank, :n], pos[cp.rank, :n]
     k_doc, k_pos = doc.reshape(-1), pos.reshape(-1)
-    mask = (q_doc[:, None] == k_doc[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-    cp.extra["mask"] = mask[None, None]
-    cp.extra["dist"] = (q_pos[:, None] - k_pos[None, :])[None, None]  # for sliding windows
+    if use_flex(q_pos):  # CUDA: FlexAttention's rule over the same numbers, O(T_r + N T_max)
+        cp.extra["visible"] = Visible(q_pos, k_pos, q_doc[None], k_doc[None])
+    else:
+        cp.extra["mask"], cp.extra["dist"] = adaptive_dense_mask(q_doc, q_pos, k_doc, k_pos)
     cp.extra["rows"] = _piece_rows(layout, cp.rank, device)
     mine = [layout.pieces[i] for i in layout.of_rank(cp.rank)]
     starts = torch.repeat_interleave(torch.tensor([p.doc_start for p in mine]),
                                      torch.tensor([p.length for p in mine]))
     cp.pos_BT = (q_pos - starts.to(device))[None]
+
+
+def adaptive_dense_mask(q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tensor,
+                        k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path's ``[1, 1, T_r, N * n_max]`` attention mask (same document, not later)
+    and the query-key distances (for sliding windows)."""
+    mask = (q_doc[:, None] == k_doc[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    return mask[None, None], (q_pos[:, None] - k_pos[None, :])[None, None]
 
 
 def adaptive_halo_conv(x_1TX: torch.Tensor, conv: nn.Module, cp: CPContext,

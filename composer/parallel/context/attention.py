@@ -5,12 +5,14 @@ keys of the whole rows."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer.kernels.flex import Visible, flex_attend, use_flex
 from composer.parallel.context.layout import CPContext, gather_chunks, gather_padded
 from composer.parallel.context.variants import register_variant
 
@@ -38,6 +40,9 @@ def _attend(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor, cp
 
     if cp.layout is None:
         return chunk_attention(q_BHTE, k_BKSE, v_BKSE, cp, scale, window, sinks)
+    if use_flex(q_BHTE):  # CUDA: the documents' block mask, no [T_r, N x T_max] tensor
+        visible = dataclasses.replace(cp.extra["visible"], window=window)
+        return flex_attend(q_BHTE, k_BKSE, v_BKSE, scale, visible, sinks)
     mask = cp.extra["mask"]
     if window is not None:
         mask = mask & (cp.extra["dist"] < window)
@@ -115,6 +120,9 @@ def chunk_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Te
     from composer.blocks.attn_core import attend
 
     L = cp.L
+    if use_flex(q_BHTE):  # CUDA: one call over both chunks, a block mask of global positions
+        visible = chunk_visible(cp, window, k_BKSE.shape[2], q_BHTE.device)
+        return flex_attend(q_BHTE, k_BKSE, v_BKSE, scale, visible, sinks)
     outs = []
     if cp.seg_BT is None and q_BHTE.device.type == "cpu" and window is None and sinks is None:
         # no mask at all: each chunk's keys as a causal diagonal block and an unmasked prefix,
@@ -146,6 +154,18 @@ def chunk_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Te
         outs.append(attend(q, k_BKSE[:, :, :end], v_BKSE[:, :, :end], scale, mask=mask,
                            sinks=sinks))
     return torch.cat(outs, dim=2)
+
+
+def chunk_visible(cp: CPContext, window: int | None, s: int, device: torch.device) -> Visible:
+    """:func:`chunk_attention`'s masks as FlexAttention's rule: this rank's queries at their
+    global positions (chunk ``c``, then ``2N - 1 - c``), the keys at theirs, within the window
+    and the document."""
+    q_pos = torch.cat([torch.arange(c * cp.L, (c + 1) * cp.L, device=device)
+                       for c in cp.chunks])
+    k_pos = torch.arange(s, device=device)
+    if cp.seg_BT is None:
+        return Visible(q_pos, k_pos, window=window)
+    return Visible(q_pos, k_pos, cp.seg_BT[:, q_pos], cp.seg_BT[:, :s], window)
 
 
 class _PrefixCausalAttention(torch.autograd.Function):
