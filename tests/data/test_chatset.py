@@ -159,10 +159,15 @@ def test_the_prepared_set_masks_the_answers():
 
 @pytest.mark.slow
 def test_the_sft_debug_recipe_lowers_the_masked_loss(tmp_path):
-    """The issue's acceptance: under 2 minutes on 2 cores, masked validation loss down >= 30%."""
+    """The issue's acceptance, masked validation loss down >= 30%, on a shortened run: the
+    recipe's model, data and optimizer for 120 steps instead of its 240 (the cosine schedule
+    spans the 120), for half the cost. Measured (2026-12-03) from step 40 to step 120: 1.998 to
+    1.050 on seed 0, 1.977 to 1.023 on seed 1 (0.53x, 0.52x against the 0.7x bound); the full
+    recipe goes from 1.975 to 0.522."""
     from composer.cli import main
 
-    assert main(["train", "--config", "sft-debug", "--log-dir", str(tmp_path), "--json"]) == 0
+    assert main(["train", "--config", "sft-debug", "--steps", "120", "--log-dir", str(tmp_path),
+                 "--json"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(val) >= 2 and val[-1] <= 0.7 * val[0], val

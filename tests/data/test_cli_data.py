@@ -72,12 +72,17 @@ def test_bad_inputs_are_one_line_errors_and_leave_nothing(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_shakespeare_recipe_beats_a_bigram_model(tmp_path, capsys):
-    """The README's real-text run on the built-in corpus: validation loss below 2.2 nats per
-    byte (a bigram model of the same bytes: 2.50). About 2 minutes on 2 cores."""
-    assert main(["train", "--config", "shakespeare", "--log-dir", str(tmp_path), "--json"]) == 0
+    """The README's real-text run on the built-in corpus, shortened: the recipe's model, data,
+    optimizer and schedule, but 160 steps instead of its 480 (the cosine schedule spans the 160;
+    validation every 40), reach a validation loss below 2.2 nats per byte (a bigram model of the
+    same bytes: 2.50). The full recipe reaches 1.58 (README); this is a third of its cost.
+    Margin: at step 160 seeds 0-3 (initialisation and data order) measured 1.871, 1.865, 1.933
+    and 1.873 (2026-12-03), 0.26 or more below the threshold against a spread of 0.07."""
+    assert main(["train", "--config", "shakespeare", "--steps", "160", "--eval-every", "40",
+                 "--log-dir", str(tmp_path), "--json"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
-    assert len(val) == 6 and val[-1] < 2.2 and val[-1] < val[0], val
+    assert len(val) == 4 and val[-1] < 2.2 and val[-1] < val[0], val
 
 
 @pytest.mark.slow

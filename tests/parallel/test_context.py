@@ -5,7 +5,7 @@ cp=2, cp=4, cp=2 x tp=2, cp=2 x dp=2 and cp=2 x pp=2 (no load-balancing loss the
 multi-latent attention and of two multi-token-prediction depths at cp=2; isolated documents
 that cross the ranks' chunks (fp64); the training engine (fp64 masters, 1e-10) at cp=2 and
 cp=2 x pp=2 on synthetic rows and on packed documents (with multi-token prediction too); the
-chunk layout; peak memory per rank at 8192 tokens; bad layouts, refused in one line."""
+chunk layout; peak memory per rank at cp=2 (4096 tokens); bad layouts, refused in one line."""
 
 from __future__ import annotations
 
@@ -260,18 +260,21 @@ def test_chunk_layout() -> None:
     assert got.tolist() == list(range(24))
 
 
-def _peak(cp: int) -> float:
+def _peak(cp: int, tokens: int) -> float:
     sys.path.insert(0, "bench")
     from long_context import run
 
-    return run(cp, 8192, steps=1)["peak_MB"]
+    return run(cp, tokens, steps=1)["peak_MB"]
 
 
 @pytest.mark.slow
-def test_peak_memory_at_8k_halves() -> None:
-    """Issue 15's goal: a 1 x 8192-token hybrid training step peaks at <= 0.65x per rank at
-    cp=2 (bench/long_context.py, which measures it)."""
-    one, two = _peak(1), _peak(2)
+def test_peak_memory_at_cp2_is_at_most_065x() -> None:
+    """Issue 15's goal, a hybrid training step's peak memory per rank at cp=2 at most 0.65x
+    cp=1's (bench/long_context.py measures it at 8192 tokens), checked on a 1 x 4096-token row
+    for half the cost: the peak is linear in the tokens (907, 1788, 3485 MB at 8k, 16k, 32k at
+    cp=1 in bench/RESULTS.md; 454 MB at 4k), so the ratio is the same at every length (0.58x
+    at 4k, 0.57x-0.58x at 8k, 16k and 32k; deterministic from run to run; 2026-12-03)."""
+    one, two = _peak(1, 4096), _peak(2, 4096)
     assert two <= 0.65 * one, (one, two)
 
 

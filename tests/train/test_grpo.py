@@ -314,11 +314,15 @@ def test_resume_regenerates_the_rollout(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_grpo_debug_recipe_learns(tmp_path: Path) -> None:
-    """The shipped recipe's acceptance: greedy accuracy from at most 0.15 to at least 0.30."""
+    """The shipped recipe's acceptance, greedy accuracy from at most 0.15 to at least 0.30, on
+    a shortened run: the recipe for 120 steps instead of its 300 (the cosine schedule spans the
+    120), for 40% of the cost. Measured at step 120 (2026-12-03): 0.484, 0.422, 0.766 on seeds
+    0-2, at least 8 of the 64 eval prompts above the bound (60 steps gave 0.312-0.328 on seeds
+    0-1: too close)."""
     from composer.train.engine import resolve, setup
     from composer.train.loop import train_loop
 
-    recipe, resume = resolve(None, "grpo-debug", {"save": str(tmp_path / "run")})
+    recipe, resume = resolve(None, "grpo-debug", {"save": str(tmp_path / "run"), "steps": 120})
     run, last = setup(recipe, resume, quiet=True)
     try:
         summary = train_loop(run, last, quiet=True)
