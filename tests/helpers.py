@@ -326,3 +326,15 @@ def adamw_losses(model: torch.nn.Module, ids: torch.Tensor, steps: int,
         opt.step()
         losses.append(out.loss.item())
     return losses
+
+
+def only_kernels(monkeypatch, *names: str) -> None:
+    """Let a test's fake-GPU dispatch (``probe.on_gpu`` patched true) reach only the kernels
+    ``names`` (the ones it fakes): every other optional kernel is switched off by
+    ``COMPOSER_DISABLE_KERNELS``, so a real package installed beside the tests (CI installs
+    mamba-ssm, fla and triton for tests/kernels/wiring) is never called on CPU tensors."""
+    from composer.kernels import probe
+
+    monkeypatch.setenv(probe.ENV_DISABLE, ",".join(sorted(set(probe.KERNELS) - set(names))))
+    probe.reset()
+

@@ -27,6 +27,7 @@ from composer.blocks.split import SplitCausalConv1d
 from composer.config import MambaConfig, ModelConfig
 from composer.kernels import probe
 from composer.kernels.ssd import ssd_scan_ref
+from tests.helpers import only_kernels
 
 OPTIONAL = ("mamba_ssm", "causal_conv1d", "transformer_engine", "triton", "flash_attn")
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,6 +120,7 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
     _install(monkeypatch, "mamba_ssm.ops.triton.ssd_combined",
              mamba_chunk_scan_combined=fake_mamba_chunk_scan_combined(calls["scan"]))
     _install(monkeypatch, "causal_conv1d", causal_conv1d_fn=fake_causal_conv1d_fn(calls["conv"]))
+    only_kernels(monkeypatch, "mamba_ssm", "causal_conv1d", "flash")
     return calls
 
 
@@ -189,7 +191,10 @@ def test_cpu_tensors_take_the_torch_path_and_probe_nothing(fakes: dict) -> None:
 
 def test_absent_packages_are_unavailable(monkeypatch: pytest.MonkeyPatch, gpu: None) -> None:
     for name in ("mamba_ssm", "causal_conv1d", "transformer_engine"):
-        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError, as if absent
+        # import raises ImportError, as if absent (submodules an earlier import left too)
+        for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            monkeypatch.setitem(sys.modules, loaded, None)
+        monkeypatch.setitem(sys.modules, name, None)
     x = torch.zeros(1, 4, 2, 3)
     assert kernels.select_scan(x) is kernels.ssd_scan_torch
     assert kernels.select_conv(torch.zeros(1, 4, 8), 4) is kernels.conv1d_silu_torch

@@ -16,6 +16,7 @@ from composer.blocks.mamba2 import Mamba2Mixer
 from composer.config import MambaConfig, ModelConfig
 from composer.kernels import probe
 from composer.kernels.ssd import ssd_scan_ref
+from tests.helpers import only_kernels
 
 
 def _install(monkeypatch: pytest.MonkeyPatch, name: str, **attrs) -> None:
@@ -71,8 +72,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
     _install(monkeypatch, "mamba_ssm.ops.triton.ssd_combined",
              mamba_chunk_scan_combined=mamba_chunk_scan_combined)
     _install(monkeypatch, "causal_conv1d", causal_conv1d_fn=causal_conv1d_fn)
-    monkeypatch.delenv(probe.ENV_DISABLE, raising=False)
-    probe.reset()
+    only_kernels(monkeypatch, "mamba_ssm", "causal_conv1d", "flash")
     yield out
     probe.reset()
 
