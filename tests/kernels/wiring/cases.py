@@ -199,8 +199,7 @@ CASES = [
     Case("gated_norm_before_gate", GATED_NORM, _gated_norm(True)),
     Case("gdn_docs_init", GDN, _delta(ROWS_64, 96, init=True, per_channel=False)),
     Case("gdn_two_chunks_init", GDN, _delta(None, 80, init=True, per_channel=False, b=1)),
-    Case("kda_docs_init", KDA, _delta([[8, 64]], 72, init=True, per_channel=True, b=1),
-         dtypes=DTYPES[:1]),
+    Case("kda_docs_init", KDA, _delta([[8, 64]], 72, init=True, per_channel=True, b=1)),
     Case("mamba2_mixer_docs", SSD + GATED_NORM, _mixer("M", ROWS_16), dtypes=DTYPES[:1]),
     Case("gdn_mixer_docs", GDN, _mixer("G", [[10, 64, 6]]), dtypes=DTYPES[:1]),
 ]
