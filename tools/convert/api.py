@@ -97,7 +97,7 @@ class _Union:
         self._by_name[name].read_into(name, offset, out)
 
     def locate(self, name: str) -> tuple[Path, int] | None:
-        return getattr(self._by_name[name], "locate", lambda name: None)(name)
+        return self._by_name[name].locate(name)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 Progress = Callable[[int], None]

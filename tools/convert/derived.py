@@ -86,7 +86,7 @@ class DerivedSource:
         none."""
         if name in self.derived:
             return None
-        return getattr(self.base, "locate", lambda name: None)(name)
+        return self.base.locate(name)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         if name not in self.derived:

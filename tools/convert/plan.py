@@ -200,14 +200,13 @@ def execute(targets: list[Target], source: TensorSource, writer: ShardedWriter,
     """Stream every target's parts from ``source`` into ``writer`` (in the writer's order)."""
     by_name = {t.name: t for t in targets}
     buffer = memoryview(bytearray(CHUNK_BYTES))  # reused: fresh memory per chunk costs faults
-    locate = getattr(source, "locate", lambda name: None)
     for planned in writer.plan_order():
         target = by_name[planned.name]
         out_dtype = DTYPES[target.dtype]
         for p in target.pieces:
             in_dtype = source.tensors[p.source].torch_dtype
             # bytes that do not change are copied file to file by the kernel
-            stored = locate(p.source) if out_dtype == in_dtype else None
+            stored = source.locate(p.source) if out_dtype == in_dtype else None
             step = max(1, CHUNK_BYTES // in_dtype.itemsize)
             for start in range(0, p.numel, step):
                 n = min(step, p.numel - start)
