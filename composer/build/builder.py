@@ -133,10 +133,22 @@ class ModelStats:
     vision: dict | None = None
     """A vision-language model's tower (:func:`vision_stats`; in ``n_params`` too, as
     ``params_by_kind["vision tower"]``); None for a text model."""
+    layer_forward_flops_per_token: int = 0
+    """The part of ``forward_flops_per_token`` inside the layers (the main ones and the MTP
+    depths'): what activation checkpointing recomputes. The head, the embedding and the MTP
+    projections sit outside the checkpointed layers."""
 
     @property
     def bf16_bytes(self) -> int:
         return 2 * self.n_params
+
+    def training_flops_per_token(self, ac: str = "none") -> int:
+        """FLOPs a training step spends per token under ``--ac ac``: ``full`` runs each layer's
+        forward a second time in the backward (:func:`composer.parallel.parallelize.apply_ac`
+        checkpoints the layers only, so the head is not recomputed: Megatron's ``96 B s l h^2
+        (1 + s/6h + V/16lh)``); ``selective`` recomputes norms and activations only, whose
+        FLOPs are not counted (the matmuls' and attention's outputs are kept)."""
+        return self.flops_per_token + (self.layer_forward_flops_per_token if ac == "full" else 0)
 
 
 def _inactive_expert_params(mixer: torch.nn.Module, cfg: ModelConfig) -> int:
@@ -180,10 +192,14 @@ def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
     total = sum(p.numel() for p in model.parameters())
     assert total == sum(by_kind.values()), "parameter accounting out of step with the model"
     head = 2 * cfg.d_model * cfg.vocab_size
-    mtp = [2 * (2 * cfg.d_model) * cfg.d_model + head
-           + sum(layer_kind(s).flops_per_token(cfg, seq_len) for s in part) for part in pattern.mtp]
-    forward = head + sum(layer_kind(s).flops_per_token(cfg, seq_len) for s in pattern.layers)
-    forward += sum(mtp)
+
+    def layers_flops(symbols: list[str]) -> int:
+        return sum(layer_kind(s).flops_per_token(cfg, seq_len) for s in symbols)
+
+    mtp = [2 * (2 * cfg.d_model) * cfg.d_model + head + layers_flops(part)
+           for part in pattern.mtp]
+    in_layers = layers_flops(pattern.layers) + sum(layers_flops(part) for part in pattern.mtp)
+    forward = head + layers_flops(pattern.layers) + sum(mtp)
     return ModelStats(
         n_layers=pattern.n_layers,
         layer_counts=dict(pattern.counts()),
@@ -195,6 +211,7 @@ def model_stats(model: HybridModel, seq_len: int = 4096) -> ModelStats:
         seq_len=seq_len,
         mtp_forward_flops_per_token=mtp,
         vision=vision,
+        layer_forward_flops_per_token=in_layers,
     )
 
 

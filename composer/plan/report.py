@@ -50,7 +50,8 @@ def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU) -> dict[str, Any]:
     stages: list[StageParts] = []
     classes = rank_classes(cfg, recipe.parallel, world, precision, recipe.optimizer, stages)
     unknowns = list(UNKNOWNS)
-    fpt = model_stats(build_model(cfg, device="meta"), seq_len=seq).flops_per_token
+    stats = model_stats(build_model(cfg, device="meta"), seq_len=seq)
+    fpt = stats.flops_per_token
     out_classes, comms = [], []
     reserve = int(RESERVE * hw.mem_bytes)
     for c in classes:
@@ -75,8 +76,7 @@ def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU) -> dict[str, Any]:
     comms = [{"kind": c.kind, "group": c.group, "bytes_per_step": c.bytes_per_step,
               "intra_node": c.intra_node} for c in comm]
     tokens = recipe.global_batch_size * seq
-    recompute = 4 / 3 if dims.ac == "full" else 1.0  # a second forward
-    flops_rank = fpt * tokens * recompute / world
+    flops_rank = stats.training_flops_per_token(dims.ac) * tokens / world  # recompute included
     t = step_time(flops_rank, comm, dims, n_micro, hw, precision)
     tps = {k: tokens / (t[k] * world) for k in ("lower", "upper")}
     mfu = {k: fpt * tps[k] / hw.peak_flops(precision) for k in ("lower", "upper")}
