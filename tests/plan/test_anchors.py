@@ -138,8 +138,8 @@ def stats() -> dict[str, object]:
 def test_parameters_match_the_published_size(row, stats):
     """composer's count plus what composer does not build (the LayerNorms' biases ``2 l h``,
     the learned positions ``s h``) less what the paper's formula leaves out (composer's final
-    norm ``h``) is the paper's formula, exactly; that rounds to the published size (one
-    decimal, half up). composer's own count is below it by ``(s + 2l) h - h``: at most 0.29%."""
+    norm ``h``) is the paper's formula, exactly; printed to one decimal it is the
+    published size. composer's own count is below it by ``(s + 2l) h - h``: under 0.3%."""
     n = stats[row.name].n_params
     lay, h = row.layers, row.h
     p = megatron_parameters(row)
