@@ -239,37 +239,43 @@ def megatron_weight_and_optimizer(args: SimpleNamespace) -> tuple[Fraction, Frac
     return num_parameters_on_most_loaded_model_shard, memory
 
 
-# (tie, tp, pp, world, dp mode): Megatron's distributed optimizer (ZeRO-1) against composer's
-# FSDP2 shard mode (ZeRO-3), its plain optimizer against replicate; tied at pp=2, untied at pp=1
-ESTIMATOR_CASES = [(True, 2, 2, 8, "shard"), (True, 2, 2, 8, "replicate"),
-                   (False, 2, 1, 8, "shard")]
+# (tie, gated, tp, pp, world, dp mode): Megatron's distributed optimizer (ZeRO-1) against
+# composer's FSDP2 shard mode (ZeRO-3), its plain optimizer against replicate; tied at pp=2,
+# untied at pp=1 and pp=2; gated: a Llama-style variant (SwiGLU of 8h/3, 8 key/value heads)
+ESTIMATOR_CASES = [(True, False, 2, 2, 8, "shard"), (True, False, 2, 2, 8, "replicate"),
+                   (False, False, 2, 1, 8, "shard"), (False, True, 2, 2, 8, "shard")]
 GPT_ROW = TABLE[0]
+KV_HEADS = 8
 
 
-@pytest.mark.parametrize(("tie", "tp", "pp", "world", "mode"), ESTIMATOR_CASES)
-def test_weight_and_optimizer_bytes_equal_megatrons_estimator(tie, tp, pp, world, mode):
+@pytest.mark.parametrize(("tie", "gated", "tp", "pp", "world", "mode"), ESTIMATOR_CASES)
+def test_weight_and_optimizer_bytes_equal_megatrons_estimator(tie, gated, tp, pp, world, mode):
     """The 1.7B row's GPT in the form Megatron's estimator counts (no linear biases, RMSNorm,
     RoPE; the estimator counts neither biases nor position embeddings), split uniformly over
     the stages as Megatron does. Parameters: composer's most loaded rank (the last stage: the
-    tied head's copy of the embedding and the final norm) holds Megatron's most loaded shard
-    plus ``h (1 - 1/pp)``: the estimator spreads the final norm over the stages (``/ pp``),
-    composer counts it on the stage that holds it. Bytes per parameter: Megatron 18 (bf16
-    weight 2, fp32 gradient 4, fp32 master 4, Adam moments 8), or ``6 + 12/dp`` with its
+    head, or the tied head's copy of the embedding, and the final norm) holds Megatron's most
+    loaded shard plus ``h (1 - 1/pp)``: the estimator spreads the final norm over the stages
+    (``/ pp``), composer counts it on the stage that holds it. Bytes per parameter: Megatron 18
+    (bf16 weight 2, fp32 gradient 4, fp32 master 4, Adam moments 8), or ``6 + 12/dp`` with its
     distributed optimizer (the weight and gradient whole, master and moments sharded);
     composer 16 (fp32 master 4, fp32 gradient 4, moments 8: FSDP2 shards all three, so
     ``16/dp``) plus AdamW's 4-byte ``step`` per parameter tensor. composer's bf16 weights exist
     only gathered in flight (``buffers_bytes``, not counted here)."""
     row, dp = GPT_ROW, world // (tp * pp)
     cfg = gpt(row.h, row.heads, row.layers, bias=False, tie=tie, stages=pp)
+    d_ff = 8 * row.h // 3 if gated else 4 * row.h
+    if gated:
+        cfg.attention.n_kv_heads, cfg.mlp.activation, cfg.mlp.d_ff = KV_HEADS, "swiglu", d_ff
     classes = rank_classes(cfg, ParallelConfig(tp=tp, pp=pp, dp_mode=mode), world)
     most = max(classes, key=lambda c: c.bytes.params)
     assert most.stage == pp - 1
     args = SimpleNamespace(
         kv_channels=row.h // row.heads, num_attention_heads=row.heads, hidden_size=row.h,
-        group_query_attention=False, num_query_groups=None, num_experts=None, swiglu=False,
-        multi_latent_attention=False, mtp_num_layers=None, normalization="RMSNorm",
-        padded_vocab_size=VOCAB, untie_embeddings_and_output_weights=not tie,
-        ffn_hidden_size=4 * row.h, num_layers=row.layers, pipeline_model_parallel_size=pp,
+        group_query_attention=gated, num_query_groups=KV_HEADS if gated else None,
+        num_experts=None, swiglu=gated, multi_latent_attention=False, mtp_num_layers=None,
+        normalization="RMSNorm", padded_vocab_size=VOCAB,
+        untie_embeddings_and_output_weights=not tie, ffn_hidden_size=d_ff,
+        num_layers=row.layers, pipeline_model_parallel_size=pp,
         tensor_model_parallel_size=tp, data_parallel_size=dp,
         use_distributed_optimizer=mode == "shard")
     shard, megatron_bytes = megatron_weight_and_optimizer(args)
@@ -278,9 +284,10 @@ def test_weight_and_optimizer_bytes_equal_megatrons_estimator(tie, tp, pp, world
     # every tensor's dim 0 divides by tp and dp here: FSDP2's torch.chunk shards are even
     held = n / dp if mode == "shard" else n
     assert most.bytes.params == 4 * held and most.bytes.grads == 4 * held
-    # tensors on the last stage: 4 projections + a norm per attention block, 2 + a norm per
-    # MLP block, the final norm, the embedding (tied: the head's copy of it) or the head
-    tensors = (5 + 3) * row.layers // pp + 1 + (2 if not tie and pp == 1 else 1)
+    # tensors on the last stage: 4 projections + a norm per attention block, 2 (gated: 3) + a
+    # norm per MLP block, the final norm, the embedding (tied: the head's copy of it) or the head
+    mlp_tensors = 4 if gated else 3
+    tensors = (5 + mlp_tensors) * row.layers // pp + 1 + (2 if not tie and pp == 1 else 1)
     assert most.bytes.optimizer == 8 * held + STEP_BYTES * tensors
     # the mapping: Megatron's bytes at its bytes per parameter, composer's at 16 (/ dp sharded)
     per_parameter = 6 + Fraction(12, dp) if mode == "shard" else 18
