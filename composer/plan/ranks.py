@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -35,7 +35,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from composer.config import ModelConfig
+from composer.config import ConfigError, ModelConfig
+from composer.lora import LoRAConfig
 from composer.parallel.layout import ParallelConfig
 from composer.parallel.mesh import LayoutError, ParallelDims, build_parallel_dims
 
@@ -68,11 +69,14 @@ class RankClass:
 
 @contextmanager
 def impersonate(rank: int, world: int) -> Iterator[None]:
-    """Be ``rank`` of ``world`` (fake process group) for the block; refused inside a real one."""
+    """Be ``rank`` of ``world`` (fake process group) for the block; refused, as one line,
+    in a process that already has a process group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("composer plan impersonates ranks: it runs outside a process group")
+        raise ConfigError(f"composer plan and train --dry-run impersonate ranks in a process "
+                          f"of their own: this one is already rank {dist.get_rank()} of "
+                          f"{dist.get_world_size()} (run it outside torchrun or composer launch)")
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         yield
@@ -183,13 +187,7 @@ def stage_parts(model: nn.Module, optimizer: str, compute_size: int) -> StagePar
 
     from composer.train.optim import build_optimizers
 
-    opts = build_optimizers(model, optimizer, 1e-3, 0.0, (0.9, 0.95), 1e-8).opts
-    copies = {}
-    for opt in opts:
-        n = 2 if isinstance(opt, torch.optim.AdamW) else 1
-        for group in opt.param_groups:
-            for p in group["params"]:
-                copies[id(p)] = n
+    copies = state_copies(build_optimizers(model, optimizer, 1e-3, 0.0, (0.9, 0.95), 1e-8).opts)
     index: dict[int, int] = {}
     params = []
     for p in model.parameters():  # each parameter once (tied ones are one)
@@ -208,29 +206,47 @@ def stage_parts(model: nn.Module, optimizer: str, compute_size: int) -> StagePar
     return StageParts(params, units, compute_size, kinds)
 
 
-def build_rank(cfg: ModelConfig, layout: ParallelConfig, precision: str) -> tuple[nn.Module,
-                                                                                   ParallelDims]:
-    """The current (impersonated) rank's model on meta, as training builds it (fp32 masters)."""
+def state_copies(opts: list[torch.optim.Optimizer]) -> dict[int, int]:
+    """Optimizer state copies of each parameter (by ``id``): 2 under AdamW (its moments), 1
+    under Muon (its momentum)."""
+    copies = {}
+    for opt in opts:
+        n = 2 if isinstance(opt, torch.optim.AdamW) else 1
+        for group in opt.param_groups:
+            for p in group["params"]:
+                copies[id(p)] = n
+    return copies
+
+
+def build_rank(cfg: ModelConfig, layout: ParallelConfig, precision: str,
+               lora: LoRAConfig | None = None, frozen: Sequence[str] = ()
+               ) -> tuple[nn.Module, ParallelDims]:
+    """The current (impersonated) rank's model on meta, as training builds it (fp32 masters;
+    ``lora``: its adapters, the base frozen; ``frozen``: the ``--freeze`` parts)."""
     from composer.run import build_meta
+    from composer.train.vision import freeze
 
     dims = build_parallel_dims(layout, "cpu")
     dims.precision = "bf16" if precision in ("bf16", "fp8") else "fp32"
-    return build_meta(cfg, dims, dtype=torch.float32), dims
+    transform = (lambda model: freeze(model, frozen)) if frozen else None
+    return build_meta(cfg, dims, dtype=torch.float32, transform=transform, lora=lora), dims
 
 
 def rank_bytes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: str = "bf16",
-               optimizer: str = "adamw", stages: list[StageParts] | None = None
+               optimizer: str = "adamw", stages: list[StageParts] | None = None,
+               lora: LoRAConfig | None = None, frozen: Sequence[str] = ()
                ) -> list[tuple[int, RankBytes]]:
     """``(stage, bytes)`` of every rank of ``layout`` on ``world`` ranks, in rank order: one
     impersonated construction per stage, the stage's other ranks from their coordinates.
-    ``stages``: filled with each stage's :class:`StageParts`."""
+    ``stages``: filled with each stage's :class:`StageParts`; ``lora``, ``frozen``: as
+    :func:`build_rank`."""
     compute_size = 2 if precision in ("bf16", "fp8") else 4
     per_stage = world // layout.pp
     out = []
     for stage in range(layout.pp):
         with impersonate(stage * per_stage, world):
             try:
-                model, dims = build_rank(cfg, layout, precision)
+                model, dims = build_rank(cfg, layout, precision, lora, frozen)
             except NotImplementedError as exc:  # what the same layout's training would meet
                 first = str(exc).splitlines()[0]
                 raise LayoutError(f"rank {stage * per_stage} cannot be built: {first}") from None
@@ -244,11 +260,12 @@ def rank_bytes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: 
 
 
 def rank_classes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: str = "bf16",
-                 optimizer: str = "adamw", stages: list[StageParts] | None = None
+                 optimizer: str = "adamw", stages: list[StageParts] | None = None,
+                 lora: LoRAConfig | None = None, frozen: Sequence[str] = ()
                  ) -> list[RankClass]:
     """The distinct rank classes (equal bytes on one stage), by stage, then first rank."""
     seen: dict[tuple, RankClass] = {}
-    per_rank = rank_bytes(cfg, layout, world, precision, optimizer, stages)
+    per_rank = rank_bytes(cfg, layout, world, precision, optimizer, stages, lora, frozen)
     for rank, (stage, b) in enumerate(per_rank):
         key = (stage, *dataclasses.astuple(b))
         if key in seen:
@@ -274,3 +291,21 @@ def local_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer] | None
             state += sum(size(v) for v in s.values() if isinstance(v, torch.Tensor))
     return {"params": sum(size(p) for p in params), "grads": sum(size(p.grad) for p in params),
             "optimizer": state}
+
+
+def built_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
+    """What a rank built but not yet stepped will hold (``composer train --dry-run``): its
+    parameters' ``to_local()`` bytes, a gradient per trainable parameter in its dtype, and its
+    optimizers' state, which they create at the first step, counted from their parameter
+    groups (:func:`state_copies`; AdamW's ``step`` an fp32 scalar)."""
+    copies = state_copies(optimizers)
+    params = grads = state = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        n = local.numel() * local.element_size()
+        params += n
+        if p.requires_grad:
+            grads += n
+        k = copies.get(id(p), 0)
+        state += k * n + (STEP_BYTES if k == 2 else 0)
+    return {"params": params, "grads": grads, "optimizer": state}
