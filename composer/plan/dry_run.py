@@ -20,7 +20,13 @@ from typing import Any
 
 from composer.config import ConfigError, ModelConfig
 from composer.plan.hardware import GPU
-from composer.plan.ranks import StageParts, built_bytes, impersonate, rank_coords
+from composer.plan.ranks import (
+    StageParts,
+    built_bytes,
+    check_no_group,
+    impersonate,
+    rank_coords,
+)
 from composer.train.recipe import Recipe
 
 
@@ -72,6 +78,7 @@ def dry_run(recipe: Recipe, resume: Path | None, world: int, hw: GPU,
     from composer.train.engine import dry_run_device, setup
     from composer.train.precision import resolve_precision
 
+    check_no_group()
     if rank is not None and not 0 <= rank < world:
         raise ConfigError(f"--dry-run-rank must be in 0..{world - 1} (--gpus {world}), got {rank}")
     if not recipe.seq_len:

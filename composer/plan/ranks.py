@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -67,16 +68,25 @@ class RankClass:
     bytes: RankBytes
 
 
+def check_no_group() -> None:
+    """Impersonation needs a process of its own, neither in a process group nor one of
+    torchrun's ranks: one line otherwise."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if dist.is_initialized() or world > 1:
+        raise ConfigError(f"composer plan and train --dry-run impersonate ranks in a process "
+                          f"of their own: this one is already rank {rank} of {world} (run it "
+                          "outside torchrun or composer launch)")
+
+
 @contextmanager
 def impersonate(rank: int, world: int) -> Iterator[None]:
-    """Be ``rank`` of ``world`` (fake process group) for the block; refused, as one line,
-    in a process that already has a process group."""
+    """Be ``rank`` of ``world`` (fake process group) for the block (:func:`check_no_group`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise ConfigError(f"composer plan and train --dry-run impersonate ranks in a process "
-                          f"of their own: this one is already rank {dist.get_rank()} of "
-                          f"{dist.get_world_size()} (run it outside torchrun or composer launch)")
+    check_no_group()
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         yield
