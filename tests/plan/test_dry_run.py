@@ -193,6 +193,11 @@ def test_a_resumed_run_is_dry_run_without_touching_it(capsys, tmp_path, monkeypa
     assert code == 0, err
     assert plan["dry_run"]["steps"] == 5 and plan["layout"]["tp"] == 2
     assert_plans_bytes(plan)
+    # --save naming that run with another model: train's refusal, before any work
+    code, _, err = dry_run(capsys, ["qwen3-moe-debug", "--save", "run", "--gpus", "4", "--gpu",
+                                    "h100", "--tokens", "synthetic", "--seq-len", "16"])
+    assert code == 2 and err.startswith("composer: error: run holds a run of a different model "
+                                        "than qwen3-moe-debug ("), err
     assert sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns)
                   for p in tmp_path.rglob("*")) == before
 
