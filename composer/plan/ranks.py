@@ -42,7 +42,7 @@ from composer.parallel.layout import ParallelConfig
 from composer.parallel.mesh import LayoutError, ParallelDims, build_parallel_dims
 
 ROOT_DIMS = ("pp", "dp_outer", "ep", "cp", "tp")
-DP_DIMS = ("dp", "dp_cp", "dp_outer")
+DP_DIMS = ("dp", "dp_cp", "dp_outer", "dp_shard")
 """Mesh dimensions data parallelism shards over (what an FSDP unit gathers)."""
 STEP_BYTES = 4
 """AdamW's ``step``: one fp32 scalar per parameter (``torch.optim.AdamW``, not fused)."""
@@ -96,7 +96,10 @@ def impersonate(rank: int, world: int) -> Iterator[None]:
 
 def rank_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
     """``rank``'s coordinate on every mesh dimension, the flattened ones included (the mesh is
-    ``(pp, dp_outer, ep, cp, tp)``, row-major over the ranks)."""
+    ``(pp, dp_outer, ep, cp, tp)``, row-major over the ranks). HSDP's ``dp_replicate x
+    dp_shard`` unflattens ``dp_cp`` (dense parameters) or ``dp_outer`` (experts) row-major:
+    keyed ``dp_replicate/N`` and ``dp_shard/N`` by the size ``N`` of what it unflattens
+    (:meth:`Shape.numel_at` picks by its mesh's)."""
     coords, rest = {}, rank
     for name in reversed(ROOT_DIMS):
         size = {"pp": dims.pp, "dp_outer": dims.dp_outer, "ep": dims.ep, "cp": dims.cp,
@@ -104,6 +107,9 @@ def rank_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
         coords[name], rest = rest % size, rest // size
     coords["dp"] = coords["dp_outer"] * dims.ep + coords["ep"]
     coords["dp_cp"] = coords["dp"] * dims.cp + coords["cp"]
+    for flat, n in (("dp_cp", dims.dp * dims.cp), ("dp_outer", dims.dp_outer)):
+        shard = n // dims.dp_replicate
+        coords[f"dp_replicate/{n}"], coords[f"dp_shard/{n}"] = divmod(coords[flat], shard)
     return coords
 
 
@@ -119,7 +125,13 @@ class Shape:
     def numel_at(self, coords: dict[str, int], gathered: bool = False) -> int:
         """Local elements at ``coords``; ``gathered``: with data parallelism's shards
         all-gathered (an FSDP unit's unsharded view)."""
-        return _local_numel(self, tuple(coords[d] for d in self.dims), gathered)
+        return _local_numel(self, tuple(coords[self._key(d)] for d in self.dims), gathered)
+
+    def _key(self, dim: str) -> str:
+        if dim not in ("dp_replicate", "dp_shard"):
+            return dim
+        size = dict(zip(self.dims, self.sizes, strict=True))
+        return f"{dim}/{size['dp_replicate'] * size['dp_shard']}"
 
 
 @functools.lru_cache(maxsize=1 << 16)

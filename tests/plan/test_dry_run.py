@@ -18,6 +18,7 @@ CASES = [
     ("deepseek-v3-debug", 64, ["--pp", "2", "--ep", "8", "--tp", "2",
                                "--global-batch-size", "32", "--micro-batch-size", "1"]),
     ("nemotron-h-debug", 8, ["--cp", "2", "--dp-mode", "replicate", "--global-batch-size", "8"]),
+    ("qwen3-moe-debug", 64, ["--ep", "4", "--dp-replicate", "2", "--global-batch-size", "64"]),
 ]
 
 
