@@ -179,6 +179,7 @@ def test_a_shipped_recipe_names_its_world_and_nothing_is_written(capsys, tmp_pat
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_a_resumed_run_is_dry_run_without_touching_it(capsys, tmp_path, monkeypatch):
     """A run folder as SOURCE: its saved recipe and model, read only; an interrupted save's
     leftover stays (a real start would remove it), no checkpoint is loaded."""
