@@ -151,12 +151,15 @@ def _prepare_with_adapter(source: str, pc: ParallelConfig, adapter: str, device:
 def build_sharded(cfg: ModelConfig, dims: ParallelDims, seed: int | None = 0,
                   tensors: TensorSource | None = None, dtype: torch.dtype | None = None,
                   transform: Callable[[HybridModel], None] | None = None,
-                  lora: LoRAConfig | None = None) -> HybridModel:
+                  lora: LoRAConfig | None = None, allocate: bool = True) -> HybridModel:
     """Build on meta, parallelise there (:func:`build_meta`), allocate this rank's shards on its
     device and fill them: from a portable checkpoint's ``tensors``, from ``seed``, or not at all
     (``seed=None``: a training checkpoint loads next). ``lora``: a portable checkpoint holds the
-    base only, the adapters are initialised from ``seed``."""
+    base only, the adapters are initialised from ``seed``. ``allocate=False``: the model stays
+    on meta, nothing is read (``composer train --dry-run``: :mod:`composer.plan.dry_run`)."""
     model = build_meta(cfg, dims, tensors=tensors, dtype=dtype, transform=transform, lora=lora)
+    if not allocate:
+        return model
     model.to_empty(device=dims.device)
     if tensors is not None:
         skip = is_adapter if lora is not None else None

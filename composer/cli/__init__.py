@@ -26,6 +26,7 @@ from composer.cli.base import (
     version,
 )
 from composer.cli.models import cmd_build, cmd_zoo_list, cmd_zoo_show
+from composer.cli.plan import GPU_FLAGS, add_gpu_arguments, gpu_of, print_plan
 from composer.threads import restore_threads, use_threads
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -146,12 +147,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-TRAIN_ONLY = {"func", "command", "config", "list_recipes", "json", "source"}
+TRAIN_ONLY = {"func", "command", "config", "list_recipes", "json", "source", "dry_run",
+              "dry_run_rank", *GPU_FLAGS}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from composer.train.recipe import shipped_recipes
 
+    if not args.dry_run:
+        given = [f"--{k.replace('_', '-')}" for k in ("dry_run_rank", *sorted(GPU_FLAGS))
+                 if getattr(args, k) is not None]
+        if given:
+            raise UsageError(f"{given[0]} is for --dry-run (a rank of a world checked here)")
     if args.list_recipes:
         recipes = shipped_recipes()
         if args.json:
@@ -166,6 +173,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if flags.pop("activation_checkpointing", False):
         flags.setdefault("ac", "full")
     recipe, resume = resolve(args.source, args.config, flags)
+    if args.dry_run:
+        return _dry_run(args, recipe, resume)
     use_threads(*train_work(recipe))
     init_distributed(recipe.device, recipe.timeout_s)
     summary = train(recipe, resume, quiet=args.json)
@@ -178,6 +187,24 @@ def cmd_train(args: argparse.Namespace) -> int:
                               "stopped_by_signal": summary.stopped_by_signal}))
         elif recipe.save:
             print(f"saved step {summary.step} to {recipe.save}")
+    return 0
+
+
+def _dry_run(args: argparse.Namespace, recipe: Any, resume: Any) -> int:
+    """``train --dry-run``: the plan and one rank's setup (:mod:`composer.plan.dry_run`)."""
+    from composer.plan.dry_run import PlanMismatch, dry_run, summary_line, world_of
+
+    world = world_of(recipe, args.gpus)
+    try:
+        plan = dry_run(recipe, resume, world, gpu_of(args), args.dry_run_rank)
+    except PlanMismatch as exc:
+        _report(f"composer: error: {exc}", exc.exit_code)
+        return exc.exit_code
+    if args.json:
+        print(json.dumps(plan))
+    else:
+        print_plan(plan)
+        print(summary_line(plan))
     return 0
 
 
@@ -406,6 +433,14 @@ def make_parser(argv: Sequence[str] | None = None) -> Parser:
     tr.add_argument("--list-recipes", action="store_true", help="list the shipped recipes")
     tr.add_argument("--json", action="store_true",
                     help="no per-step lines; one line of JSON on stdout at the end")
+    tr.add_argument("--dry-run", action="store_true",
+                    help="check the run up to its first step for one rank of --gpus N on the "
+                         "meta device, nothing allocated or written, and print its plan "
+                         "(docs/planning.md)")
+    tr.add_argument("--dry-run-rank", type=int, default=None, metavar="R",
+                    help="the rank to dry-run (default: the plan's worst)")
+    add_gpu_arguments(tr, gpus_required=False,
+                      gpus_help="--dry-run: the world size (default: the recipe's layout's)")
     from composer.train.recipe import add_arguments
 
     add_arguments(tr)

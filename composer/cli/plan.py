@@ -7,8 +7,31 @@ import json
 
 from composer.cli.base import UsageError
 
-PLAN_ONLY = {"func", "command", "config", "json", "source", "gpus", "gpu", "mem_gib", "tflops",
-             "hbm_tbs", "nvlink_gbs", "net_gbs", "gpus_per_node", "pattern"}
+GPU_FLAGS = {"gpus", "gpu", "mem_gib", "tflops", "hbm_tbs", "nvlink_gbs", "net_gbs",
+             "gpus_per_node"}
+"""The world and GPU flags (:func:`add_gpu_arguments`): plan's and ``train --dry-run``'s."""
+PLAN_ONLY = {"func", "command", "config", "json", "source", "pattern", *GPU_FLAGS}
+
+
+def add_gpu_arguments(p: argparse.ArgumentParser, gpus_required: bool = True,
+                      gpus_help: str = "the world size") -> None:
+    """``--gpus`` and the GPU: ``--gpu`` or its numbers (:func:`gpu_of`)."""
+    p.add_argument("--gpus", type=int, required=gpus_required, default=None, help=gpus_help)
+    p.add_argument("--gpu", default=None, help="h100, h200 or b200 (docs/planning.md)")
+    for flag, unit in (("--mem-gib", "GPU memory, GB"), ("--tflops", "dense TFLOP/s"),
+                       ("--hbm-tbs", "HBM TB/s"), ("--nvlink-gbs", "NVLink GB/s per direction"),
+                       ("--net-gbs", "network GB/s per GPU and direction")):
+        p.add_argument(flag, type=float, default=None, help=unit + " (replaces --gpu's)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per NVLink domain")
+
+
+def gpu_of(args: argparse.Namespace):
+    """The :class:`~composer.plan.hardware.GPU` the flags of :func:`add_gpu_arguments` name."""
+    from composer.plan.hardware import gpu
+
+    return gpu(args.gpu if args.gpu or args.mem_gib is None else None, mem_gb=args.mem_gib,
+               tflops=args.tflops, hbm_tbs=args.hbm_tbs, nvlink_gbs=args.nvlink_gbs,
+               net_gbs=args.net_gbs, per_node=args.gpus_per_node)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,20 +42,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", nargs="?", default=None, help="a preset (or use --pattern)")
     p.add_argument("--pattern", help="a layer pattern instead of a preset (with --set)")
     p.add_argument("--config", help="a recipe YAML file or a shipped recipe's name")
-    p.add_argument("--gpus", type=int, required=True, help="the world size")
-    p.add_argument("--gpu", default=None, help="h100, h200 or b200 (docs/planning.md)")
-    for flag, unit in (("--mem-gib", "GPU memory, GB"), ("--tflops", "dense TFLOP/s"),
-                       ("--hbm-tbs", "HBM TB/s"), ("--nvlink-gbs", "NVLink GB/s per direction"),
-                       ("--net-gbs", "network GB/s per GPU and direction")):
-        p.add_argument(flag, type=float, default=None, help=unit + " (replaces --gpu's)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per NVLink domain")
+    add_gpu_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     add_arguments(p)
     p.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from composer.plan.hardware import gpu
     from composer.plan.report import make_plan
     from composer.train.engine import _model_config, resolve
 
@@ -40,9 +56,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError("--gpus must be >= 1")
     if (args.source is None) == (args.pattern is None):
         raise UsageError("plan: give SOURCE (a preset) or --pattern, one of them")
-    hw = gpu(args.gpu if args.gpu or args.mem_gib is None else None, mem_gb=args.mem_gib,
-             tflops=args.tflops, hbm_tbs=args.hbm_tbs, nvlink_gbs=args.nvlink_gbs,
-             net_gbs=args.net_gbs, per_node=args.gpus_per_node)
+    hw = gpu_of(args)
     flags = {k: v for k, v in vars(args).items() if k not in PLAN_ONLY}
     if flags.pop("activation_checkpointing", False):
         flags.setdefault("ac", "full")

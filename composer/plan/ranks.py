@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -35,12 +36,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from composer.config import ModelConfig
+from composer.config import ConfigError, ModelConfig
+from composer.lora import LoRAConfig
 from composer.parallel.layout import ParallelConfig
 from composer.parallel.mesh import LayoutError, ParallelDims, build_parallel_dims
 
 ROOT_DIMS = ("pp", "dp_outer", "ep", "cp", "tp")
-DP_DIMS = ("dp", "dp_cp", "dp_outer")
+DP_DIMS = ("dp", "dp_cp", "dp_outer", "dp_shard")
 """Mesh dimensions data parallelism shards over (what an FSDP unit gathers)."""
 STEP_BYTES = 4
 """AdamW's ``step``: one fp32 scalar per parameter (``torch.optim.AdamW``, not fused)."""
@@ -66,13 +68,25 @@ class RankClass:
     bytes: RankBytes
 
 
+def check_no_group() -> None:
+    """Impersonation needs a process of its own, neither in a process group nor one of
+    torchrun's ranks: one line otherwise."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if dist.is_initialized() or world > 1:
+        raise ConfigError(f"composer plan and train --dry-run impersonate ranks in a process "
+                          f"of their own: this one is already rank {rank} of {world} (run it "
+                          "outside torchrun or composer launch)")
+
+
 @contextmanager
 def impersonate(rank: int, world: int) -> Iterator[None]:
-    """Be ``rank`` of ``world`` (fake process group) for the block; refused inside a real one."""
+    """Be ``rank`` of ``world`` (fake process group) for the block (:func:`check_no_group`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise RuntimeError("composer plan impersonates ranks: it runs outside a process group")
+    check_no_group()
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         yield
@@ -82,7 +96,10 @@ def impersonate(rank: int, world: int) -> Iterator[None]:
 
 def rank_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
     """``rank``'s coordinate on every mesh dimension, the flattened ones included (the mesh is
-    ``(pp, dp_outer, ep, cp, tp)``, row-major over the ranks)."""
+    ``(pp, dp_outer, ep, cp, tp)``, row-major over the ranks). HSDP's ``dp_replicate x
+    dp_shard`` unflattens ``dp_cp`` (dense parameters) or ``dp_outer`` (experts) row-major:
+    keyed ``dp_replicate/N`` and ``dp_shard/N`` by the size ``N`` of what it unflattens
+    (:meth:`Shape.numel_at` picks by its mesh's)."""
     coords, rest = {}, rank
     for name in reversed(ROOT_DIMS):
         size = {"pp": dims.pp, "dp_outer": dims.dp_outer, "ep": dims.ep, "cp": dims.cp,
@@ -90,6 +107,9 @@ def rank_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
         coords[name], rest = rest % size, rest // size
     coords["dp"] = coords["dp_outer"] * dims.ep + coords["ep"]
     coords["dp_cp"] = coords["dp"] * dims.cp + coords["cp"]
+    for flat, n in (("dp_cp", dims.dp * dims.cp), ("dp_outer", dims.dp_outer)):
+        shard = n // dims.dp_replicate
+        coords[f"dp_replicate/{n}"], coords[f"dp_shard/{n}"] = divmod(coords[flat], shard)
     return coords
 
 
@@ -105,7 +125,13 @@ class Shape:
     def numel_at(self, coords: dict[str, int], gathered: bool = False) -> int:
         """Local elements at ``coords``; ``gathered``: with data parallelism's shards
         all-gathered (an FSDP unit's unsharded view)."""
-        return _local_numel(self, tuple(coords[d] for d in self.dims), gathered)
+        return _local_numel(self, tuple(coords[self._key(d)] for d in self.dims), gathered)
+
+    def _key(self, dim: str) -> str:
+        if dim not in ("dp_replicate", "dp_shard"):
+            return dim
+        size = dict(zip(self.dims, self.sizes, strict=True))
+        return f"{dim}/{size['dp_replicate'] * size['dp_shard']}"
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -183,13 +209,7 @@ def stage_parts(model: nn.Module, optimizer: str, compute_size: int) -> StagePar
 
     from composer.train.optim import build_optimizers
 
-    opts = build_optimizers(model, optimizer, 1e-3, 0.0, (0.9, 0.95), 1e-8).opts
-    copies = {}
-    for opt in opts:
-        n = 2 if isinstance(opt, torch.optim.AdamW) else 1
-        for group in opt.param_groups:
-            for p in group["params"]:
-                copies[id(p)] = n
+    copies = state_copies(build_optimizers(model, optimizer, 1e-3, 0.0, (0.9, 0.95), 1e-8).opts)
     index: dict[int, int] = {}
     params = []
     for p in model.parameters():  # each parameter once (tied ones are one)
@@ -208,29 +228,47 @@ def stage_parts(model: nn.Module, optimizer: str, compute_size: int) -> StagePar
     return StageParts(params, units, compute_size, kinds)
 
 
-def build_rank(cfg: ModelConfig, layout: ParallelConfig, precision: str) -> tuple[nn.Module,
-                                                                                   ParallelDims]:
-    """The current (impersonated) rank's model on meta, as training builds it (fp32 masters)."""
+def state_copies(opts: list[torch.optim.Optimizer]) -> dict[int, int]:
+    """Optimizer state copies of each parameter (by ``id``): 2 under AdamW (its moments), 1
+    under Muon (its momentum)."""
+    copies = {}
+    for opt in opts:
+        n = 2 if isinstance(opt, torch.optim.AdamW) else 1
+        for group in opt.param_groups:
+            for p in group["params"]:
+                copies[id(p)] = n
+    return copies
+
+
+def build_rank(cfg: ModelConfig, layout: ParallelConfig, precision: str,
+               lora: LoRAConfig | None = None, frozen: Sequence[str] = ()
+               ) -> tuple[nn.Module, ParallelDims]:
+    """The current (impersonated) rank's model on meta, as training builds it (fp32 masters;
+    ``lora``: its adapters, the base frozen; ``frozen``: the ``--freeze`` parts)."""
     from composer.run import build_meta
+    from composer.train.vision import freeze
 
     dims = build_parallel_dims(layout, "cpu")
     dims.precision = "bf16" if precision in ("bf16", "fp8") else "fp32"
-    return build_meta(cfg, dims, dtype=torch.float32), dims
+    transform = (lambda model: freeze(model, frozen)) if frozen else None
+    return build_meta(cfg, dims, dtype=torch.float32, transform=transform, lora=lora), dims
 
 
 def rank_bytes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: str = "bf16",
-               optimizer: str = "adamw", stages: list[StageParts] | None = None
+               optimizer: str = "adamw", stages: list[StageParts] | None = None,
+               lora: LoRAConfig | None = None, frozen: Sequence[str] = ()
                ) -> list[tuple[int, RankBytes]]:
     """``(stage, bytes)`` of every rank of ``layout`` on ``world`` ranks, in rank order: one
     impersonated construction per stage, the stage's other ranks from their coordinates.
-    ``stages``: filled with each stage's :class:`StageParts`."""
+    ``stages``: filled with each stage's :class:`StageParts`; ``lora``, ``frozen``: as
+    :func:`build_rank`."""
     compute_size = 2 if precision in ("bf16", "fp8") else 4
     per_stage = world // layout.pp
     out = []
     for stage in range(layout.pp):
         with impersonate(stage * per_stage, world):
             try:
-                model, dims = build_rank(cfg, layout, precision)
+                model, dims = build_rank(cfg, layout, precision, lora, frozen)
             except NotImplementedError as exc:  # what the same layout's training would meet
                 first = str(exc).splitlines()[0]
                 raise LayoutError(f"rank {stage * per_stage} cannot be built: {first}") from None
@@ -244,11 +282,12 @@ def rank_bytes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: 
 
 
 def rank_classes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: str = "bf16",
-                 optimizer: str = "adamw", stages: list[StageParts] | None = None
+                 optimizer: str = "adamw", stages: list[StageParts] | None = None,
+                 lora: LoRAConfig | None = None, frozen: Sequence[str] = ()
                  ) -> list[RankClass]:
     """The distinct rank classes (equal bytes on one stage), by stage, then first rank."""
     seen: dict[tuple, RankClass] = {}
-    per_rank = rank_bytes(cfg, layout, world, precision, optimizer, stages)
+    per_rank = rank_bytes(cfg, layout, world, precision, optimizer, stages, lora, frozen)
     for rank, (stage, b) in enumerate(per_rank):
         key = (stage, *dataclasses.astuple(b))
         if key in seen:
@@ -274,3 +313,21 @@ def local_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer] | None
             state += sum(size(v) for v in s.values() if isinstance(v, torch.Tensor))
     return {"params": sum(size(p) for p in params), "grads": sum(size(p.grad) for p in params),
             "optimizer": state}
+
+
+def built_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
+    """What a rank built but not yet stepped will hold (``composer train --dry-run``): its
+    parameters' ``to_local()`` bytes, a gradient per trainable parameter in its dtype, and its
+    optimizers' state, which they create at the first step, counted from their parameter
+    groups (:func:`state_copies`; AdamW's ``step`` an fp32 scalar)."""
+    copies = state_copies(optimizers)
+    params = grads = state = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        n = local.numel() * local.element_size()
+        params += n
+        if p.requires_grad:
+            grads += n
+        k = copies.get(id(p), 0)
+        state += k * n + (STEP_BYTES if k == 2 else 0)
+    return {"params": params, "grads": grads, "optimizer": state}

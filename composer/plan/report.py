@@ -39,16 +39,21 @@ def check(recipe: Any, cfg: Any, world: int) -> tuple[Any, int, str | None]:
     return dims, micro, schedule
 
 
-def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU) -> dict[str, Any]:
+def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU,
+              stages: list[StageParts] | None = None) -> dict[str, Any]:
+    """The plan's object; ``stages``: filled with each stage's :class:`StageParts`."""
     from composer.build.builder import build_model, model_stats
+    from composer.train.adapters import run_adapters
 
     dims, micro, schedule = check(recipe, cfg, world)
     precision = recipe.precision or "bf16"
     size = 2 if precision in ("bf16", "fp8") else 4
     seq = recipe.seq_len
     n_micro = recipe.global_batch_size // (micro * dims.dp)
-    stages: list[StageParts] = []
-    classes = rank_classes(cfg, recipe.parallel, world, precision, recipe.optimizer, stages)
+    stages = [] if stages is None else stages
+    lora = run_adapters(recipe, None)[0]  # the run's adapters and frozen parts, as training's
+    classes = rank_classes(cfg, recipe.parallel, world, precision, recipe.optimizer, stages,
+                           lora, recipe.freeze)
     unknowns = list(UNKNOWNS)
     stats = model_stats(build_model(cfg, device="meta"), seq_len=seq)
     fpt = stats.flops_per_token

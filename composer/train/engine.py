@@ -296,8 +296,22 @@ def _check_cp(recipe: Recipe, cfg: ModelConfig, seq_len: int) -> None:
     check_cp_length(cfg, layout.cp, seq_len)
 
 
-def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run, int]:
-    """Build the run; returns it and the last step to take."""
+def dry_run_device(recipe: Recipe) -> torch.device:
+    """The device a dry run checks the run for: CUDA unless the recipe says ``--device cpu``
+    (a GPU job checked on a machine without GPUs: precision resolves as on CUDA)."""
+    return torch.device("cpu" if recipe.device == "cpu" else "cuda")
+
+
+def setup(recipe: Recipe, resume: Path | None, quiet: bool = False,
+          dry_run: bool = False) -> tuple[Run, int]:
+    """Build the run; returns it and the last step to take.
+
+    ``dry_run`` (``composer train --dry-run``, :mod:`composer.plan.dry_run`, in an impersonated
+    rank's fake process group): the same path up to the first step without allocating or
+    writing anything: the mesh on the CPU, precision resolved for :func:`dry_run_device`, the
+    model left on meta (parallelised, its optimizers built, their state lazy), no checkpoint or
+    adapter read, and none of :func:`_start`'s work (resume's state, the run folder, the
+    objective's ``prepare``, the metrics log)."""
     from composer.build.builder import build_model, model_stats
     from composer.run import build_sharded
     from composer.train.adapters import load_adapter_tensors, run_adapters
@@ -305,7 +319,8 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     objective = get_objective(recipe.objective)
     recipe = objective.adjust(recipe)  # sft: document isolation
     if resume is not None:
-        remove_incomplete(resume)
+        if not dry_run:
+            remove_incomplete(resume)
         cfg, tensors = ModelConfig.load(resume / CONFIG_FILE), None
     else:
         cfg, tensors = _model_config(recipe)
@@ -314,13 +329,14 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
     check_vision(recipe, cfg, batches)
     _check_cp(recipe, cfg, seq_len)  # before the mesh: a refusal leaves no peer waiting
     try:
-        dims = build_parallel_dims(recipe.parallel, recipe.device)
+        dims = build_parallel_dims(recipe.parallel, "cpu" if dry_run else recipe.device)
     except LayoutError as exc:
         if resume is None:
             raise
         raise LayoutError(f"{exc} (the layout of a resumed run comes from its saved recipe; "
                           "give --tp/--ep/--dp to change it)") from None
-    precision = resolve_precision(recipe.precision, dims.device)
+    precision = resolve_precision(recipe.precision,
+                                  dry_run_device(recipe) if dry_run else dims.device)
     fp8_backend = resolve_fp8_backend(recipe.fp8_backend, precision)
     if fp8_backend == "te":
         from composer.train.fp8_te import check_layout
@@ -338,11 +354,11 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
                               dtype=torch.float32,
                               transform=model_transform(precision, recipe.freeze,
                                                         fp8_backend),
-                              lora=lora)
+                              lora=lora, allocate=not dry_run)
     finally:
         if tensors is not None:
             tensors.close()
-    if start is not None:
+    if start is not None and not dry_run:
         load_adapter_tensors(model, start)
     if model.pipeline is not None:
         model.pipeline.configure(schedule, recipe.global_batch_size // (micro * dims.dp))
@@ -359,6 +375,17 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
                                           seq_len=seq_len).flops_per_token)
     run.grad_sync = recipe.parallel.grad_sync or default_grad_sync(
         model, dims, recipe.global_batch_size // (micro * dims.dp))[0]
+    last = recipe.steps if recipe.exit_at_step is None else min(recipe.steps, recipe.exit_at_step)
+    if not dry_run:
+        _start(run, resume, last, quiet)
+    return run, last
+
+
+def _start(run: Run, resume: Path | None, last: int, quiet: bool) -> None:
+    """What a run reads and writes before its first step: a resumed run's checkpoint and
+    state, the run folder (``recipe.yaml``, the tokenizer), the objective's ``prepare`` and
+    the metrics log."""
+    recipe, model, opt, seq_len = run.recipe, run.model, run.optimizers, run.seq_len
     if resume is not None:
         step_dir = latest_step(resume)
         run.start_step = load_checkpoint(resume, model, opt.opts, step_dir)
@@ -378,12 +405,10 @@ def setup(recipe: Recipe, resume: Path | None, quiet: bool = False) -> tuple[Run
         if is_rank0():
             Path(recipe.save).mkdir(parents=True, exist_ok=True)
             recipe.write(Path(recipe.save) / RECIPE_FILE)
-            save_run_tokenizer(recipe, objective.run_tokenizer(recipe))
-    objective.prepare(run)  # a reference model, an environment
-    last = recipe.steps if recipe.exit_at_step is None else min(recipe.steps, recipe.exit_at_step)
+            save_run_tokenizer(recipe, run.objective.run_tokenizer(recipe))
+    run.objective.prepare(run)  # a reference model, an environment
     run.log = MetricsLog(recipe.log_dir or recipe.save, is_rank0(), last, run.start_step, quiet,
                          recipe.tensorboard)
-    return run, last
 
 
 def train(recipe: Recipe, resume: Path | None = None, quiet: bool = False) -> Summary:

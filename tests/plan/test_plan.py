@@ -19,6 +19,10 @@ CASES = [
     ("nemotron-h-debug", 64, {"cp": 2, "dp_mode": "replicate"}),
     ("deepseek-v3-debug", 8, {"pp": 2, "ep": 2}),
     ("deepseek-v3-debug", 64, {"pp": 2, "ep": 8, "tp": 2}),
+    # HSDP: dense parameters over dp_cp unflattened, experts over dp_outer unflattened
+    ("llama-debug", 64, {"dp_replicate": 2, "tp": 2}),
+    ("qwen3-moe-debug", 64, {"ep": 4, "dp_replicate": 2}),
+    ("nemotron-h-debug", 64, {"cp": 2, "dp_replicate": 4}),
 ]
 
 
