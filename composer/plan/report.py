@@ -5,14 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer.plan.estimate import (
-    RESERVE,
-    UNKNOWNS,
-    activation_bytes,
-    communication,
-    in_flight,
-    step_time,
-)
+from composer.plan.comm import communication, resolve_grad_sync
+from composer.plan.estimate import RESERVE, UNKNOWNS, activation_bytes, in_flight, step_time
 from composer.plan.hardware import GPU
 from composer.plan.ranks import StageParts, rank_classes
 
@@ -69,9 +63,11 @@ def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU) -> dict[str, Any]:
     worst = max(range(len(out_classes)), key=lambda i: out_classes[i]["total_bytes"])
     out_classes[worst]["worst"] = True
     w = classes[worst]
-    gathered = stages[w.stage].unsharded_params(w.example_rank)
-    comm = communication(cfg, dims, stages[w.stage].kinds, seq, micro, n_micro, gathered, size,
-                         hw)
+    grad_sync = resolve_grad_sync(dims, n_micro, 4 * stages[w.stage].unsharded_params(
+        w.example_rank), hw.mem_bytes)
+    comm, unknown = communication(cfg, dims, stages[w.stage].comm, seq, micro, n_micro, size,
+                                  hw.per_node, grad_sync)
+    unknowns += [u for u in unknown if u not in unknowns]
     comms = [{"kind": c.kind, "group": c.group, "bytes_per_step": c.bytes_per_step,
               "intra_node": c.intra_node} for c in comm]
     tokens = recipe.global_batch_size * seq

@@ -1,0 +1,354 @@
+"""Communication per step and rank, by collective (docs/planning.md): what composer runs.
+
+``bytes_per_step`` of an entry is the size of the buffer one rank hands each call of that
+collective, summed over the step's calls (the message size of nccl-tests): an all-gather's
+gathered output, a reduce-scatter's unreduced input, an all-reduce's tensor, an all-to-all's
+input (what this rank sends, to itself included), a send's or a receive's tensor. Collectives
+over a group of one rank move nothing and are left out. ``traffic`` is what a ring algorithm
+puts on each rank's link for it (``(n - 1) / n`` of the buffer per all-gather, reduce-scatter
+or all-to-all, twice that per all-reduce, the whole tensor per send), which step time uses.
+
+The parts come from the impersonated rank's model on meta (:func:`comm_parts`): FSDP2's units
+(each parameter's dim-0 padded shard times the shard group, in the policy's dtypes; a root
+gathers once per micro-batch, other units in the forward and again in the backward), the
+replicated weights whose gradients tensor parallel sums, the experts data parallelism leaves
+to :func:`composer.parallel.data.finish_grads`, the layer kinds a rank runs. Activations are
+the shapes the step moves (micro-batch ``m``, tokens ``T``, width ``D``, the compute dtype).
+Expert parallelism's all-to-alls depend on routing: the rows a rank receives, ``routed`` over
+the step (uniform routing by default: each rank receives as many as it sends).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from composer.config import ModelConfig
+from composer.parallel.mesh import ParallelDims
+
+STATS_WIDTH = 6
+"""fp64 numbers of the loop's step statistics (loss, aux, MTP, stop, count, processed)."""
+
+
+@dataclass
+class Unit:
+    """One FSDP2 / replicate unit: its group, the bytes one call gathers and reduces."""
+
+    group: str
+    size: int
+    gather_bytes: int
+    """The all-gather's output (0 under replicate)."""
+    reduce_bytes: int
+    """The reduce-scatter's input (sharded) or the all-reduce's tensor (replicate)."""
+    root: bool
+    replicate_group: str | None = None
+    """HSDP: the replica dimension its reduced shard is all-reduced over, and that shard."""
+    replicate_size: int = 1
+    shard_bytes: int = 0
+
+
+@dataclass
+class CommParts:
+    """What decides a rank's collectives, read from its model (:func:`comm_parts`)."""
+
+    units: list[Unit] = field(default_factory=list)
+    sharded: bool = True
+    tp_grad_bytes: dict[str, int] = field(default_factory=dict)
+    """Gradient kind (``partial``, ``partial_if_sp``) -> bytes of the gradients summed over tp."""
+    expert_grad_bytes: int = 0
+    """Routed experts' gradients reduced over ``dp_outer`` by ``finish_grads``."""
+    sections: list[str | None] = field(default_factory=list)
+    """Each layer's kind section on this rank, in order."""
+    partial_sums: int = 0
+    """``PartialSum`` points inside the mixers (unknown widths: not counted)."""
+    stage_ids: list[int] = field(default_factory=lambda: [0])
+    n_stages: int = 1
+    has_embed: bool = True
+    has_readout: bool = True
+    tied_bytes: int = 0
+    """Gradient bytes of the embedding copies the pipeline sums (0: none on this rank), over
+    ``tied_ranks`` pipeline ranks."""
+    tied_ranks: int = 1
+
+
+def _dtype_size(dtype: torch.dtype | None, default: torch.dtype) -> int:
+    return (dtype or default).itemsize
+
+
+def _units(model: nn.Module, roots: list[nn.Module]) -> list[Unit]:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    out, seen = [], set()
+    for top in roots:
+        for module in top.modules():
+            if not isinstance(module, FSDPModule) or id(module) in seen:
+                continue
+            seen.add(id(module))
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is None:
+                continue
+            info, mp = group.mesh_info, group.mp_policy
+            names = info.mesh.mesh_dim_names
+            gather = reduce = shard = 0
+            sharded = isinstance(info, FSDPMeshInfo)
+            n = info.shard_mesh_size if sharded else info.replicate_mesh_size
+            for fp in group.fsdp_params:
+                orig = fp.sharded_param.dtype
+                param_size = _dtype_size(mp.param_dtype, orig)
+                reduce_size = _dtype_size(mp.reduce_dtype, mp.param_dtype or orig)
+                local = fp.padded_sharded_param_size.numel() if sharded else \
+                    fp.sharded_param.to_local().numel() if hasattr(fp.sharded_param,
+                                                                   "to_local") else \
+                    fp.sharded_param.numel()
+                full = local * n if sharded else local
+                gather += full * param_size if sharded else 0
+                reduce += full * reduce_size
+                shard += local * reduce_size
+            unit = Unit(names[info.shard_mesh_dim if sharded else info.replicate_mesh_dim],
+                        n, gather, reduce, module in roots)
+            if isinstance(info, HSDPMeshInfo):
+                unit.replicate_group = names[info.replicate_mesh_dim]
+                unit.replicate_size, unit.shard_bytes = info.replicate_mesh_size, shard
+            out.append(unit)
+    return out
+
+
+def comm_parts(model: nn.Module, dims: ParallelDims) -> CommParts:
+    """The parts of an (impersonated) rank's parallelised model that its collectives need."""
+    from composer.blocks.kind import KINDS
+    from composer.blocks.plan import PartialSum
+    from composer.parallel.data import experts_sharded
+    from composer.parallel.tensor import PARTIAL, PARTIAL_IF_SP, expert_params
+
+    def nbytes(p: torch.Tensor) -> int:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        return local.numel() * local.element_size()
+
+    pipeline = getattr(model, "pipeline", None)
+    roots = [model, *(pipeline.views if pipeline is not None else ())]
+    parts = CommParts(_units(model, roots), sharded=dims.dp_mode == "shard")
+    tp = dims.tp_context
+    if tp is not None:
+        for name, p in model.named_parameters():
+            kind = tp.grad_kinds.get(name)
+            if kind in (PARTIAL, PARTIAL_IF_SP) and p.requires_grad:
+                parts.tp_grad_bytes[kind] = parts.tp_grad_bytes.get(kind, 0) + nbytes(p)
+    by_mixer = {kind.mixer: kind for kind in KINDS.values()}
+    layers = list(model.all_layers())
+    parts.sections = [getattr(by_mixer.get(type(layer.mixer)), "section", None)
+                      for layer in layers]
+    parts.partial_sums = sum(isinstance(m, PartialSum) for layer in layers
+                             for m in layer.mixer.modules())
+    if dims.ep > 1 and dims.dp_outer > 1 and not experts_sharded(dims):
+        parts.expert_grad_bytes = sum(nbytes(p) for layer in layers
+                                      for p in expert_params(layer.mixer) if p.requires_grad)
+    if pipeline is not None:
+        parts.stage_ids, parts.n_stages = list(pipeline.stage_ids), pipeline.n_stages
+        parts.has_embed, parts.has_readout = pipeline.has_first, pipeline.has_last
+        if pipeline.embed_group is not None and model.embed is not None:
+            parts.tied_bytes = nbytes(model.embed.weight)
+            parts.tied_ranks = len(pipeline.embed_holders)
+    return parts
+
+
+@dataclass
+class Collective:
+    kind: str
+    group: str
+    bytes_per_step: int
+    intra_node: bool
+    size: int = 2
+    """Ranks in the group."""
+
+    @property
+    def op(self) -> str:
+        """The collective itself: all_gather, reduce_scatter, all_reduce, all_to_all, send,
+        recv (the kind's suffix)."""
+        for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv"):
+            if self.kind.endswith(op):
+                return op
+        raise ValueError(f"no collective in kind {self.kind!r}")
+
+    @property
+    def traffic(self) -> float:
+        """Bytes on one rank's link for a ring algorithm (module docstring); a receive is its
+        peer's send."""
+        n = self.size
+        factor = {"all_reduce": 2 * (n - 1) / n, "send": 1.0, "recv": 0.0}.get(self.op,
+                                                                            (n - 1) / n)
+        return self.bytes_per_step * factor
+
+
+def intra(dims: ParallelDims, group: str, per_node: int) -> bool:
+    """Whether a group's ranks share a node (the mesh is pp, dp_outer, ep, cp, tp row-major)."""
+    inner = {"tp": 1, "cp": dims.tp, "ep": dims.tp * dims.cp,
+             "dp_outer": dims.tp * dims.cp * dims.ep}
+    sizes = group_sizes(dims)
+    if group in inner:
+        span = inner[group] * sizes[group]
+    elif group == "dp_replicate":
+        span = dims.world_size // dims.pp
+    elif group == "dp_shard":
+        span = dims.tp * dims.dp_shard
+    else:  # dp, dp_cp: all but pp; pp and world: everything
+        span = dims.tp * dims.cp * dims.dp if group in ("dp", "dp_cp") else dims.world_size
+    return span <= per_node
+
+
+def group_sizes(dims: ParallelDims) -> dict[str, int]:
+    return {"tp": dims.tp, "cp": dims.cp, "ep": dims.ep, "pp": dims.pp, "dp": dims.dp,
+            "dp_outer": dims.dp_outer, "dp_cp": dims.grad_replicas,
+            "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+            "world": dims.world_size}
+
+
+def resolve_grad_sync(dims: ParallelDims, n_micro: int, grad_bytes: int, mem_bytes: int) -> str:
+    """``--grad-sync`` as training resolves it on a GPU of ``mem_bytes``
+    (:func:`composer.parallel.data.default_grad_sync`); ``grad_bytes``: this rank's unsharded
+    fp32 gradients."""
+    from composer.parallel.data import GRAD_SYNC_MEMORY_SHARE
+
+    if dims.pp > 1:
+        return "last"
+    if dims.grad_replicas == 1 or n_micro == 1:
+        return "every"
+    if dims.grad_sync is not None:
+        return dims.grad_sync
+    return "last" if grad_bytes <= GRAD_SYNC_MEMORY_SHARE * mem_bytes else "every"
+
+
+def communication(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, seq_len: int,
+                  micro: int, n_micro: int, size: int, per_node: int, grad_sync: str,
+                  routed: int | None = None) -> tuple[list[Collective], list[str]]:
+    """One rank's collectives of one training step, by kind and group (module docstring), and
+    what it could not count. ``size``: the compute dtype's bytes; ``routed``: the rows this
+    rank's experts receive over the step (None: uniform routing)."""
+    out: dict[tuple[str, str], int] = {}
+    sizes = group_sizes(dims)
+    unknown: list[str] = []
+
+    def add(kind: str, group: str, n: int, ranks: int | None = None) -> None:
+        if n > 0 and (ranks or sizes[group]) > 1:
+            out[(kind, group)] = out.get((kind, group), 0) + int(n)
+            group_size[(kind, group)] = ranks or sizes[group]
+
+    group_size: dict[tuple[str, str], int] = {}
+    _data_parallel(parts, n_micro, grad_sync, add)
+    tokens = micro * seq_len // dims.cp  # a micro-batch's tokens on this rank, before tp
+    sp = dims.tp > 1 and dims.sequence_parallel and tokens % dims.tp == 0  # tp.sp_active
+    _tensor_parallel(cfg, dims, parts, tokens, n_micro, size, sp, add, unknown)
+    if dims.pp > 1:
+        message = tokens // (dims.tp if sp else 1) * cfg.d_model * size
+        for s in parts.stage_ids:
+            if s + 1 < parts.n_stages:  # activations forward, their gradients back
+                add("pp_send", "pp", n_micro * message)
+                add("pp_recv", "pp", n_micro * message)
+            if s > 0:
+                add("pp_recv", "pp", n_micro * message)
+                add("pp_send", "pp", n_micro * message)
+        add("pp_tied_all_reduce", "pp", parts.tied_bytes, ranks=parts.tied_ranks)
+    _context_parallel(cfg, dims, parts, micro, seq_len, n_micro, size, add, unknown)
+    _experts(cfg, dims, parts, tokens, n_micro, size, routed, add)
+    add("grad_norm_all_reduce", "world", 8)  # fp64, composer.parallel.grads
+    add("step_stats_all_reduce", "world", 8 * STATS_WIDTH)
+    return [Collective(k, g, n, intra(dims, g, per_node), group_size[(k, g)])
+            for (k, g), n in out.items()], unknown
+
+
+def _data_parallel(parts: CommParts, n_micro: int, grad_sync: str, add: Any) -> None:
+    reductions = n_micro if grad_sync == "every" else 1
+    for u in parts.units:
+        if u.gather_bytes:  # sharded: a root once per micro-batch, the others twice
+            add("fsdp_all_gather", u.group, u.gather_bytes * n_micro * (1 if u.root else 2),
+                u.size)
+            add("fsdp_reduce_scatter", u.group, u.reduce_bytes * reductions, u.size)
+            if u.replicate_group is not None:
+                add("fsdp_all_reduce", u.replicate_group, u.shard_bytes * reductions,
+                    u.replicate_size)
+        else:
+            add("dp_all_reduce", u.group, u.reduce_bytes * reductions, u.size)
+    add("expert_all_reduce", "dp_outer", parts.expert_grad_bytes)
+
+
+def _tensor_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, tokens: int,
+                     n_micro: int, size: int, sp: bool, add: Any, unknown: list[str]) -> None:
+    """Each mixer's entry and exit, the vocabulary-parallel embedding's exit and readout's
+    entry (composer.parallel.tensor, .vocab): under sequence parallel an all-gather and a
+    reduce-scatter of the whole sequence forward, the same backward; without it an all-reduce
+    forward (exit) and backward (entry). The readout's loss: a row max and two row sums per
+    token, forward. Then the partial gradients of replicated weights, summed once."""
+    if dims.tp == 1:
+        return
+    stream = tokens * cfg.d_model * size
+    # each of these once per micro-batch: mixers twice (entry, exit), the embedding's exit and
+    # the readout's entry once
+    crossings = 2 * len(parts.sections) + parts.has_embed + parts.has_readout
+    if sp:
+        add("tp_all_gather", "tp", crossings * n_micro * stream)
+        add("tp_reduce_scatter", "tp", crossings * n_micro * stream)
+    else:
+        add("tp_all_reduce", "tp", crossings * n_micro * stream)
+    if parts.has_readout:
+        add("tp_loss_all_reduce", "tp", 3 * tokens * 4 * n_micro)  # fp32 logits' statistics
+    partial = parts.tp_grad_bytes.get("partial", 0)
+    if sp:
+        partial += parts.tp_grad_bytes.get("partial_if_sp", 0)
+    add("tp_grad_all_reduce", "tp", partial)
+    if parts.partial_sums:
+        unknown.append("tensor-parallel sums inside mixers (PartialSum): not counted")
+
+
+def _context_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, micro: int,
+                      seq_len: int, n_micro: int, size: int, add: Any,
+                      unknown: list[str]) -> None:
+    """Attention gathers the whole sequence's K and V (one all-gather each, forward; their
+    reduce-scatters backward); Mamba-2 gathers its 2N chunks' convolution tails, chunk states
+    and decays (forward; reduce-scatters backward); the loss mean is summed over cp once per
+    micro-batch (fp32)."""
+    if dims.cp == 1:
+        return
+    tp = dims.tp
+    per_layer = 0
+    for section in parts.sections:
+        if section == "attention":
+            a = cfg.attention
+            d_head = a.d_head or cfg.d_model // a.n_heads
+            per_layer += 2 * micro * seq_len * (a.n_kv_heads or a.n_heads) // tp * d_head
+        elif section == "mamba":
+            m = cfg.mamba
+            chunks = 2 * dims.cp * micro
+            channels = (m.n_heads * m.d_head + 2 * m.n_groups * m.d_state) // tp
+            heads = m.n_heads // tp
+            per_layer += chunks * ((m.d_conv - 1) * channels + heads * m.d_head * m.d_state
+                                   + heads)
+        elif section not in ("mlp", "moe", None):
+            unknown.append(f"context-parallel exchange of {section} layers: not counted")
+    add("cp_all_gather", "cp", per_layer * size * n_micro)
+    add("cp_reduce_scatter", "cp", per_layer * size * n_micro)
+    if parts.has_readout and dims.pp == 1:
+        add("cp_loss_all_reduce", "cp", 4 * n_micro)
+    elif parts.has_readout:
+        unknown.append("the pipeline's loss sums over cp: not counted")
+
+
+def _experts(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, tokens: int,
+             n_micro: int, size: int, routed: int | None, add: Any) -> None:
+    """Per MoE layer and micro-batch: the routing counts (int64 per expert), the dispatch of
+    this rank's ``m T k`` rows and the combine of the rows its experts received, forward; the
+    same two backward (composer.parallel.expert). The load statistics (``2E + 1`` fp32 sums,
+    with aux loss) are summed over ``dp x cp`` forward and backward."""
+    n_moe = sum(1 for s in parts.sections if s == "moe")
+    if not n_moe:
+        return
+    moe = cfg.moe
+    if dims.ep > 1:
+        sent = n_moe * n_micro * tokens * moe.top_k
+        received = sent if routed is None else routed
+        add("ep_all_to_all", "ep", 2 * (sent + received) * cfg.d_model * size
+            + n_moe * n_micro * moe.n_experts * (2 if dims.ep_overlap else 1) * 8)
+    if dims.grad_replicas > 1 and moe.aux_loss_coeff:
+        add("moe_stats_all_reduce", "dp_cp", 2 * n_moe * n_micro * (2 * moe.n_experts + 1) * 4)

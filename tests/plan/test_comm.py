@@ -1,0 +1,109 @@
+"""composer plan's communication equals what one training step issues: every collective of the
+engine's second step on 2 gloo ranks, counted by a dispatch mode (tests.helpers.CollectiveCounter),
+summed by collective and group, against the plan of the same layout, exactly: FSDP2 (both
+--grad-sync modes), replicate, tensor and sequence parallel, the pipeline's sends and receives,
+context parallel's K/V and Mamba-2 state exchange, expert parallel's all-to-alls (with the
+routing counts the ranks exchanged), the MoE statistics, the gradient norm and step statistics."""
+
+import pytest
+
+from composer.parallel.layout import ParallelConfig
+from composer.plan.comm import communication
+from composer.plan.ranks import ROOT_DIMS, rank_bytes, rank_coords
+from composer.zoo import get_preset
+
+BASE = {"tokens": "synthetic", "seq_len": 16, "steps": 2, "global_batch_size": 4,
+        "micro_batch_size": 1, "precision": "fp32"}
+# (preset, layout and recipe values): each of tp, pp, cp, ep and dp (both modes) at 2 ranks,
+# several micro-batches each
+CASES = [
+    ("llama-debug", {"tp": 2}),
+    ("nemotron-h-debug", {"tp": 2, "global_batch_size": 2}),
+    ("llama-debug", {"grad_sync": "every"}),
+    ("llama-debug", {"grad_sync": "last"}),
+    ("llama-debug", {"dp_mode": "replicate"}),
+    ("llama-debug", {"pp": 2}),
+    ("llama-debug", {"cp": 2}),
+    ("nemotron-h-debug", {"cp": 2, "dp_mode": "replicate", "global_batch_size": 2}),
+    ("qwen3-moe-debug", {"ep": 2}),
+]
+SPANS = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "pp": ("pp",), "dp_outer": ("dp_outer",),
+         "dp": ("dp_outer", "ep"), "dp_cp": ("dp_outer", "ep", "cp"), "world": ROOT_DIMS}
+
+
+def counted_steps(cases: list) -> list[dict]:
+    """Each case's second step (the first builds the pipeline's shapes and the lazy states),
+    its collectives counted; with the routing counts the ranks received."""
+    from composer.train.engine import resolve, setup
+    from composer.train.loop import take_step
+    from tests.helpers import CollectiveCounter
+
+    out = []
+    for preset, values in cases:
+        recipe, _ = resolve(preset, None, {**BASE, **values})
+        run, _ = setup(recipe, None, quiet=True)
+        take_step(run, 1, False)
+        counter = CollectiveCounter()
+        with counter:
+            take_step(run, 2, False)
+        run.log.close()
+        routed = sum(int(c.out.sum()) for c in counter.calls if c.out is not None)
+        out.append({"totals": counter.totals(), "routed": routed, "grad_sync": run.grad_sync})
+    return out
+
+
+def group_ranks(dims, rank: int, group: str) -> tuple[int, ...]:
+    """The global ranks of ``rank``'s ``group`` (the mesh dimensions it spans)."""
+    mine = rank_coords(rank, dims)
+    fixed = [d for d in ROOT_DIMS if d not in SPANS[group]]
+    return tuple(r for r in range(dims.world_size)
+                 if all(rank_coords(r, dims)[d] == mine[d] for d in fixed))
+
+
+def planned(preset: str, values: dict, rank: int, grad_sync: str, routed: int) -> dict:
+    keys = set(ParallelConfig.__dataclass_fields__)
+    v = {**BASE, **values}
+    pc = ParallelConfig(**{k: x for k, x in v.items() if k in keys})
+    cfg = get_preset(preset).config()
+    stages = []
+    stage = rank_bytes(cfg, pc, 2, precision="fp32", stages=stages)[rank][0]
+    parts, dims = stages[stage].comm, stages[stage].dims
+    n_micro = v["global_batch_size"] // (v["micro_batch_size"] * dims.dp)
+    comm, unknown = communication(cfg, dims, parts, v["seq_len"], v["micro_batch_size"],
+                                  n_micro, 4, 8, grad_sync, routed)
+    assert not unknown
+    out: dict = {}
+    for c in comm:
+        key = (c.op, group_ranks(dims, rank, c.group))
+        out[key] = out.get(key, 0) + c.bytes_per_step
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_planned_bytes_equal_a_counted_step():
+    from composer.parallel.launch import run_distributed
+
+    counted = run_distributed(counted_steps, 2, CASES)
+    for i, (preset, values) in enumerate(CASES):
+        for rank in range(2):
+            got = counted[rank][i]
+            if "grad_sync" in values:
+                assert got["grad_sync"] == values["grad_sync"]
+            plan = planned(preset, values, rank, got["grad_sync"], got["routed"])
+            assert plan == got["totals"], (preset, values, rank)
+
+
+def test_uniform_routing_is_the_default():
+    """Without measured counts the plan assumes each rank receives the rows it sends."""
+    cfg = get_preset("qwen3-moe-debug").config()
+    stages = []
+    rank_bytes(cfg, ParallelConfig(ep=2), 4, precision="fp32", stages=stages)
+    parts, dims = stages[0].comm, stages[0].dims
+    args = (cfg, dims, parts, 16, 1, 2, 4, 8, "last")
+    uniform = {c.kind: c.bytes_per_step for c in communication(*args)[0]}
+    sent = 2 * 2 * 16 * cfg.moe.top_k  # MoE layers x micro-batches x tokens x top_k
+    explicit = {c.kind: c.bytes_per_step for c in communication(*args, routed=sent)[0]}
+    assert uniform == explicit
+    counts = 2 * 2 * cfg.moe.n_experts * 8
+    assert uniform["ep_all_to_all"] == 4 * sent * cfg.d_model * 4 + counts
