@@ -223,10 +223,11 @@ def resolve_grad_sync(dims: ParallelDims, n_micro: int, grad_bytes: int, mem_byt
 
 def communication(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, seq_len: int,
                   micro: int, n_micro: int, size: int, per_node: int, grad_sync: str,
-                  routed: int | None = None) -> tuple[list[Collective], list[str]]:
+                  schedule: str | None = None, routed: int | None = None
+                  ) -> tuple[list[Collective], list[str]]:
     """One rank's collectives of one training step, by kind and group (module docstring), and
-    what it could not count. ``size``: the compute dtype's bytes; ``routed``: the rows this
-    rank's experts receive over the step (None: uniform routing)."""
+    what it could not count. ``size``: the compute dtype's bytes; ``schedule``: the pipeline's;
+    ``routed``: the rows this rank's experts receive over the step (None: uniform routing)."""
     out: dict[tuple[str, str], int] = {}
     sizes = group_sizes(dims)
     unknown: list[str] = []
@@ -237,12 +238,19 @@ def communication(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, seq_le
             group_size[(kind, group)] = ranks or sizes[group]
 
     group_size: dict[tuple[str, str], int] = {}
-    _data_parallel(parts, n_micro, grad_sync, add)
+    order = schedule_order(schedule, dims.pp, parts.stage_ids[0], n_micro)
+    if dims.pp > 1 and order is None and any(u.gather_bytes for u in parts.units):
+        unknown.append(f"FSDP all-gathers under the {schedule} schedule: counted as without "
+                       "a pipeline")
+    _data_parallel(parts, n_micro, grad_sync, add, order)
     tokens = micro * seq_len // dims.cp  # a micro-batch's tokens on this rank, before tp
     sp = dims.tp > 1 and dims.sequence_parallel and tokens % dims.tp == 0  # tp.sp_active
-    _tensor_parallel(cfg, dims, parts, tokens, n_micro, size, sp, add, unknown)
+    # the residual stream is in the compute dtype where data parallelism casts the weights
+    # (FSDP2's param_dtype); else the fp32 masters' (autocast casts only the matmuls' outputs)
+    stream = size if dims.grad_replicas > 1 else 4
+    _tensor_parallel(cfg, dims, parts, tokens, n_micro, (stream, size), sp, add, unknown)
     if dims.pp > 1:
-        message = tokens // (dims.tp if sp else 1) * cfg.d_model * size
+        message = tokens // (dims.tp if sp else 1) * cfg.d_model * stream
         for s in parts.stage_ids:
             if s + 1 < parts.n_stages:  # activations forward, their gradients back
                 add("pp_send", "pp", n_micro * message)
@@ -252,18 +260,47 @@ def communication(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, seq_le
                 add("pp_send", "pp", n_micro * message)
         add("pp_tied_all_reduce", "pp", parts.tied_bytes, ranks=parts.tied_ranks)
     _context_parallel(cfg, dims, parts, micro, seq_len, n_micro, size, add, unknown)
-    _experts(cfg, dims, parts, tokens, n_micro, size, routed, add)
+    _experts(cfg, dims, parts, micro, tokens, n_micro, size, routed, add)
     add("grad_norm_all_reduce", "world", 8)  # fp64, composer.parallel.grads
     add("step_stats_all_reduce", "world", 8 * STATS_WIDTH)
     return [Collective(k, g, n, intra(dims, g, per_node), group_size[(k, g)])
             for (k, g), n in out.items()], unknown
 
 
-def _data_parallel(parts: CommParts, n_micro: int, grad_sync: str, add: Any) -> None:
+def schedule_order(schedule: str | None, pp: int, stage: int, n_micro: int) -> list[str] | None:
+    """A pipeline stage's forwards (``F``) and backwards (``B``) in the order torch's
+    schedule runs them (``Schedule1F1B``: ``min(n, pp - stage)`` forwards, then a backward
+    and a forward each until the forwards are done, then the backwards; ``ScheduleGPipe``:
+    every forward, then every backward); None without a pipeline or for another schedule."""
+    if pp == 1 or schedule not in ("1f1b", "gpipe"):
+        return None
+    if schedule == "gpipe":
+        return ["F"] * n_micro + ["B"] * n_micro
+    warmup = min(n_micro, pp - stage)
+    return ["F"] * warmup + ["B", "F"] * (n_micro - warmup) + ["B"] * warmup
+
+
+def unit_gathers(root: bool, n_micro: int, order: list[str] | None) -> int:
+    """How often FSDP2 all-gathers a unit in a step. Without a pipeline a root gathers in
+    each micro-batch's forward and keeps its weights through the backward, the other units
+    gather in the forward and again in the backward. A pipeline stage turns resharding after
+    backward off until its last backward (torch.distributed.pipelining's ``PipelineStage``):
+    a unit then gathers only where it is sharded, after a forward (a root never is)."""
+    if order is None:
+        return n_micro * (1 if root else 2)
+    count, unsharded = 0, False
+    for action in order:
+        count += not unsharded
+        unsharded = root or action == "B"
+    return count
+
+
+def _data_parallel(parts: CommParts, n_micro: int, grad_sync: str, add: Any,
+                   order: list[str] | None) -> None:
     reductions = n_micro if grad_sync == "every" else 1
     for u in parts.units:
-        if u.gather_bytes:  # sharded: a root once per micro-batch, the others twice
-            add("fsdp_all_gather", u.group, u.gather_bytes * n_micro * (1 if u.root else 2),
+        if u.gather_bytes:
+            add("fsdp_all_gather", u.group, u.gather_bytes * unit_gathers(u.root, n_micro, order),
                 u.size)
             add("fsdp_reduce_scatter", u.group, u.reduce_bytes * reductions, u.size)
             if u.replicate_group is not None:
@@ -275,23 +312,24 @@ def _data_parallel(parts: CommParts, n_micro: int, grad_sync: str, add: Any) -> 
 
 
 def _tensor_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, tokens: int,
-                     n_micro: int, size: int, sp: bool, add: Any, unknown: list[str]) -> None:
-    """Each mixer's entry and exit, the vocabulary-parallel embedding's exit and readout's
-    entry (composer.parallel.tensor, .vocab): under sequence parallel an all-gather and a
-    reduce-scatter of the whole sequence forward, the same backward; without it an all-reduce
-    forward (exit) and backward (entry). The readout's loss: a row max and two row sums per
-    token, forward. Then the partial gradients of replicated weights, summed once."""
+                     n_micro: int, sizes: tuple[int, int], sp: bool, add: Any,
+                     unknown: list[str]) -> None:
+    """Each mixer's entry (its normed input, the stream's dtype) and exit (its output, the
+    compute dtype), the vocabulary-parallel embedding's exit and the readout's entry (the
+    stream's dtype; composer.parallel.tensor, .vocab): under sequence parallel an all-gather
+    and a reduce-scatter of the whole sequence forward, the same backward; without it an
+    all-reduce forward (exit) and backward (entry). The readout's loss: a row max and two row
+    sums per token, fp32, forward. Then the partial gradients of replicated weights, once."""
     if dims.tp == 1:
         return
-    stream = tokens * cfg.d_model * size
-    # each of these once per micro-batch: mixers twice (entry, exit), the embedding's exit and
-    # the readout's entry once
-    crossings = 2 * len(parts.sections) + parts.has_embed + parts.has_readout
+    stream, out = sizes
+    ends = parts.has_embed + parts.has_readout
+    per_micro = (len(parts.sections) * (stream + out) + ends * stream) * tokens * cfg.d_model
     if sp:
-        add("tp_all_gather", "tp", crossings * n_micro * stream)
-        add("tp_reduce_scatter", "tp", crossings * n_micro * stream)
+        add("tp_all_gather", "tp", per_micro * n_micro)
+        add("tp_reduce_scatter", "tp", per_micro * n_micro)
     else:
-        add("tp_all_reduce", "tp", crossings * n_micro * stream)
+        add("tp_all_reduce", "tp", per_micro * n_micro)
     if parts.has_readout:
         add("tp_loss_all_reduce", "tp", 3 * tokens * 4 * n_micro)  # fp32 logits' statistics
     partial = parts.tp_grad_bytes.get("partial", 0)
@@ -306,41 +344,46 @@ def _context_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, mi
                       seq_len: int, n_micro: int, size: int, add: Any,
                       unknown: list[str]) -> None:
     """Attention gathers the whole sequence's K and V (one all-gather each, forward; their
-    reduce-scatters backward); Mamba-2 gathers its 2N chunks' convolution tails, chunk states
-    and decays (forward; reduce-scatters backward); the loss mean is summed over cp once per
-    micro-batch (fp32)."""
+    reduce-scatters backward), multi-latent attention its latents and RoPE keys; Mamba-2
+    gathers its 2N chunks' convolution tails and chunk states (compute dtype) and decays
+    (fp32), forward, and reduce-scatters them backward; the loss mean is summed over cp once
+    per micro-batch (fp32). The 2N-chunk layout (``--cp-adaptive`` is not counted)."""
     if dims.cp == 1:
         return
     tp = dims.tp
-    per_layer = 0
+    per_layer = fp32 = 0
     for section in parts.sections:
         if section == "attention":
             a = cfg.attention
             d_head = a.d_head or cfg.d_model // a.n_heads
             per_layer += 2 * micro * seq_len * (a.n_kv_heads or a.n_heads) // tp * d_head
+        elif section == "mla":  # the normalised latents and RoPE keys, whole on every tp rank
+            per_layer += micro * seq_len * (cfg.mla.kv_lora_rank + cfg.mla.d_head_rope)
         elif section == "mamba":
             m = cfg.mamba
             chunks = 2 * dims.cp * micro
             channels = (m.n_heads * m.d_head + 2 * m.n_groups * m.d_state) // tp
             heads = m.n_heads // tp
-            per_layer += chunks * ((m.d_conv - 1) * channels + heads * m.d_head * m.d_state
-                                   + heads)
+            per_layer += chunks * ((m.d_conv - 1) * channels + heads * m.d_head * m.d_state)
+            fp32 += chunks * heads  # the chunks' decays: A_log is kept in fp32
         elif section not in ("mlp", "moe", None):
             unknown.append(f"context-parallel exchange of {section} layers: not counted")
-    add("cp_all_gather", "cp", per_layer * size * n_micro)
-    add("cp_reduce_scatter", "cp", per_layer * size * n_micro)
+    add("cp_all_gather", "cp", (per_layer * size + fp32 * 4) * n_micro)
+    add("cp_reduce_scatter", "cp", (per_layer * size + fp32 * 4) * n_micro)
     if parts.has_readout and dims.pp == 1:
         add("cp_loss_all_reduce", "cp", 4 * n_micro)
     elif parts.has_readout:
         unknown.append("the pipeline's loss sums over cp: not counted")
 
 
-def _experts(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, tokens: int,
+def _experts(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, micro: int, tokens: int,
              n_micro: int, size: int, routed: int | None, add: Any) -> None:
     """Per MoE layer and micro-batch: the routing counts (int64 per expert), the dispatch of
     this rank's ``m T k`` rows and the combine of the rows its experts received, forward; the
     same two backward (composer.parallel.expert). The load statistics (``2E + 1`` fp32 sums,
-    with aux loss) are summed over ``dp x cp`` forward and backward."""
+    with aux loss) are summed over ``dp x cp`` forward and backward, the sequence-wise ones
+    (``2E`` per sequence) over cp; aux-loss-free balancing sums each layer's ``E`` loads once
+    per step (``finish_moe_step``)."""
     n_moe = sum(1 for s in parts.sections if s == "moe")
     if not n_moe:
         return
@@ -352,3 +395,7 @@ def _experts(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, tokens: int
             + n_moe * n_micro * moe.n_experts * (2 if dims.ep_overlap else 1) * 8)
     if dims.grad_replicas > 1 and moe.aux_loss_coeff:
         add("moe_stats_all_reduce", "dp_cp", 2 * n_moe * n_micro * (2 * moe.n_experts + 1) * 4)
+    if dims.cp > 1 and moe.seq_aux_loss_coeff:  # per sequence: (chosen, probs) per expert
+        add("moe_stats_all_reduce", "cp", 2 * n_moe * n_micro * micro * 2 * moe.n_experts * 4)
+    if dims.grad_replicas > 1 and moe.bias_update_rate:  # aux-loss-free balancing, per step
+        add("moe_load_all_reduce", "dp_cp", n_moe * moe.n_experts * 4)

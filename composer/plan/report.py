@@ -66,7 +66,7 @@ def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU) -> dict[str, Any]:
     grad_sync = resolve_grad_sync(dims, n_micro, 4 * stages[w.stage].unsharded_params(
         w.example_rank), hw.mem_bytes)
     comm, unknown = communication(cfg, dims, stages[w.stage].comm, seq, micro, n_micro, size,
-                                  hw.per_node, grad_sync)
+                                  hw.per_node, grad_sync, schedule)
     unknowns += [u for u in unknown if u not in unknowns]
     comms = [{"kind": c.kind, "group": c.group, "bytes_per_step": c.bytes_per_step,
               "intra_node": c.intra_node} for c in comm]

@@ -18,14 +18,19 @@ BASE = {"tokens": "synthetic", "seq_len": 16, "steps": 2, "global_batch_size": 4
 # several micro-batches each
 CASES = [
     ("llama-debug", {"tp": 2}),
+    ("llama-debug", {"tp": 2, "precision": "bf16"}),  # the residual stream stays fp32
     ("nemotron-h-debug", {"tp": 2, "global_batch_size": 2}),
     ("llama-debug", {"grad_sync": "every"}),
-    ("llama-debug", {"grad_sync": "last"}),
+    ("llama-debug", {"grad_sync": "last", "precision": "bf16"}),
     ("llama-debug", {"dp_mode": "replicate"}),
     ("llama-debug", {"pp": 2}),
+    ("llama-debug", {"pp": 2, "precision": "bf16", "pp_schedule": "gpipe"}),
     ("llama-debug", {"cp": 2}),
     ("nemotron-h-debug", {"cp": 2, "dp_mode": "replicate", "global_batch_size": 2}),
+    ("nemotron-h-debug", {"cp": 2, "precision": "bf16", "global_batch_size": 2}),
+    ("deepseek-v3-debug", {"cp": 2}),  # MLA's latents; the sequence-wise balance statistics
     ("qwen3-moe-debug", {"ep": 2}),
+    ("deepseek-v3-debug", {"ep": 2}),  # aux-loss-free balancing's loads
 ]
 SPANS = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "pp": ("pp",), "dp_outer": ("dp_outer",),
          "dp": ("dp_outer", "ep"), "dp_cp": ("dp_outer", "ep", "cp"), "world": ROOT_DIMS}
@@ -48,7 +53,9 @@ def counted_steps(cases: list) -> list[dict]:
             take_step(run, 2, False)
         run.log.close()
         routed = sum(int(c.out.sum()) for c in counter.calls if c.out is not None)
-        out.append({"totals": counter.totals(), "routed": routed, "grad_sync": run.grad_sync})
+        pipeline = getattr(run.model, "pipeline", None)
+        out.append({"totals": counter.totals(), "routed": routed, "grad_sync": run.grad_sync,
+                    "schedule": pipeline.schedule_name if pipeline is not None else None})
     return out
 
 
@@ -60,17 +67,22 @@ def group_ranks(dims, rank: int, group: str) -> tuple[int, ...]:
                  if all(rank_coords(r, dims)[d] == mine[d] for d in fixed))
 
 
-def planned(preset: str, values: dict, rank: int, grad_sync: str, routed: int) -> dict:
+def planned(preset: str, values: dict, rank: int, got: dict, world: int = 2) -> dict:
+    """The plan's bytes by (collective, group ranks), for the grad-sync mode, schedule and
+    routing counts the run had (the plan resolves grad-sync for a GPU, the CPU run as the
+    engine does there)."""
     keys = set(ParallelConfig.__dataclass_fields__)
     v = {**BASE, **values}
     pc = ParallelConfig(**{k: x for k, x in v.items() if k in keys})
     cfg = get_preset(preset).config()
     stages = []
-    stage = rank_bytes(cfg, pc, 2, precision="fp32", stages=stages)[rank][0]
+    stage = rank_bytes(cfg, pc, world, precision=v["precision"], stages=stages)[rank][0]
     parts, dims = stages[stage].comm, stages[stage].dims
     n_micro = v["global_batch_size"] // (v["micro_batch_size"] * dims.dp)
+    size = 2 if v["precision"] == "bf16" else 4
     comm, unknown = communication(cfg, dims, parts, v["seq_len"], v["micro_batch_size"],
-                                  n_micro, 4, 8, grad_sync, routed)
+                                  n_micro, size, 8, got["grad_sync"], got["schedule"],
+                                  got["routed"])
     assert not unknown
     out: dict = {}
     for c in comm:
@@ -79,19 +91,25 @@ def planned(preset: str, values: dict, rank: int, grad_sync: str, routed: int) -
     return out
 
 
+def check_counted(cases: list, world: int) -> None:
+    from composer.parallel.launch import run_distributed
+
+    counted = run_distributed(counted_steps, world, cases)
+    for i, (preset, values) in enumerate(cases):
+        for rank in range(world):
+            got = counted[rank][i]
+            assert got["totals"], (preset, values)
+            for key in ("grad_sync", "pp_schedule"):
+                if key in values:
+                    assert got[key.removeprefix("pp_")] == values[key]
+            assert planned(preset, values, rank, got, world) == got["totals"], \
+                (preset, values, rank)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_planned_bytes_equal_a_counted_step():
-    from composer.parallel.launch import run_distributed
-
-    counted = run_distributed(counted_steps, 2, CASES)
-    for i, (preset, values) in enumerate(CASES):
-        for rank in range(2):
-            got = counted[rank][i]
-            if "grad_sync" in values:
-                assert got["grad_sync"] == values["grad_sync"]
-            plan = planned(preset, values, rank, got["grad_sync"], got["routed"])
-            assert plan == got["totals"], (preset, values, rank)
+    check_counted(CASES, 2)
 
 
 def test_uniform_routing_is_the_default():
@@ -100,7 +118,7 @@ def test_uniform_routing_is_the_default():
     stages = []
     rank_bytes(cfg, ParallelConfig(ep=2), 4, precision="fp32", stages=stages)
     parts, dims = stages[0].comm, stages[0].dims
-    args = (cfg, dims, parts, 16, 1, 2, 4, 8, "last")
+    args = (cfg, dims, parts, 16, 1, 2, 4, 8, "last", None)
     uniform = {c.kind: c.bytes_per_step for c in communication(*args)[0]}
     sent = 2 * 2 * 16 * cfg.moe.top_k  # MoE layers x micro-batches x tokens x top_k
     explicit = {c.kind: c.bytes_per_step for c in communication(*args, routed=sent)[0]}
