@@ -6,11 +6,13 @@ import pytest
 from tests.plan.test_comm import check_counted
 
 # at 4 ranks the groups differ: each dimension with data parallelism (FSDP2 under a
-# pipeline schedule, expert FSDP units over dp_outer), and tp with cp
+# pipeline schedule, expert FSDP units over dp_outer, replicated experts reduced over
+# dp_outer), and tp with cp
 CASES = [
     ("llama-debug", {"tp": 2}),
     ("llama-debug", {"pp": 2, "global_batch_size": 8}),
     ("qwen3-moe-debug", {"ep": 2, "global_batch_size": 8}),
+    ("qwen3-moe-debug", {"ep": 2, "dp_mode": "replicate", "global_batch_size": 4}),
     ("nemotron-h-debug", {"cp": 2, "tp": 2, "global_batch_size": 2}),
 ]
 
