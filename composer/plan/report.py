@@ -14,7 +14,9 @@ EXACTNESS = {"params_bytes": "exact", "grads_bytes": "exact", "optimizer_bytes":
              "buffers_bytes": "model", "activations_bytes": "model", "total_bytes": "model",
              "feasible": "model", "flops_per_token": "exact", "comm": "model",
              "step_time_s": "model", "tokens_per_s_per_gpu": "model", "mfu": "model"}
-"""``buffers_bytes``: the units' sizes are exact, that two are in flight is the model."""
+"""``buffers_bytes``: the units' sizes are exact, that two are in flight is the model.
+``comm`` is exact where every collective is counted and none depends on routing
+(:func:`comm_exactness`)."""
 
 
 def check(recipe: Any, cfg: Any, world: int) -> tuple[Any, int, str | None]:
@@ -68,6 +70,7 @@ def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU) -> dict[str, Any]:
     comm, unknown = communication(cfg, dims, stages[w.stage].comm, seq, micro, n_micro, size,
                                   hw.per_node, grad_sync, schedule)
     unknowns += [u for u in unknown if u not in unknowns]
+    exactness = {**EXACTNESS, "comm": comm_exactness(comm, unknown)}
     comms = [{"kind": c.kind, "group": c.group, "bytes_per_step": c.bytes_per_step,
               "intra_node": c.intra_node} for c in comm]
     tokens = recipe.global_batch_size * seq
@@ -86,4 +89,12 @@ def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU) -> dict[str, Any]:
             "step_time_s": {"lower": t["lower"], "upper": t["upper"]},
             "tokens_per_s_per_gpu": {"lower": tps["upper"], "upper": tps["lower"]},
             "mfu": {"lower": mfu["upper"], "upper": mfu["lower"]},
-            "exactness": EXACTNESS, "unknowns": unknowns}
+            "exactness": exactness, "unknowns": unknowns}
+
+
+def comm_exactness(comm: list, unknown: list[str]) -> str:
+    """``exact``: the formulas the gloo counts equal (tests/plan/test_comm.py) cover every
+    collective; ``model``: some are not counted, or expert parallelism's bytes follow the
+    routing (uniform assumed)."""
+    routed = any(c.kind == "ep_all_to_all" for c in comm)
+    return "model" if unknown or routed else "exact"
