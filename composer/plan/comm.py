@@ -55,7 +55,6 @@ class CommParts:
     """What decides a rank's collectives, read from its model (:func:`comm_parts`)."""
 
     units: list[Unit] = field(default_factory=list)
-    sharded: bool = True
     tp_grad_bytes: dict[str, int] = field(default_factory=dict)
     """Gradient kind (``partial``, ``partial_if_sp``) -> bytes of the gradients summed over tp."""
     expert_grad_bytes: int = 0
@@ -74,46 +73,49 @@ class CommParts:
     tied_ranks: int = 1
 
 
-def _dtype_size(dtype: torch.dtype | None, default: torch.dtype) -> int:
-    return (dtype or default).itemsize
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
-def _units(model: nn.Module, roots: list[nn.Module]) -> list[Unit]:
-    from torch.distributed.fsdp import FSDPModule
+def _unit(group: Any, root: bool) -> Unit:
+    """An FSDP2 parameter group's unit: each parameter's dim-0 padded shard times the shard
+    ranks (sharded), or its whole local tensor (replicate), in the policy's dtypes."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    info, mp = group.mesh_info, group.mp_policy
+    sharded = isinstance(info, FSDPMeshInfo)
+    n = info.shard_mesh_size if sharded else info.replicate_mesh_size
+    gather = reduce = shard = 0
+    for fp in group.fsdp_params:
+        param_dtype = mp.param_dtype or fp.sharded_param.dtype
+        reduce_size = (mp.reduce_dtype or param_dtype).itemsize
+        local = fp.padded_sharded_param_size.numel() if sharded else \
+            _local(fp.sharded_param).numel()
+        full = local * n if sharded else local
+        gather += full * param_dtype.itemsize if sharded else 0
+        reduce += full * reduce_size
+        shard += local * reduce_size
+    names = info.mesh.mesh_dim_names
+    unit = Unit(names[info.shard_mesh_dim if sharded else info.replicate_mesh_dim], n, gather,
+                reduce, root)
+    if isinstance(info, HSDPMeshInfo):
+        unit.replicate_group = names[info.replicate_mesh_dim]
+        unit.replicate_size, unit.shard_bytes = info.replicate_mesh_size, shard
+    return unit
+
+
+def _units(roots: list[nn.Module]) -> list[Unit]:
+    """Every FSDP2 / replicate unit under ``roots`` (the model, a pipeline rank's stages)."""
+    from torch.distributed.fsdp import FSDPModule
 
     out, seen = [], set()
     for top in roots:
         for module in top.modules():
-            if not isinstance(module, FSDPModule) or id(module) in seen:
-                continue
-            seen.add(id(module))
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is None:
-                continue
-            info, mp = group.mesh_info, group.mp_policy
-            names = info.mesh.mesh_dim_names
-            gather = reduce = shard = 0
-            sharded = isinstance(info, FSDPMeshInfo)
-            n = info.shard_mesh_size if sharded else info.replicate_mesh_size
-            for fp in group.fsdp_params:
-                orig = fp.sharded_param.dtype
-                param_size = _dtype_size(mp.param_dtype, orig)
-                reduce_size = _dtype_size(mp.reduce_dtype, mp.param_dtype or orig)
-                local = fp.padded_sharded_param_size.numel() if sharded else \
-                    fp.sharded_param.to_local().numel() if hasattr(fp.sharded_param,
-                                                                   "to_local") else \
-                    fp.sharded_param.numel()
-                full = local * n if sharded else local
-                gather += full * param_size if sharded else 0
-                reduce += full * reduce_size
-                shard += local * reduce_size
-            unit = Unit(names[info.shard_mesh_dim if sharded else info.replicate_mesh_dim],
-                        n, gather, reduce, module in roots)
-            if isinstance(info, HSDPMeshInfo):
-                unit.replicate_group = names[info.replicate_mesh_dim]
-                unit.replicate_size, unit.shard_bytes = info.replicate_mesh_size, shard
-            out.append(unit)
+            if isinstance(module, FSDPModule) and id(module) not in seen:
+                seen.add(id(module))
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None:
+                    out.append(_unit(group, any(module is r for r in roots)))
     return out
 
 
@@ -125,12 +127,11 @@ def comm_parts(model: nn.Module, dims: ParallelDims) -> CommParts:
     from composer.parallel.tensor import PARTIAL, PARTIAL_IF_SP, expert_params
 
     def nbytes(p: torch.Tensor) -> int:
-        local = p.to_local() if hasattr(p, "to_local") else p
-        return local.numel() * local.element_size()
+        return _local(p).numel() * _local(p).element_size()
 
     pipeline = getattr(model, "pipeline", None)
     roots = [model, *(pipeline.views if pipeline is not None else ())]
-    parts = CommParts(_units(model, roots), sharded=dims.dp_mode == "shard")
+    parts = CommParts(_units(roots))
     tp = dims.tp_context
     if tp is not None:
         for name, p in model.named_parameters():
