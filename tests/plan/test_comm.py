@@ -8,8 +8,8 @@ routing counts the ranks exchanged), the MoE statistics, the gradient norm and s
 import pytest
 
 from composer.parallel.layout import ParallelConfig
-from composer.plan.comm import communication
-from composer.plan.ranks import ROOT_DIMS, rank_bytes, rank_coords
+from composer.plan.comm import comm_parts, communication
+from composer.plan.ranks import ROOT_DIMS, build_rank, impersonate, rank_bytes, rank_coords
 from composer.zoo import get_preset
 
 BASE = {"tokens": "synthetic", "seq_len": 16, "steps": 2, "global_batch_size": 4,
@@ -34,6 +34,7 @@ CASES = [
 ]
 SPANS = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "pp": ("pp",), "dp_outer": ("dp_outer",),
          "dp": ("dp_outer", "ep"), "dp_cp": ("dp_outer", "ep", "cp"), "world": ROOT_DIMS}
+"""The root mesh dimensions each group spans (HSDP's two are below: they split dp_cp)."""
 
 
 def counted_steps(cases: list) -> list[dict]:
@@ -60,7 +61,12 @@ def counted_steps(cases: list) -> list[dict]:
 
 
 def group_ranks(dims, rank: int, group: str) -> tuple[int, ...]:
-    """The global ranks of ``rank``'s ``group`` (the mesh dimensions it spans)."""
+    """The global ranks of ``rank``'s ``group`` (the mesh dimensions it spans; HSDP's replica
+    groups are consecutive blocks of ``dp_shard`` data-parallel ranks)."""
+    if group in ("dp_replicate", "dp_shard"):
+        members = group_ranks(dims, rank, "dp_cp")
+        i, k = members.index(rank), dims.dp_shard
+        return members[i % k::k] if group == "dp_replicate" else members[i - i % k:][:k]
     mine = rank_coords(rank, dims)
     fixed = [d for d in ROOT_DIMS if d not in SPANS[group]]
     return tuple(r for r in range(dims.world_size)
@@ -75,9 +81,9 @@ def planned(preset: str, values: dict, rank: int, got: dict, world: int = 2) -> 
     v = {**BASE, **values}
     pc = ParallelConfig(**{k: x for k, x in v.items() if k in keys})
     cfg = get_preset(preset).config()
-    stages = []
-    stage = rank_bytes(cfg, pc, world, precision=v["precision"], stages=stages)[rank][0]
-    parts, dims = stages[stage].comm, stages[stage].dims
+    with impersonate(rank, world):  # the rank itself, on meta
+        model, dims = build_rank(cfg, pc, v["precision"])
+        parts = comm_parts(model, dims)
     n_micro = v["global_batch_size"] // (v["micro_batch_size"] * dims.dp)
     size = 2 if v["precision"] == "bf16" else 4
     comm, unknown = communication(cfg, dims, parts, v["seq_len"], v["micro_batch_size"],

@@ -14,6 +14,7 @@ CASES = [
     ("qwen3-moe-debug", {"ep": 2, "global_batch_size": 8}),
     ("qwen3-moe-debug", {"ep": 2, "dp_mode": "replicate", "global_batch_size": 4}),
     ("nemotron-h-debug", {"cp": 2, "tp": 2, "global_batch_size": 2}),
+    ("llama-debug", {"dp_replicate": 2, "global_batch_size": 8}),  # HSDP
 ]
 
 
