@@ -67,6 +67,8 @@ class CommParts:
     n_stages: int = 1
     has_embed: bool = True
     has_readout: bool = True
+    mtp_depths: int = 0
+    """Multi-token prediction's depths on this rank (each embeds and reads out once more)."""
     tied_bytes: int = 0
     """Gradient bytes of the embedding copies the pipeline sums (0: none on this rank), over
     ``tied_ranks`` pipeline ranks."""
@@ -142,6 +144,7 @@ def comm_parts(model: nn.Module, dims: ParallelDims) -> CommParts:
     layers = list(model.all_layers())
     parts.sections = [getattr(by_mixer.get(type(layer.mixer)), "section", None)
                       for layer in layers]
+    parts.mtp_depths = len(getattr(model, "mtp", None) or ())
     parts.partial_sums = sum(isinstance(m, PartialSum) for layer in layers
                              for m in layer.mixer.modules())
     if dims.ep > 1 and dims.dp_outer > 1 and not experts_sharded(dims):
@@ -317,22 +320,23 @@ def _tensor_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, tok
                      unknown: list[str]) -> None:
     """Each mixer's entry (its normed input, the stream's dtype) and exit (its output, the
     compute dtype), the vocabulary-parallel embedding's exit and the readout's entry (the
-    stream's dtype; composer.parallel.tensor, .vocab): under sequence parallel an all-gather
-    and a reduce-scatter of the whole sequence forward, the same backward; without it an
-    all-reduce forward (exit) and backward (entry). The readout's loss: a row max and two row
-    sums per token, fp32, forward. Then the partial gradients of replicated weights, once."""
+    stream's dtype; composer.parallel.tensor, .vocab), once more each per MTP depth: under
+    sequence parallel an all-gather and a reduce-scatter of the whole sequence forward, the
+    same backward; without it an all-reduce forward (exit) and backward (entry). The readout's
+    loss: a row max and two row sums per token, fp32, forward. Then the partial gradients of
+    replicated weights, once."""
     if dims.tp == 1:
         return
     stream, out = sizes
-    ends = parts.has_embed + parts.has_readout
+    ends = parts.has_embed + parts.has_readout + 2 * parts.mtp_depths
     per_micro = (len(parts.sections) * (stream + out) + ends * stream) * tokens * cfg.d_model
     if sp:
         add("tp_all_gather", "tp", per_micro * n_micro)
         add("tp_reduce_scatter", "tp", per_micro * n_micro)
     else:
         add("tp_all_reduce", "tp", per_micro * n_micro)
-    if parts.has_readout:
-        add("tp_loss_all_reduce", "tp", 3 * tokens * 4 * n_micro)  # fp32 logits' statistics
+    if parts.has_readout:  # fp32 logits' statistics, the MTP depths' too
+        add("tp_loss_all_reduce", "tp", (1 + parts.mtp_depths) * 3 * tokens * 4 * n_micro)
     partial = parts.tp_grad_bytes.get("partial", 0)
     if sp:
         partial += parts.tp_grad_bytes.get("partial_if_sp", 0)
@@ -348,7 +352,8 @@ def _context_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, mi
     reduce-scatters backward), multi-latent attention its latents and RoPE keys; Mamba-2
     gathers its 2N chunks' convolution tails and chunk states (compute dtype) and decays
     (fp32), forward, and reduce-scatters them backward; the loss mean is summed over cp once
-    per micro-batch (fp32). The 2N-chunk layout (``--cp-adaptive`` is not counted)."""
+    per micro-batch (fp32; an MTP depth's too). The 2N-chunk layout (``--cp-adaptive`` is not
+    counted)."""
     if dims.cp == 1:
         return
     tp = dims.tp
@@ -372,7 +377,7 @@ def _context_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, mi
     add("cp_all_gather", "cp", (per_layer * size + fp32 * 4) * n_micro)
     add("cp_reduce_scatter", "cp", (per_layer * size + fp32 * 4) * n_micro)
     if parts.has_readout and dims.pp == 1:
-        add("cp_loss_all_reduce", "cp", 4 * n_micro)
+        add("cp_loss_all_reduce", "cp", (1 + parts.mtp_depths) * 4 * n_micro)
     elif parts.has_readout:
         unknown.append("the pipeline's loss sums over cp: not counted")
 

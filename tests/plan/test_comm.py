@@ -14,6 +14,7 @@ from composer.zoo import get_preset
 
 BASE = {"tokens": "synthetic", "seq_len": 16, "steps": 2, "global_batch_size": 4,
         "micro_batch_size": 1, "precision": "fp32"}
+MTP = {"model": {"preset": "deepseek-v3-debug", "set": {"pattern": "(+-)x1(+E)x2/+E"}}}
 # (preset, layout and recipe values): each of tp, pp, cp, ep and dp (both modes) at 2 ranks,
 # several micro-batches each
 CASES = [
@@ -25,12 +26,15 @@ CASES = [
     ("llama-debug", {"dp_mode": "replicate"}),
     ("llama-debug", {"pp": 2}),
     ("llama-debug", {"pp": 2, "precision": "bf16", "pp_schedule": "gpipe"}),
+    ("qwen3-debug", {"pp": 2}),  # tied embeddings: their copies' gradients summed
     ("llama-debug", {"cp": 2}),
     ("nemotron-h-debug", {"cp": 2, "dp_mode": "replicate", "global_batch_size": 2}),
     ("nemotron-h-debug", {"cp": 2, "precision": "bf16", "global_batch_size": 2}),
     ("deepseek-v3-debug", {"cp": 2}),  # MLA's latents; the sequence-wise balance statistics
     ("qwen3-moe-debug", {"ep": 2}),
     ("deepseek-v3-debug", {"ep": 2}),  # aux-loss-free balancing's loads
+    (None, {**MTP, "tp": 2}),  # each depth embeds, reads out and scores once more
+    (None, {**MTP, "cp": 2}),
 ]
 SPANS = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "pp": ("pp",), "dp_outer": ("dp_outer",),
          "dp": ("dp_outer", "ep"), "dp_cp": ("dp_outer", "ep", "cp"), "world": ROOT_DIMS}
@@ -77,10 +81,12 @@ def planned(preset: str, values: dict, rank: int, got: dict, world: int = 2) -> 
     """The plan's bytes by (collective, group ranks), for the grad-sync mode, schedule and
     routing counts the run had (the plan resolves grad-sync for a GPU, the CPU run as the
     engine does there)."""
+    from composer.train.engine import _model_config, resolve
+
     keys = set(ParallelConfig.__dataclass_fields__)
     v = {**BASE, **values}
     pc = ParallelConfig(**{k: x for k, x in v.items() if k in keys})
-    cfg = get_preset(preset).config()
+    cfg, _ = _model_config(resolve(preset, None, v)[0])  # the run's own model config
     with impersonate(rank, world):  # the rank itself, on meta
         model, dims = build_rank(cfg, pc, v["precision"])
         parts = comm_parts(model, dims)
