@@ -24,11 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from composer.config import ModelConfig
 from composer.parallel.mesh import ParallelDims
 
+DELTA_SIZE = 4
+"""Bytes per number of the delta rule's chunk states and transitions under context parallelism
+(GDN, KDA)."""
 STATS_WIDTH = 6
 """fp64 numbers of the loop's step statistics (loss, aux, MTP, stop, count, processed)."""
 
@@ -61,6 +65,12 @@ class CommParts:
     """Routed experts' gradients reduced over ``dp_outer`` by ``finish_grads``."""
     sections: list[str | None] = field(default_factory=list)
     """Each layer's kind section on this rank, in order."""
+    branches: list[str | None] = field(default_factory=list)
+    """The sections of the mixers the layers run: a layer's own, or a parallel group's
+    branches' (Falcon-H1's ``[M*]``)."""
+    halos: list[int] = field(default_factory=list)
+    """Each layer's convolution tails per chunk: ``(kernel - 1) x`` its convolutions' local
+    channels (what context parallelism's halo exchange gathers)."""
     partial_sums: int = 0
     """``PartialSum`` points inside the mixers (unknown widths: not counted)."""
     stage_ids: list[int] = field(default_factory=lambda: [0])
@@ -121,12 +131,28 @@ def _units(roots: list[nn.Module]) -> list[Unit]:
     return out
 
 
+def _halo(mixer: nn.Module, coords: dict[str, int]) -> int:
+    """``(kernel - 1) x`` channels of the mixer's convolutions, this rank's tensor-parallel
+    part (their weights ``[C, 1, K]`` with data parallelism's shards gathered)."""
+    from composer.blocks.split import SplitCausalConv1d
+    from composer.plan.ranks import shape_of
+
+    out = 0
+    for conv in mixer.modules():
+        if isinstance(conv, SplitCausalConv1d):
+            weights = [p for p in conv.parameters(recurse=False) if p.ndim == 3]
+            channels = sum(shape_of(w).numel_at(coords, gathered=True) for w in weights)
+            out += (conv.kernel - 1) * channels // conv.kernel
+    return out
+
+
 def comm_parts(model: nn.Module, dims: ParallelDims) -> CommParts:
     """The parts of an (impersonated) rank's parallelised model that its collectives need."""
     from composer.blocks.kind import KINDS
     from composer.blocks.plan import PartialSum
     from composer.parallel.data import experts_sharded
     from composer.parallel.tensor import PARTIAL, PARTIAL_IF_SP, expert_params
+    from composer.plan.ranks import rank_coords
 
     def nbytes(p: torch.Tensor) -> int:
         return _local(p).numel() * _local(p).element_size()
@@ -144,6 +170,12 @@ def comm_parts(model: nn.Module, dims: ParallelDims) -> CommParts:
     layers = list(model.all_layers())
     parts.sections = [getattr(by_mixer.get(type(layer.mixer)), "section", None)
                       for layer in layers]
+    for layer in layers:
+        inner = [by_mixer[type(m)].section for m in layer.mixer.modules()
+                 if type(m) in by_mixer]  # the mixer first, then any branches
+        parts.branches += inner[:1] if type(layer.mixer) in by_mixer else inner or [None]
+    coords = rank_coords(dist.get_rank() if dist.is_initialized() else 0, dims)
+    parts.halos = [_halo(layer.mixer, coords) for layer in layers]
     parts.mtp_depths = len(getattr(model, "mtp", None) or ())
     parts.partial_sums = sum(isinstance(m, PartialSum) for layer in layers
                              for m in layer.mixer.modules())
@@ -349,16 +381,18 @@ def _context_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, mi
                       seq_len: int, n_micro: int, size: int, add: Any,
                       unknown: list[str]) -> None:
     """Attention gathers the whole sequence's K and V (one all-gather each, forward; their
-    reduce-scatters backward), multi-latent attention its latents and RoPE keys; Mamba-2
-    gathers its 2N chunks' convolution tails and chunk states (compute dtype) and decays
-    (fp32), forward, and reduce-scatters them backward; the loss mean is summed over cp once
-    per micro-batch (fp32; an MTP depth's too). The 2N-chunk layout (``--cp-adaptive`` is not
-    counted)."""
+    reduce-scatters backward), multi-latent attention its latents and RoPE keys; a layer with
+    convolutions gathers its 2N chunks' convolution tails, Mamba-2 its chunk states (compute
+    dtype) and decays (fp32), forward, and reduce-scatters them backward; the loss mean is
+    summed over cp once per micro-batch (fp32; an MTP depth's too). The 2N-chunk layout
+    (``--cp-adaptive`` is not counted)."""
     if dims.cp == 1:
         return
     tp = dims.tp
-    per_layer = fp32 = 0
-    for section in parts.sections:
+    chunks = 2 * dims.cp * micro
+    per_layer = chunks * sum(parts.halos)
+    fp32 = delta = 0
+    for section in parts.branches:
         if section == "attention":
             a = cfg.attention
             d_head = a.d_head or cfg.d_model // a.n_heads
@@ -367,15 +401,19 @@ def _context_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, mi
             per_layer += micro * seq_len * (cfg.mla.kv_lora_rank + cfg.mla.d_head_rope)
         elif section == "mamba":
             m = cfg.mamba
-            chunks = 2 * dims.cp * micro
-            channels = (m.n_heads * m.d_head + 2 * m.n_groups * m.d_state) // tp
             heads = m.n_heads // tp
-            per_layer += chunks * ((m.d_conv - 1) * channels + heads * m.d_head * m.d_state)
+            per_layer += chunks * heads * m.d_head * m.d_state
             fp32 += chunks * heads  # the chunks' decays: A_log is kept in fp32
-        elif section not in ("mlp", "moe", None):
-            unknown.append(f"context-parallel exchange of {section} layers: not counted")
-    add("cp_all_gather", "cp", (per_layer * size + fp32 * 4) * n_micro)
-    add("cp_reduce_scatter", "cp", (per_layer * size + fp32 * 4) * n_micro)
+        elif section in ("gdn", "kda"):  # the delta rule: S [H, K, V] and M [H, K, K]
+            c = getattr(cfg, section)
+            d_k, d_v = (c.d_head_k, c.d_head_v) if section == "gdn" else (c.d_head, c.d_head)
+            delta += chunks * c.n_heads // tp * d_k * (d_v + d_k)
+        elif section not in ("mlp", "moe", "shortconv"):  # others pass states too
+            unknown.append(f"context-parallel state passing of {section or 'unregistered'} "
+                           "layers: not counted")
+    exchanged = (per_layer * size + fp32 * 4 + delta * DELTA_SIZE) * n_micro
+    add("cp_all_gather", "cp", exchanged)
+    add("cp_reduce_scatter", "cp", exchanged)
     if parts.has_readout and dims.pp == 1:
         add("cp_loss_all_reduce", "cp", (1 + parts.mtp_depths) * 4 * n_micro)
     elif parts.has_readout:

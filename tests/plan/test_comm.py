@@ -2,8 +2,9 @@
 engine's second step on 2 gloo ranks, counted by a dispatch mode (tests.helpers.CollectiveCounter),
 summed by collective and group, against the plan of the same layout, exactly: FSDP2 (both
 --grad-sync modes), replicate, tensor and sequence parallel, the pipeline's sends and receives,
-context parallel's K/V and Mamba-2 state exchange, expert parallel's all-to-alls (with the
-routing counts the ranks exchanged), the MoE statistics, the gradient norm and step statistics."""
+context parallel's exchanges (K/V, MLA's latents, convolution halos, Mamba-2's and the delta
+rule's states), expert parallel's all-to-alls (with the routing counts the ranks exchanged), the
+MoE statistics, the gradient norm and step statistics."""
 
 import pytest
 
@@ -35,6 +36,14 @@ CASES = [
     ("deepseek-v3-debug", {"ep": 2}),  # aux-loss-free balancing's loads
     (None, {**MTP, "tp": 2}),  # each depth embeds, reads out and scores once more
     (None, {**MTP, "cp": 2}),
+    # the other kinds: tp's crossings are per layer whatever the mixer; cp's exchange per kind
+    ("kimi-linear-debug", {"tp": 2, "global_batch_size": 2}),  # K, +, E
+    ("falcon-h1-debug", {"tp": 2, "global_batch_size": 2}),  # a parallel group [M*]
+    ("qwen3.5-debug", {"cp": 2, "global_batch_size": 2, "precision": "bf16"}),  # G: fp32 states
+    ("kimi-linear-debug", {"cp": 2, "global_batch_size": 2}),
+    ("lfm2-debug", {"cp": 2, "global_batch_size": 2}),  # C: halos only
+    ("gemma3-debug", {"cp": 2, "global_batch_size": 2}),  # W
+    ("falcon-h1-debug", {"cp": 2, "global_batch_size": 2}),
 ]
 SPANS = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "pp": ("pp",), "dp_outer": ("dp_outer",),
          "dp": ("dp_outer", "ep"), "dp_cp": ("dp_outer", "ep", "cp"), "world": ROOT_DIMS}
