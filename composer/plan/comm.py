@@ -388,6 +388,8 @@ def _context_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, mi
     (``--cp-adaptive`` is not counted)."""
     if dims.cp == 1:
         return
+    if dims.cp_adaptive:
+        unknown.append("context parallel's adaptive layout: counted as the 2N-chunk one")
     tp = dims.tp
     chunks = 2 * dims.cp * micro
     per_layer = chunks * sum(parts.halos)
