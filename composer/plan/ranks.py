@@ -39,7 +39,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from composer.config import ModelConfig
 from composer.parallel.layout import ParallelConfig
 from composer.parallel.mesh import LayoutError, ParallelDims, build_parallel_dims
-from composer.plan.comm import comm_parts
+from composer.plan.comm_parts import comm_parts
 
 ROOT_DIMS = ("pp", "dp_outer", "ep", "cp", "tp")
 DP_DIMS = ("dp", "dp_cp", "dp_outer")
@@ -149,7 +149,7 @@ class StageParts:
     dims: ParallelDims | None = None
     """The :class:`~composer.blocks.kind.LayerKind` of each layer on the stage (None: unknown)."""
     comm: Any = None
-    """The stage's :class:`composer.plan.comm.CommParts` (what its collectives move)."""
+    """The stage's :class:`composer.plan.comm_parts.CommParts` (what its collectives move)."""
 
     def bytes_at(self, coords: dict[str, int]) -> RankBytes:
         params = grads = opt = 0

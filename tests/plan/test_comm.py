@@ -9,7 +9,8 @@ MoE statistics, the gradient norm and step statistics."""
 import pytest
 
 from composer.parallel.layout import ParallelConfig
-from composer.plan.comm import comm_parts, communication
+from composer.plan.comm import communication
+from composer.plan.comm_parts import comm_parts
 from composer.plan.ranks import ROOT_DIMS, build_rank, impersonate, rank_bytes, rank_coords
 from composer.zoo import get_preset
 
