@@ -30,8 +30,8 @@ from composer.parallel.mesh import ParallelDims
 from composer.plan.comm_parts import CommParts
 
 DELTA_SIZE = 4
-"""Bytes per number of the delta rule's chunk states and transitions under context parallelism
-(GDN, KDA)."""
+"""Bytes per number of the chunk states and transitions context parallelism passes for the
+delta rule (GDN, KDA) and Mamba-1: fp32."""
 STATS_WIDTH = 6
 """fp64 numbers of the loop's step statistics (loss, aux, MTP, stop, count, processed)."""
 
@@ -255,6 +255,8 @@ def _context_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, mi
             c = getattr(cfg, section)
             d_k, d_v = (c.d_head_k, c.d_head_v) if section == "gdn" else (c.d_head, c.d_head)
             delta += chunks * c.n_heads // tp * d_k * (d_v + d_k)
+        elif section == "mamba1":  # S and its decay, both [d_inner, d_state]
+            delta += chunks * 2 * cfg.mamba1.d_inner // tp * cfg.mamba1.d_state
         elif section not in ("mlp", "moe", "shortconv"):  # others pass states too
             unknown.append(f"context-parallel state passing of {section or 'unregistered'} "
                            "layers: not counted")

@@ -45,6 +45,7 @@ CASES = [
     ("lfm2-debug", {"cp": 2, "global_batch_size": 2}),  # C: halos only
     ("gemma3-debug", {"cp": 2, "global_batch_size": 2}),  # W
     ("falcon-h1-debug", {"cp": 2, "global_batch_size": 2}),
+    ("jamba-debug", {"cp": 2, "global_batch_size": 2, "precision": "bf16"}),  # S: fp32 states
 ]
 SPANS = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "pp": ("pp",), "dp_outer": ("dp_outer",),
          "dp": ("dp_outer", "ep"), "dp_cp": ("dp_outer", "ep", "cp"), "world": ROOT_DIMS}
