@@ -129,7 +129,7 @@ def communication(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, seq_le
     # the residual stream is in the compute dtype where data parallelism casts the weights
     # (FSDP2's param_dtype); else the fp32 masters' (autocast casts only the matmuls' outputs)
     stream = size if dims.grad_replicas > 1 else 4
-    _tensor_parallel(cfg, dims, parts, tokens, n_micro, (stream, size), sp, add, unknown)
+    _tensor_parallel(cfg, dims, parts, tokens, n_micro, (stream, size), sp, add)
     if dims.pp > 1:
         message = tokens // (dims.tp if sp else 1) * cfg.d_model * stream
         for s in parts.stage_ids:
@@ -193,33 +193,34 @@ def _data_parallel(parts: CommParts, n_micro: int, grad_sync: str, add: Any,
 
 
 def _tensor_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, tokens: int,
-                     n_micro: int, sizes: tuple[int, int], sp: bool, add: Any,
-                     unknown: list[str]) -> None:
+                     n_micro: int, sizes: tuple[int, int], sp: bool, add: Any) -> None:
     """Each mixer's entry (its normed input, the stream's dtype) and exit (its output, the
     compute dtype), the vocabulary-parallel embedding's exit and the readout's entry (the
-    stream's dtype; composer.parallel.tensor, .vocab), once more each per MTP depth: under
-    sequence parallel an all-gather and a reduce-scatter of the whole sequence forward, the
-    same backward; without it an all-reduce forward (exit) and backward (entry). The readout's
-    loss: a row max and two row sums per token, fp32, forward. Then the partial gradients of
+    stream's dtype; composer.parallel.tensor, .vocab), once more each per MTP depth, and the
+    input embeddings' entry into a mixer that reads them: under sequence parallel an
+    all-gather and a reduce-scatter of the whole sequence forward, the same backward; without
+    it an all-reduce forward (exit) and backward (entry). A ``PartialSum`` inside a mixer (a
+    sub-layer's ``D``-wide output) is all-reduced forward and backward. The readout's loss: a
+    row max and two row sums per token, fp32, forward. Then the partial gradients of
     replicated weights, once."""
     if dims.tp == 1:
         return
     stream, out = sizes
-    ends = parts.has_embed + parts.has_readout + 2 * parts.mtp_depths
+    ends = parts.has_embed + parts.has_readout + 2 * parts.mtp_depths + parts.embedding_reads
     per_micro = (len(parts.sections) * (stream + out) + ends * stream) * tokens * cfg.d_model
+    inside = 2 * parts.partial_sums * tokens * cfg.d_model * out  # forward and backward
     if sp:
         add("tp_all_gather", "tp", per_micro * n_micro)
         add("tp_reduce_scatter", "tp", per_micro * n_micro)
+        add("tp_all_reduce", "tp", inside * n_micro)
     else:
-        add("tp_all_reduce", "tp", per_micro * n_micro)
+        add("tp_all_reduce", "tp", (per_micro + inside) * n_micro)
     if parts.has_readout:  # fp32 logits' statistics, the MTP depths' too
         add("tp_loss_all_reduce", "tp", (1 + parts.mtp_depths) * 3 * tokens * 4 * n_micro)
     partial = parts.tp_grad_bytes.get("partial", 0)
     if sp:
         partial += parts.tp_grad_bytes.get("partial_if_sp", 0)
     add("tp_grad_all_reduce", "tp", partial)
-    if parts.partial_sums:
-        unknown.append("tensor-parallel sums inside mixers (PartialSum): not counted")
 
 
 def _context_parallel(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, micro: int,

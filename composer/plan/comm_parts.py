@@ -51,7 +51,11 @@ class CommParts:
     """Each layer's convolution tails per chunk: ``(kernel - 1) x`` its convolutions' local
     channels (what context parallelism's halo exchange gathers)."""
     partial_sums: int = 0
-    """``PartialSum`` points inside the mixers (unknown widths: not counted)."""
+    """``PartialSum`` points the layers run (a shared part's at each use): a sub-layer's
+    output summed over tp inside its mixer."""
+    embedding_reads: int = 0
+    """Layers whose mixers read the input embeddings (``uses_embeddings``: entered like the
+    residual stream)."""
     stage_ids: list[int] = field(default_factory=lambda: [0])
     n_stages: int = 1
     has_embed: bool = True
@@ -125,10 +129,23 @@ def _halo(mixer: nn.Module, coords: dict[str, int]) -> int:
     return out
 
 
+def _mixer_modules(mixer: nn.Module) -> list[nn.Module]:
+    """The mixer's modules and its shared part's (``shared_part``: held outside its tree)."""
+    from composer.blocks.protocol import declared
+
+    out = list(mixer.modules())
+    name = declared(mixer, "shared_part", None)
+    part = getattr(mixer, name, None) if name else None
+    if part is not None and not any(part is m for m in out):
+        out += list(part.modules())
+    return out
+
+
 def comm_parts(model: nn.Module, dims: ParallelDims) -> CommParts:
     """The parts of an (impersonated) rank's parallelised model that its collectives need."""
     from composer.blocks.kind import KINDS
     from composer.blocks.plan import PartialSum
+    from composer.blocks.protocol import declared
     from composer.parallel.data import experts_sharded
     from composer.parallel.tensor import PARTIAL, PARTIAL_IF_SP, expert_params
     from composer.plan.ranks import rank_coords
@@ -157,7 +174,9 @@ def comm_parts(model: nn.Module, dims: ParallelDims) -> CommParts:
     parts.halos = [_halo(layer.mixer, coords) for layer in layers]
     parts.mtp_depths = len(getattr(model, "mtp", None) or ())
     parts.partial_sums = sum(isinstance(m, PartialSum) for layer in layers
-                             for m in layer.mixer.modules())
+                             for m in _mixer_modules(layer.mixer))
+    parts.embedding_reads = sum(bool(declared(layer.mixer, "uses_embeddings"))
+                                for layer in layers)
     if dims.ep > 1 and dims.dp_outer > 1 and not experts_sharded(dims):
         parts.expert_grad_bytes = sum(nbytes(p) for layer in layers
                                       for p in expert_params(layer.mixer) if p.requires_grad)

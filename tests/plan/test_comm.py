@@ -40,6 +40,8 @@ CASES = [
     # the other kinds: tp's crossings are per layer whatever the mixer; cp's exchange per kind
     ("kimi-linear-debug", {"tp": 2, "global_batch_size": 2}),  # K, +, E
     ("falcon-h1-debug", {"tp": 2, "global_batch_size": 2}),  # a parallel group [M*]
+    ("zamba2-debug", {"tp": 2}),  # a shared block: the embeddings enter, sums inside
+    ("zamba2-debug", {"tp": 2, "precision": "bf16", "sequence_parallel": False}),
     ("qwen3.5-debug", {"cp": 2, "global_batch_size": 2, "precision": "bf16"}),  # G: fp32 states
     ("kimi-linear-debug", {"cp": 2, "global_batch_size": 2}),
     ("lfm2-debug", {"cp": 2, "global_batch_size": 2}),  # C: halos only
