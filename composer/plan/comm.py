@@ -75,6 +75,9 @@ def intra(dims: ParallelDims, group: str, per_node: int) -> bool:
         span = dims.world_size // dims.pp
     elif group == "dp_shard":
         span = dims.tp * dims.dp_shard
+    elif group.startswith("expert_"):  # HSDP's split of dp_outer
+        span = inner["dp_outer"] * (dims.dp_outer if group == "expert_dp_replicate"
+                                    else dims.dp_outer // dims.dp_replicate)
     else:  # dp, dp_cp: all but pp; pp and world: everything
         span = dims.tp * dims.cp * dims.dp if group in ("dp", "dp_cp") else dims.world_size
     return span <= per_node
@@ -84,7 +87,8 @@ def group_sizes(dims: ParallelDims) -> dict[str, int]:
     return {"tp": dims.tp, "cp": dims.cp, "ep": dims.ep, "pp": dims.pp, "dp": dims.dp,
             "dp_outer": dims.dp_outer, "dp_cp": dims.grad_replicas,
             "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-            "world": dims.world_size}
+            "expert_dp_replicate": dims.dp_replicate,
+            "expert_dp_shard": dims.dp_outer // dims.dp_replicate, "world": dims.world_size}
 
 
 def resolve_grad_sync(dims: ParallelDims, n_micro: int, grad_bytes: int, mem_bytes: int) -> str:
@@ -282,14 +286,15 @@ def _experts(cfg: ModelConfig, dims: ParallelDims, parts: CommParts, micro: int,
     if not n_moe:
         return
     moe = cfg.moe
+    dp = "dp_cp" if dims.cp > 1 else "dp"  # the mesh's name of data parallelism's ranks
     if dims.ep > 1:
         sent = n_moe * n_micro * tokens * moe.top_k
         received = sent if routed is None else routed
         add("ep_all_to_all", "ep", 2 * (sent + received) * cfg.d_model * size
             + n_moe * n_micro * moe.n_experts * (2 if dims.ep_overlap else 1) * 8)
     if dims.grad_replicas > 1 and moe.aux_loss_coeff:
-        add("moe_stats_all_reduce", "dp_cp", 2 * n_moe * n_micro * (2 * moe.n_experts + 1) * 4)
+        add("moe_stats_all_reduce", dp, 2 * n_moe * n_micro * (2 * moe.n_experts + 1) * 4)
     if dims.cp > 1 and moe.seq_aux_loss_coeff:  # per sequence: (chosen, probs) per expert
         add("moe_stats_all_reduce", "cp", 2 * n_moe * n_micro * micro * 2 * moe.n_experts * 4)
     if dims.grad_replicas > 1 and moe.bias_update_rate:  # aux-loss-free balancing, per step
-        add("moe_load_all_reduce", "dp_cp", n_moe * moe.n_experts * 4)
+        add("moe_load_all_reduce", dp, n_moe * moe.n_experts * 4)

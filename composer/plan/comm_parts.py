@@ -72,7 +72,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def _unit(group: Any, root: bool) -> Unit:
+def _unit(group: Any, root: bool, expert_mesh: Any = None) -> Unit:
     """An FSDP2 parameter group's unit: each parameter's dim-0 padded shard times the shard
     ranks (sharded), or its whole local tensor (replicate), in the policy's dtypes."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
@@ -91,6 +91,9 @@ def _unit(group: Any, root: bool) -> Unit:
         reduce += full * reduce_size
         shard += local * reduce_size
     names = info.mesh.mesh_dim_names
+    if expert_mesh is not None and info.mesh is expert_mesh and len(names) > 1:
+        # HSDP's expert units: dp_outer's own (dp_replicate, dp_shard), not dp_cp's
+        names = tuple(f"expert_{n}" for n in names)
     unit = Unit(names[info.shard_mesh_dim if sharded else info.replicate_mesh_dim], n, gather,
                 reduce, root)
     if isinstance(info, HSDPMeshInfo):
@@ -99,7 +102,7 @@ def _unit(group: Any, root: bool) -> Unit:
     return unit
 
 
-def _units(roots: list[nn.Module]) -> list[Unit]:
+def _units(roots: list[nn.Module], expert_mesh: Any = None) -> list[Unit]:
     """Every FSDP2 / replicate unit under ``roots`` (the model, a pipeline rank's stages)."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -110,7 +113,7 @@ def _units(roots: list[nn.Module]) -> list[Unit]:
                 seen.add(id(module))
                 group = module._get_fsdp_state()._fsdp_param_group
                 if group is not None:
-                    out.append(_unit(group, any(module is r for r in roots)))
+                    out.append(_unit(group, any(module is r for r in roots), expert_mesh))
     return out
 
 
@@ -155,7 +158,7 @@ def comm_parts(model: nn.Module, dims: ParallelDims) -> CommParts:
 
     pipeline = getattr(model, "pipeline", None)
     roots = [model, *(pipeline.views if pipeline is not None else ())]
-    parts = CommParts(_units(roots))
+    parts = CommParts(_units(roots, dims.expert_mesh))
     tp = dims.tp_context
     if tp is not None:
         for name, p in model.named_parameters():
