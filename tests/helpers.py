@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> None:
@@ -338,3 +339,96 @@ def only_kernels(monkeypatch, *names: str) -> None:
     monkeypatch.setenv(probe.ENV_DISABLE, ",".join(sorted(set(probe.KERNELS) - set(names))))
     probe.reset()
 
+
+
+# ------------------------------------------------------- counting a step's collectives
+
+COLLECTIVE_OPS = {
+    # c10d op (torch.distributed's calls) or functional op -> (collective, index of the
+    # argument that is the buffer; None: the op's output)
+    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
+    "all_reduce": ("all_reduce", 0), "all_reduce_": ("all_reduce", 0),
+    "all_reduce_coalesced": ("all_reduce", 0), "all_reduce_coalesced_": ("all_reduce", 0),
+    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "all_gather_into_tensor": ("all_gather", None),
+    "all_gather_into_tensor_coalesced": ("all_gather", None),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+    "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
+    "all_to_all_single": ("all_to_all", 0),
+    "send": ("send", 0), "recv_": ("recv", 0), "recv_any_source_": ("recv", 0),
+    "broadcast_": ("broadcast", 0), "broadcast": ("broadcast", 0),
+}
+NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
+
+
+@dataclass
+class Call:
+    op: str
+    ranks: tuple[int, ...]
+    nbytes: int
+    out: torch.Tensor | None = None
+    """An int64 all-to-all's output (the routing counts a rank receives), else None; read it
+    after the step."""
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Every collective issued inside it, whoever issues it: torch.distributed's calls (FSDP2,
+    pipelining's sends and receives, composer's own) reach the dispatcher as ``c10d`` ops, and
+    DTensor's and the autograd all-to-alls as ``_c10d_functional`` ops; both pass through a
+    dispatch mode. Each call's collective, its group's global ranks and its buffer's bytes (the
+    convention of :mod:`composer.plan.comm`). Calls over one rank (which move nothing) and
+    barriers are left out; an op it does not know raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Call] = []
+
+    @staticmethod
+    def _ranks(args: tuple) -> tuple[int, ...]:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        for a in args:
+            if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+                return tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(a)))
+        name = args[-1]  # a functional collective's last argument is its group's name
+        return tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace not in ("c10d", "_c10d_functional"):
+            return out
+        name = func._opname
+        if name in NOT_COLLECTIVES or "barrier" in name:
+            return out
+        op, at = COLLECTIVE_OPS[name]  # an unknown collective: a KeyError naming it
+        ranks = self._ranks(args)
+        if len(ranks) > 1:
+            buffer = out if at is None else args[at]
+            tensors = list(_tensors(buffer))
+            counts = None
+            if op == "all_to_all" and tensors[0].dtype == torch.int64:  # what it receives
+                # held, not copied: an asynchronous call fills it only once it is waited on
+                counts = out if name == "all_to_all_single" else args[0]
+            self.calls.append(Call(op, ranks, sum(t.numel() * t.element_size()
+                                                  for t in tensors), counts))
+        return out
+
+    def totals(self) -> dict[tuple[str, tuple[int, ...]], int]:
+        """Bytes by (collective, group ranks)."""
+        out: dict[tuple[str, tuple[int, ...]], int] = {}
+        for c in self.calls:
+            out[(c.op, c.ranks)] = out.get((c.op, c.ranks), 0) + c.nbytes
+        return out
+
+
+def _tensors(x) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)

@@ -4,18 +4,16 @@ Activations: each layer's declared ``activation_bytes_per_token`` (its kind's re
 tokens of a micro-batch, divided by tp under sequence parallel and by cp, times the micro-batches
 a stage holds at once (1F1B: ``pp - stage``; GPipe: all of them; no pipeline: one), plus the
 last stage's fp32 logits of one micro-batch (vocab-parallel: ``/ tp``) and an allocator reserve.
-Communication: bytes each rank sends per step, by collective, ring algorithms
-(``(n - 1) / n`` of the buffer per all-gather, reduce-scatter or all-to-all, twice that per
-all-reduce). Step time: compute at peak plus the pipeline bubble; the lower bound adds only the
-communication that cannot overlap compute (TP, PP, EP, CP), the upper bound adds all of it.
+Communication is :mod:`composer.plan.comm`'s. Step time: compute at peak plus the pipeline
+bubble; the lower bound adds only the communication that cannot overlap compute (all but data
+parallelism's), the upper bound adds all of it, each collective at its ring traffic.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from composer.config import ModelConfig
 from composer.parallel.mesh import ParallelDims
+from composer.plan.comm import Collective
 from composer.plan.hardware import GPU
 
 RESERVE = 0.05
@@ -58,71 +56,20 @@ def activation_bytes(cfg: ModelConfig, kinds: list, dims: ParallelDims, seq_len:
     return total, sorted(set(unknown))
 
 
-@dataclass
-class Collective:
-    kind: str
-    group: str
-    bytes_per_step: int
-    intra_node: bool
-
-
-def _ring(n: int, nbytes: float) -> float:
-    return nbytes * (n - 1) / n if n > 1 else 0.0
-
-
-def intra(dims: ParallelDims, group: str, hw: GPU) -> bool:
-    """Whether a group's ranks share a node (the mesh is pp, dp_outer, ep, cp, tp row-major)."""
-    span = {"tp": dims.tp, "cp": dims.tp * dims.cp, "ep": dims.tp * dims.cp * dims.ep,
-            "dp_cp": dims.tp * dims.cp * dims.dp, "dp": dims.tp * dims.cp * dims.dp,
-            "pp": dims.world_size}[group]
-    return span <= hw.per_node
-
-
-def communication(cfg: ModelConfig, dims: ParallelDims, kinds: list, seq_len: int, micro: int,
-                  n_micro: int, unsharded_params: int, size: int, hw: GPU) -> list[Collective]:
-    """Bytes one rank sends per step, by collective (module docstring)."""
-    d, out = cfg.d_model, []
-    act = micro * seq_len // dims.cp * d * size  # one layer's activations of a micro-batch
-
-    def add(kind: str, group: str, n: float) -> None:
-        if n > 0:
-            out.append(Collective(kind, group, int(n), intra(dims, group, hw)))
-
-    g = dims.grad_replicas
-    if dims.dp_mode == "shard":
-        add("fsdp_all_gather", "dp_cp", n_micro * 2 * _ring(g, unsharded_params * size))
-        add("fsdp_reduce_scatter", "dp_cp", n_micro * _ring(g, unsharded_params * 4))
-    else:
-        add("dp_all_reduce", "dp_cp", 2 * _ring(g, unsharded_params * 4))
-    n_layers = len(kinds)
-    # sequence parallel: all-gather + reduce-scatter per layer forward, the same backward
-    add("tp_all_gather_reduce_scatter", "tp", n_micro * n_layers * 4 * _ring(dims.tp, act))
-    if dims.pp > 1:
-        add("pp_send_recv", "pp", n_micro * 2 * act)
-    moe = [k for k in kinds if k is not None and k.section == "moe"]
-    if moe and dims.ep > 1:
-        top_k = cfg.moe.top_k
-        add("ep_all_to_all", "ep", n_micro * len(moe) * 4 * top_k * _ring(dims.ep, act))
-    attn = [k for k in kinds if k is not None and k.section == "attention"]
-    if attn and dims.cp > 1:
-        a = cfg.attention
-        kv = 2 * (a.n_kv_heads or a.n_heads) * (a.d_head or d // a.n_heads)
-        kv_bytes = micro * seq_len * kv * size // dims.tp
-        add("cp_kv_all_gather", "cp", n_micro * len(attn) * 2 * _ring(dims.cp, kv_bytes))
-    return out
-
-
-OVERLAPPED = ("fsdp_all_gather", "fsdp_reduce_scatter", "dp_all_reduce")
+OVERLAPPED = ("fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_all_reduce", "dp_all_reduce")
 """What data parallelism overlaps with compute (prefetch, bucketed backward reduction)."""
 
 
 def step_time(flops_per_rank: float, comm: list[Collective], dims: ParallelDims, n_micro: int,
               hw: GPU, precision: str) -> dict[str, float]:
+    """Compute at peak plus the bubble; each collective's ring traffic
+    (:attr:`~composer.plan.comm.Collective.traffic`) at NVLink or network speed, only the
+    non-overlapped ones in the lower bound, all of them in the upper."""
     compute = flops_per_rank / hw.peak_flops(precision)
     bubble = compute * (dims.pp - 1) / n_micro if dims.pp > 1 else 0.0
 
     def seconds(c: Collective) -> float:
-        return c.bytes_per_step / ((hw.nvlink_gbs if c.intra_node else hw.net_gbs) * 1e9)
+        return c.traffic / ((hw.nvlink_gbs if c.intra_node else hw.net_gbs) * 1e9)
 
     exposed = sum(seconds(c) for c in comm if c.kind not in OVERLAPPED)
     everything = sum(seconds(c) for c in comm)

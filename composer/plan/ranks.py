@@ -29,6 +29,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ from composer.config import ConfigError, ModelConfig
 from composer.lora import LoRAConfig
 from composer.parallel.layout import ParallelConfig
 from composer.parallel.mesh import LayoutError, ParallelDims, build_parallel_dims
+from composer.plan.comm_parts import comm_parts
 
 ROOT_DIMS = ("pp", "dp_outer", "ep", "cp", "tp")
 DP_DIMS = ("dp", "dp_cp", "dp_outer", "dp_shard")
@@ -172,6 +174,8 @@ class StageParts:
     kinds: list = dataclasses.field(default_factory=list)
     dims: ParallelDims | None = None
     """The :class:`~composer.blocks.kind.LayerKind` of each layer on the stage (None: unknown)."""
+    comm: Any = None
+    """The stage's :class:`composer.plan.comm_parts.CommParts` (what its collectives move)."""
 
     def bytes_at(self, coords: dict[str, int]) -> RankBytes:
         params = grads = opt = 0
@@ -274,6 +278,7 @@ def rank_bytes(cfg: ModelConfig, layout: ParallelConfig, world: int, precision: 
                 raise LayoutError(f"rank {stage * per_stage} cannot be built: {first}") from None
             parts = stage_parts(model, optimizer, compute_size)
             parts.dims = dims
+            parts.comm = comm_parts(model, dims)
         if stages is not None:
             stages.append(parts)
         out.extend((stage, parts.bytes_at(rank_coords(rank, dims)))

@@ -5,14 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer.plan.estimate import (
-    RESERVE,
-    UNKNOWNS,
-    activation_bytes,
-    communication,
-    in_flight,
-    step_time,
-)
+from composer.plan.comm import communication, resolve_grad_sync
+from composer.plan.estimate import RESERVE, UNKNOWNS, activation_bytes, in_flight, step_time
 from composer.plan.hardware import GPU
 from composer.plan.ranks import StageParts, rank_classes
 
@@ -20,7 +14,9 @@ EXACTNESS = {"params_bytes": "exact", "grads_bytes": "exact", "optimizer_bytes":
              "buffers_bytes": "model", "activations_bytes": "model", "total_bytes": "model",
              "feasible": "model", "flops_per_token": "exact", "comm": "model",
              "step_time_s": "model", "tokens_per_s_per_gpu": "model", "mfu": "model"}
-"""``buffers_bytes``: the units' sizes are exact, that two are in flight is the model."""
+"""``buffers_bytes``: the units' sizes are exact, that two are in flight is the model.
+``comm`` is exact where every collective is counted and none depends on routing
+(:func:`comm_exactness`)."""
 
 
 def check(recipe: Any, cfg: Any, world: int) -> tuple[Any, int, str | None]:
@@ -75,9 +71,12 @@ def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU,
     worst = max(range(len(out_classes)), key=lambda i: out_classes[i]["total_bytes"])
     out_classes[worst]["worst"] = True
     w = classes[worst]
-    gathered = stages[w.stage].unsharded_params(w.example_rank)
-    comm = communication(cfg, dims, stages[w.stage].kinds, seq, micro, n_micro, gathered, size,
-                         hw)
+    grad_sync = resolve_grad_sync(dims, n_micro, 4 * stages[w.stage].unsharded_params(
+        w.example_rank), hw.mem_bytes)
+    comm, unknown = communication(cfg, dims, stages[w.stage].comm, seq, micro, n_micro, size,
+                                  hw.per_node, grad_sync, schedule)
+    unknowns += [u for u in unknown if u not in unknowns]
+    exactness = {**EXACTNESS, "comm": comm_exactness(comm, unknown)}
     comms = [{"kind": c.kind, "group": c.group, "bytes_per_step": c.bytes_per_step,
               "intra_node": c.intra_node} for c in comm]
     tokens = recipe.global_batch_size * seq
@@ -95,4 +94,12 @@ def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU,
             "step_time_s": {"lower": t["lower"], "upper": t["upper"]},
             "tokens_per_s_per_gpu": {"lower": tps["upper"], "upper": tps["lower"]},
             "mfu": {"lower": mfu["upper"], "upper": mfu["lower"]},
-            "exactness": EXACTNESS, "unknowns": unknowns}
+            "exactness": exactness, "unknowns": unknowns}
+
+
+def comm_exactness(comm: list, unknown: list[str]) -> str:
+    """``exact``: the formulas the gloo counts equal (tests/plan/test_comm.py) cover every
+    collective; ``model``: some are not counted, or expert parallelism's bytes follow the
+    routing (uniform assumed)."""
+    routed = any(c.kind == "ep_all_to_all" for c in comm)
+    return "model" if unknown or routed else "exact"
