@@ -169,7 +169,8 @@ def test_composer_plan_reproduces_the_first_row(capsys):
     """The 1.7B row as published, through ``composer plan --json``: 32 GPUs, tp=pp=1, batch
     512 in micro-batches of 16, every layer recomputed, at the table's achieved 137 TFLOP/s
     as the GPU's rate. With no pipeline and no tensor parallelism the plan's lower bound is
-    the compute alone, so Megatron's FLOPs per iteration over (GPUs x that time) is 137."""
+    the compute (and a few exposed bytes), so Megatron's FLOPs per iteration over (GPUs x that
+    time) is 137."""
     import json
 
     from composer.cli import main
@@ -189,7 +190,9 @@ def test_composer_plan_reproduces_the_first_row(capsys):
     assert plan["layout"]["dp"] == row.gpus
     seconds = plan["step_time_s"]["lower"]
     achieved = float(megatron_flops_per_iteration(row)) / (row.gpus * seconds) / 1e12
-    assert abs(achieved - row.tflops) <= 1e-9 * row.tflops
+    # the lower bound is the compute plus the few bytes no overlap hides (the gradient norm's
+    # and the step statistics' all-reduces over dp: tens of bytes, ~1e-9 of the step)
+    assert 0 <= row.tflops - achieved <= 1e-6 * row.tflops
     # the plan's flops_per_token (and its MFU) are model FLOPs: no recomputation
     b, lay, h = row.batch, row.layers, row.h
     assert plan["flops_per_token"] * b * SEQ == 72 * b * SEQ * lay * h**2 * (
