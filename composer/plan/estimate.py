@@ -7,7 +7,8 @@ last stage's fp32 logits of one micro-batch (vocab-parallel: ``/ tp``) and an al
 Communication: bytes each rank sends per step, by collective, ring algorithms
 (``(n - 1) / n`` of the buffer per all-gather, reduce-scatter or all-to-all, twice that per
 all-reduce). Step time: compute at peak plus the pipeline bubble; the lower bound adds only the
-communication that cannot overlap compute (TP, PP, EP, CP), the upper bound adds all of it.
+communication that cannot overlap compute (TP, PP, EP, CP), and is at least the time of the
+communication that can (data parallelism's), the upper bound adds all of it.
 """
 
 from __future__ import annotations
@@ -126,5 +127,8 @@ def step_time(flops_per_rank: float, comm: list[Collective], dims: ParallelDims,
 
     exposed = sum(seconds(c) for c in comm if c.kind not in OVERLAPPED)
     everything = sum(seconds(c) for c in comm)
-    return {"lower": compute + bubble + exposed, "upper": compute + bubble + everything,
+    # what overlaps hides behind compute and the bubble, but no longer than they last
+    overlapped = everything - exposed
+    lower = max(compute + bubble + exposed, overlapped)
+    return {"lower": lower, "upper": compute + bubble + everything,
             "compute": compute, "bubble": bubble}

@@ -105,7 +105,22 @@ class Shape:
     def numel_at(self, coords: dict[str, int], gathered: bool = False) -> int:
         """Local elements at ``coords``; ``gathered``: with data parallelism's shards
         all-gathered (an FSDP unit's unsharded view)."""
+        even = _even_numel(self, gathered)
+        if even is not None:
+            return even
         return _local_numel(self, tuple(coords[d] for d in self.dims), gathered)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _even_numel(shape: Shape, gathered: bool) -> int | None:
+    """The local elements when every rank holds as many (then the coordinates do not matter),
+    else None: the first rank's chunk is the largest of every split, so the chunks are all
+    equal exactly when it times the number of chunks is the whole."""
+    first = _local_numel(shape, (0,) * len(shape.dims), gathered)
+    chunks = _prod(tuple(n for d, n, p in zip(shape.dims, shape.sizes, shape.placements,
+                                              strict=True)
+                         if not isinstance(p, Replicate) and not (gathered and d in DP_DIMS)))
+    return first if first * chunks == _prod(shape.shape) else None
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -196,7 +211,11 @@ def stage_parts(model: nn.Module, optimizer: str, compute_size: int) -> StagePar
         index[id(p)] = len(params)
         params.append((shape_of(p), p.element_size(), p.requires_grad, copies.get(id(p), 0)))
     units = []
-    for module in model.modules():
+    # a pipeline rank's stages are data parallelism's roots (their embedding, norm, head): they
+    # hold the layers but are not submodules of the model
+    views = model.pipeline.views if getattr(model, "pipeline", None) is not None else []
+    modules = {id(m): m for root in [model, *views] for m in root.modules()}
+    for module in modules.values():
         if isinstance(module, FSDPModule):
             group = module._get_fsdp_state()._fsdp_param_group
             if group is not None:

@@ -14,7 +14,7 @@ from composer.plan.estimate import (
     step_time,
 )
 from composer.plan.hardware import GPU
-from composer.plan.ranks import StageParts, rank_classes
+from composer.plan.ranks import RankClass, StageParts, rank_classes
 
 EXACTNESS = {"params_bytes": "exact", "grads_bytes": "exact", "optimizer_bytes": "exact",
              "buffers_bytes": "model", "activations_bytes": "model", "total_bytes": "model",
@@ -40,17 +40,33 @@ def check(recipe: Any, cfg: Any, world: int) -> tuple[Any, int, str | None]:
 
 
 def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU) -> dict[str, Any]:
+    """The plan of ``recipe``'s layout: train's checks, then the exact construction."""
+    dims, micro, schedule = check(recipe, cfg, world)
+    stages: list[StageParts] = []
+    classes = rank_classes(cfg, recipe.parallel, world, recipe.precision or "bf16",
+                           recipe.optimizer, stages)
+    return assemble_plan(recipe, cfg, world, hw, (dims, micro, schedule), classes, stages)
+
+
+def assemble_plan(recipe: Any, cfg: Any, world: int, hw: GPU, checked: tuple,
+            classes: list[RankClass], stages: list[StageParts],
+            flops_per_token: int | None = None,
+            times: dict[str, float] | None = None) -> dict[str, Any]:
+    """The plan object from a checked layout (:func:`check`'s ``dims, micro, schedule``) and its
+    rank classes with their stages' parts (exact: :func:`~composer.plan.ranks.rank_classes`;
+    the search also gives estimated ones, :mod:`composer.plan.analytic`). ``times``: filled
+    with the step time's parts (``compute``, ``bubble``, the bounds)."""
     from composer.build.builder import build_model, model_stats
 
-    dims, micro, schedule = check(recipe, cfg, world)
+    dims, micro, schedule = checked
     precision = recipe.precision or "bf16"
     size = 2 if precision in ("bf16", "fp8") else 4
     seq = recipe.seq_len
     n_micro = recipe.global_batch_size // (micro * dims.dp)
-    stages: list[StageParts] = []
-    classes = rank_classes(cfg, recipe.parallel, world, precision, recipe.optimizer, stages)
     unknowns = list(UNKNOWNS)
-    fpt = model_stats(build_model(cfg, device="meta"), seq_len=seq).flops_per_token
+    fpt = flops_per_token
+    if fpt is None:
+        fpt = model_stats(build_model(cfg, device="meta"), seq_len=seq).flops_per_token
     out_classes, comms = [], []
     reserve = int(RESERVE * hw.mem_bytes)
     for c in classes:
@@ -78,6 +94,8 @@ def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU) -> dict[str, Any]:
     recompute = 4 / 3 if dims.ac == "full" else 1.0  # a second forward
     flops_rank = fpt * tokens * recompute / world
     t = step_time(flops_rank, comm, dims, n_micro, hw, precision)
+    if times is not None:
+        times.update(t)
     tps = {k: tokens / (t[k] * world) for k in ("lower", "upper")}
     mfu = {k: fpt * tps[k] / hw.peak_flops(precision) for k in ("lower", "upper")}
     # the fastest step gives the most tokens/s: the bounds swap
