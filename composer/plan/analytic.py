@@ -138,14 +138,18 @@ class PlainModel:
         params = [(shape_for(p, dims), p.size, p.trainable, p.copies) for p in chosen]
         return StageParts(params, _units(chosen, dims), compute_size, kinds, dims)
 
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (one PlainModel per search)
+    def _embed_stages(self, groups: tuple[tuple[int, ...], ...]) -> list[int]:
+        from composer.parallel.pipeline import embed_stages
+
+        return embed_stages(self.cfg, list(groups))
+
     @functools.lru_cache(maxsize=1024)  # noqa: B019 (one PlainModel per search)
     def _held(self, groups: tuple[tuple[int, ...], ...], stages: tuple[int, ...]
               ) -> tuple[list[Param], list]:
-        from composer.parallel.pipeline import embed_stages
-
         keep = {f"layers.{i}" for s in stages for i in groups[s]}
         first, last = 0 in stages, len(groups) - 1 in stages
-        embed = bool(set(stages) & set(embed_stages(self.cfg, list(groups))))
+        embed = bool(set(stages) & set(self._embed_stages(groups)))
 
         def held(p: Param) -> bool:
             top = p.name.split(".")[0]
@@ -167,6 +171,15 @@ class PlainModel:
 def shape_for(p: Param, dims: ParallelDims) -> Shape:
     """The parameter's shape rule under ``dims`` (module docstring), in local order: tensor
     and expert parallelism first, data parallelism's split of the local tensor last."""
+    dp = dims.dp_shard if dims.dp_mode == "shard" and dims.grad_replicas > 1 else 1
+    outer = dims.dp_outer // dims.dp_replicate if dp > 1 and experts_sharded(dims) else 1
+    return _shape(p.shape, p.rule, dims.tp, dims.ep, dp, outer)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _shape(shape: tuple[int, ...], rule: Rule, tp: int, ep: int, dp: int, outer: int) -> Shape:
+    """``dp``: data parallelism's shards (1: none); ``outer``: the routed experts' (1: they
+    are not sharded)."""
     names, sizes, placements = [], [], []
 
     def add(name: str, size: int, placement: object) -> None:
@@ -175,22 +188,16 @@ def shape_for(p: Param, dims: ParallelDims) -> Shape:
             sizes.append(size)
             placements.append(placement)
 
-    rule = p.rule
-    experts_apart = rule.expert and dims.ep > 1
-    if experts_apart:
-        add("ep", dims.ep, Shard(0))
-    tp_dim = rule.dim
-    if rule.heads is not None:
-        tp_dim = 0 if rule.heads % dims.tp == 0 else None
-    add("tp", dims.tp, Shard(tp_dim) if tp_dim is not None else Replicate())
-    if dims.dp_mode == "shard" and dims.grad_replicas > 1:
-        if not experts_apart:
-            add("dp_cp", dims.dp_shard, Shard(0))
-        elif experts_sharded(dims):
-            shards = dims.dp_outer // dims.dp_replicate
-            n_local = p.shape[0] // dims.ep
-            add("dp_outer", shards, Shard(0 if n_local % shards == 0 else 1))
-    return Shape(p.shape, tuple(names), tuple(sizes), tuple(placements))
+    apart = rule.expert and ep > 1
+    if apart:
+        add("ep", ep, Shard(0))
+    tp_dim = rule.dim if rule.heads is None else (0 if rule.heads % tp == 0 else None)
+    add("tp", tp, Shard(tp_dim) if tp_dim is not None else Replicate())
+    if not apart:
+        add("dp_cp", dp, Shard(0))
+    else:
+        add("dp_outer", outer, Shard(0 if (shape[0] // ep) % outer == 0 else 1))
+    return Shape(shape, tuple(names), tuple(sizes), tuple(placements))
 
 
 def experts_sharded(dims: ParallelDims) -> bool:

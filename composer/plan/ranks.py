@@ -23,6 +23,7 @@ Bytes per rank:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Iterator
@@ -161,16 +162,39 @@ class StageParts:
     kinds: list = dataclasses.field(default_factory=list)
     dims: ParallelDims | None = None
     """The :class:`~composer.blocks.kind.LayerKind` of each layer on the stage (None: unknown)."""
+    _split: tuple | None = dataclasses.field(default=None, repr=False)
 
     def bytes_at(self, coords: dict[str, int]) -> RankBytes:
+        """The bytes of the rank at ``coords``. A parameter whose every chunk is equal counts
+        the same on every rank: those are summed once (:meth:`split`), the others per rank."""
+        const, uneven, units = self.split()
+        p, g, o = (a + b for a, b in zip(const, self._sums(uneven, coords), strict=True))
+        sizes = [c + self._gathered(idx, coords) for c, idx in units]
+        return RankBytes(p, g, o, sum(sorted(sizes, reverse=True)[:2]))
+
+    def split(self) -> tuple:
+        """``(params, grads, optimizer)`` of the evenly split parameters, the indices of the
+        others, and each unit's even part of :meth:`in_flight` with its other indices."""
+        if self._split is None:
+            even = [_even_numel(s, False) is not None and _even_numel(s, True) is not None
+                    for s, _, _, _ in self.params]
+            anywhere: dict[str, int] = collections.defaultdict(int)  # every coordinate 0
+            const = self._sums([i for i, e in enumerate(even) if e], anywhere)
+            units = [(self._gathered([i for i in unit if even[i]], anywhere),
+                      [i for i in unit if not even[i]]) for unit in self.units]
+            self._split = (const, [i for i, e in enumerate(even) if not e], units)
+        return self._split
+
+    def _sums(self, indices: list[int], coords: dict[str, int]) -> tuple[int, int, int]:
         params = grads = opt = 0
-        for shape, size, trainable, copies in self.params:
+        for i in indices:
+            shape, size, trainable, copies = self.params[i]
             n = shape.numel_at(coords) * size
             params += n
             if trainable:
                 grads += n
                 opt += copies * n + (STEP_BYTES if copies == 2 else 0)
-        return RankBytes(params, grads, opt, self.in_flight(coords))
+        return params, grads, opt
 
     def unsharded_params(self, rank: int, dims: ParallelDims | None = None) -> int:
         """Elements of ``rank``'s parameters with data parallelism's shards gathered."""
@@ -179,17 +203,19 @@ class StageParts:
 
     def in_flight(self, coords: dict[str, int]) -> int:
         """The two largest units' gathered bytes in the compute dtype (current + prefetched)."""
-        sizes = []
-        for unit in self.units:
-            total = 0
-            for i in unit:
-                shape, size, _, _ = self.params[i]
-                sharded = any(d in DP_DIMS for d in shape.dims) and \
-                    shape.numel_at(coords, gathered=True) != shape.numel_at(coords)
-                if sharded or size != self.compute_size:
-                    total += shape.numel_at(coords, gathered=True) * self.compute_size
-            sizes.append(total)
-        return sum(sorted(sizes, reverse=True)[:2])
+        return self.bytes_at(coords).buffers
+
+    def _gathered(self, indices: list[int], coords: dict[str, int]) -> int:
+        """A unit's (part's) gathered bytes in the compute dtype: its parameters that data
+        parallelism shards or that are cast (none where a unit is neither)."""
+        total = 0
+        for i in indices:
+            shape, size, _, _ = self.params[i]
+            sharded = any(d in DP_DIMS for d in shape.dims) and \
+                shape.numel_at(coords, gathered=True) != shape.numel_at(coords)
+            if sharded or size != self.compute_size:
+                total += shape.numel_at(coords, gathered=True) * self.compute_size
+        return total
 
 
 def stage_parts(model: nn.Module, optimizer: str, compute_size: int) -> StageParts:
