@@ -188,8 +188,12 @@ def search(recipe: Any, cfg: Any, world: int, hw: GPU, fixed: dict[str, int],
             continue
         if plan["feasible"]:
             chosen.append(plan)
+    if not chosen and refusals:
+        raise LayoutError(f"no layout of {world} GPUs that fits could be built: the "
+                          f"construction refused the {len(refusals)} best, the first with: "
+                          f"{refusals[0]}")
     if not chosen:
-        raise LayoutError(no_fit(s, estimated, refusals, hw))
+        raise LayoutError(no_fit(s, estimated, hw))
     return {**chosen[0], "candidates": chosen}
 
 
@@ -197,7 +201,7 @@ def worst_bytes(plan: dict[str, Any]) -> int:
     return max(c["total_bytes"] for c in plan["rank_classes"])
 
 
-def no_fit(s: Search, estimated: list, refusals: list[str], hw: GPU) -> str:
+def no_fit(s: Search, estimated: list, hw: GPU) -> str:
     """The one line when no layout fits: the closest one (the smallest worst rank)."""
     closest = min(estimated, key=lambda e: e[2])
     _, _, worst, _, r, checked = closest
@@ -208,6 +212,5 @@ def no_fit(s: Search, estimated: list, refusals: list[str], hw: GPU) -> str:
     dims, micro, _ = checked
     layout = {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep, "dp": dims.dp,
               "micro_batch_size": micro}
-    why = f" (the construction refused {len(refusals)}: {refusals[0]})" if refusals else ""
     return (f"no layout of {s.world} GPUs fits in {hw.mem_bytes / 2**30:.1f} GiB; the closest, "
-            f"{describe(layout)}, needs {worst / 2**30:.1f} GiB on its worst rank{why}")
+            f"{describe(layout)}, needs {worst / 2**30:.1f} GiB on its worst rank")

@@ -180,7 +180,8 @@ def test_activation_model_within_10_percent_of_saved_tensors(preset, symbol):
 
 
 PLAN = ["plan", "qwen3-moe-debug", "--gpus", "8", "--gpu", "h100", "--tp", "2", "--ep", "2",
-        "--seq-len", "64", "--global-batch-size", "8", "--micro-batch-size", "1", "--json"]
+        "--pp", "1", "--cp", "1", "--seq-len", "64", "--global-batch-size", "8",
+        "--micro-batch-size", "1", "--json"]  # a full layout: no search (tests/plan/test_search)
 
 
 def test_cli_json_fields_and_exact_bytes(capsys):
@@ -233,7 +234,8 @@ def test_a_layout_the_construction_refuses_is_one_line(capsys):
     from composer.cli import main
 
     argv = ["plan", "deepseek-v3-debug", "--gpus", "256", "--gpu", "h100", "--pp", "2", "--ep",
-            "2", "--seq-len", "64", "--global-batch-size", "256", "--micro-batch-size", "1"]
+            "2", "--tp", "1", "--cp", "1", "--seq-len", "64", "--global-batch-size", "256",
+            "--micro-batch-size", "1"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("composer: error: rank 128 cannot be built: FSDP does not support "
