@@ -90,15 +90,18 @@ def given_layout(recipe: Any, config: str | None, flags: dict[str, Any]) -> dict
 
 def print_candidates(candidates: list[dict]) -> None:
     """One line per layout, best first."""
-    print(f"{'#':>2} {'layout':<58} {'worst GiB':>9} {'step s':>15} {'tok/s/GPU':>15} "
+    print(f"{'#':>2} {'layout':<46} {'worst GiB':>9} {'step s':>17} {'tokens/s/GPU':>17} "
           f"{'MFU':>13}  binding")
     for i, plan in enumerate(candidates, 1):
-        lay = " ".join(f"{k}={v}" for k, v in plan["layout"].items()
-                       if k not in ("dp_mode", "pp_schedule") or v is not None)
+        lay = plan["layout"]
+        text = " ".join(f"{k}={lay[k]}" for k in ("tp", "pp", "cp", "ep", "dp"))
+        text += f" mb={lay['micro_batch_size']} {lay['dp_mode']}"
+        if lay["pp_schedule"]:
+            text += f" {lay['pp_schedule']}"
         worst = max(c["total_bytes"] for c in plan["rank_classes"]) / 2**30
         t, tps, mfu = plan["step_time_s"], plan["tokens_per_s_per_gpu"], plan["mfu"]
-        print(f"{i:>2} {lay:<58} {worst:>9.2f} {t['lower']:>7.3g}-{t['upper']:<7.3g} "
-              f"{tps['lower']:>7.4g}-{tps['upper']:<7.4g} {mfu['lower']:>6.1%}-{mfu['upper']:<6.1%}"
+        print(f"{i:>2} {text:<46} {worst:>9.2f} {t['lower']:>8.3g}-{t['upper']:<8.3g} "
+              f"{tps['lower']:>8.4g}-{tps['upper']:<8.4g} {mfu['lower']:>6.1%}-{mfu['upper']:<6.1%}"
               f"  {plan['binding']}")
 
 

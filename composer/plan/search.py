@@ -38,12 +38,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(world: int, per_node: int, fixed: dict[str, int],
-            micro: int | None) -> list[dict[str, int]]:
-    """The layouts to try, smallest sizes first; ``fixed`` sizes are kept as given."""
+def layouts(world: int, per_node: int, fixed: dict[str, int], micro: int | None,
+            experts: bool = True) -> list[dict[str, int]]:
+    """The layouts to try, smallest sizes first; ``fixed`` sizes are kept as given; ``ep``
+    only for a model with routed experts (elsewhere every ``ep`` is the same layout)."""
     def options(name: str, rest: int) -> list[int]:
         if name in fixed:
             return [fixed[name]]
+        if name == "ep" and not experts:
+            return [1]
         if name == "tp":
             return [d for d in divisors(rest) if d <= per_node]
         return divisors(rest)
@@ -157,7 +160,9 @@ def search(recipe: Any, cfg: Any, world: int, hw: GPU, fixed: dict[str, int],
     """The ``top`` layouts that fit, best first, as ``candidates`` (module docstring), the best
     one's fields at the top level too; a one-line :class:`ConfigError` when no layout passes
     train's checks or none fits."""
-    tried = layouts(world, hw.per_node, fixed, recipe.micro_batch_size)
+    s = Search(recipe, cfg, world, hw)
+    experts = any(p.rule.expert for p in s.plain.params)
+    tried = layouts(world, hw.per_node, fixed, recipe.micro_batch_size, experts)
     valid, first_error = [], None
     for layout in tried:
         r = with_layout(recipe, layout)
@@ -170,15 +175,15 @@ def search(recipe: Any, cfg: Any, world: int, hw: GPU, fixed: dict[str, int],
         layout, message = first_error
         raise LayoutError(f"no layout of {world} GPUs passes train's checks; the first tried "
                           f"({describe(layout)}): {message}")
-    s = Search(recipe, cfg, world, hw)
     estimated = []
     for _, r, checked in valid:
         plan = s.estimate(r, checked)
-        estimated.append((not plan["feasible"], plan["step_time_s"]["lower"],
-                          worst_bytes(plan), len(estimated), r, checked))
-    estimated.sort(key=lambda e: e[:4])
+        t = plan["step_time_s"]
+        estimated.append((not plan["feasible"], t["lower"], t["upper"], worst_bytes(plan),
+                          len(estimated), r, checked))
+    estimated.sort(key=lambda e: e[:5])  # ties on the lower bound: the better upper bound
     chosen, refusals = [], []
-    for infeasible, _, _, _, r, checked in estimated[:top + EXTRA_EXACT]:
+    for infeasible, *_, r, checked in estimated[:top + EXTRA_EXACT]:
         if infeasible or len(chosen) == top:
             break
         try:
@@ -203,8 +208,7 @@ def worst_bytes(plan: dict[str, Any]) -> int:
 
 def no_fit(s: Search, estimated: list, hw: GPU) -> str:
     """The one line when no layout fits: the closest one (the smallest worst rank)."""
-    closest = min(estimated, key=lambda e: e[2])
-    _, _, worst, _, r, checked = closest
+    _, _, _, worst, _, r, checked = min(estimated, key=lambda e: e[3])
     try:
         worst = worst_bytes(s.exact(r, checked))
     except LayoutError:
