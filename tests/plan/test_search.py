@@ -32,15 +32,25 @@ CASES = [
 def test_analytic_estimate_equals_the_exact_construction(preset, world, layout):
     """Every rank class's parameter, gradient, optimizer and in-flight unit bytes, each stage's
     gathered parameters and layer kinds: the estimate from the plans equals the construction."""
+    check_estimate(preset, world, layout, "adamw")
+
+
+@pytest.mark.parametrize(("preset", "world", "layout"), [
+    ("llama-debug", 8, {"tp": 2}), ("deepseek-v3-debug", 8, {"pp": 2, "ep": 2})])
+def test_analytic_estimate_with_muon(preset, world, layout):
+    check_estimate(preset, world, layout, "muon")
+
+
+def check_estimate(preset: str, world: int, layout: dict, optimizer: str) -> None:
     from composer.build.stages import stage_layers
     from composer.parallel.pipeline import rank_stages
 
     cfg = get_preset(preset).config()
     pc = ParallelConfig(**layout)
     stages = []
-    classes = rank_classes(cfg, pc, world, "bf16", "adamw", stages)
+    classes = rank_classes(cfg, pc, world, "bf16", optimizer, stages)
     dims = resolve_layout(pc, world)
-    plain = PlainModel(cfg, "adamw")
+    plain = PlainModel(cfg, optimizer)
     groups = stage_layers(cfg, pc.pp)
     per_stage = world // pc.pp
     for s in range(pc.pp):
