@@ -49,9 +49,9 @@ def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU) -> dict[str, Any]:
 
 
 def assemble_plan(recipe: Any, cfg: Any, world: int, hw: GPU, checked: tuple,
-            classes: list[RankClass], stages: list[StageParts],
-            flops_per_token: int | None = None,
-            times: dict[str, float] | None = None) -> dict[str, Any]:
+                  classes: list[RankClass], stages: list[StageParts],
+                  flops_per_token: int | None = None,
+                  times: dict[str, float] | None = None) -> dict[str, Any]:
     """The plan object from a checked layout (:func:`check`'s ``dims, micro, schedule``) and its
     rank classes with their stages' parts (exact: :func:`~composer.plan.ranks.rank_classes`;
     the search also gives estimated ones, :mod:`composer.plan.analytic`). ``times``: filled
