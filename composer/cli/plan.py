@@ -16,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from composer.train.recipe import add_arguments
 
     p = sub.add_parser("plan", help="per-rank memory, communication and step-time bounds of a "
-                                    "layout (docs/planning.md)")
+                                    "layout, or the best layouts that fit when any of --tp "
+                                    "--pp --cp --ep is left out (docs/planning.md)")
     p.add_argument("source", nargs="?", default=None, help="a preset (or use --pattern)")
     p.add_argument("--preset", default=None, help="the same as SOURCE")
     p.add_argument("--pattern", help="a layer pattern instead of a preset (with --set)")

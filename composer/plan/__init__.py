@@ -2,5 +2,7 @@
 scale, from the same construction path as training (docs/planning.md).
 
 ``ranks``: the exact part (an impersonated rank's shards on meta); ``estimate``: the modelled
-part (activations, communication, step time); ``hardware``: the GPU table.
+part (activations, communication, step time); ``hardware``: the GPU table; ``report``: one
+plan; ``search``: the best layouts that fit, ranked on ``analytic``'s estimate of the exact
+bytes (the placements read from the blocks' plans, no construction).
 """
