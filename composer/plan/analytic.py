@@ -193,10 +193,10 @@ def _shape(shape: tuple[int, ...], rule: Rule, tp: int, ep: int, dp: int, outer:
         add("ep", ep, Shard(0))
     tp_dim = rule.dim if rule.heads is None else (0 if rule.heads % tp == 0 else None)
     add("tp", tp, Shard(tp_dim) if tp_dim is not None else Replicate())
-    if not apart:
-        add("dp_cp", dp, Shard(0))
+    if not apart:  # over dp x cp, under HSDP a replica group's share of it
+        add("dp_shard", dp, Shard(0))
     else:
-        add("dp_outer", outer, Shard(0 if (shape[0] // ep) % outer == 0 else 1))
+        add("dp_outer_shard", outer, Shard(0 if (shape[0] // ep) % outer == 0 else 1))
     return Shape(shape, tuple(names), tuple(sizes), tuple(placements))
 
 

@@ -41,8 +41,11 @@ from composer.parallel.layout import ParallelConfig
 from composer.parallel.mesh import LayoutError, ParallelDims, build_parallel_dims
 
 ROOT_DIMS = ("pp", "dp_outer", "ep", "cp", "tp")
-DP_DIMS = ("dp", "dp_cp", "dp_outer")
-"""Mesh dimensions data parallelism shards over (what an FSDP unit gathers)."""
+DP_DIMS = ("dp", "dp_cp", "dp_outer", "dp_shard", "dp_outer_shard")
+"""Mesh dimensions data parallelism shards over (what an FSDP unit gathers). Under HSDP the
+shard mesh is ``(dp_replicate, dp_shard)`` and the experts' ``(dp_replicate, dp_shard)`` of
+``dp_outer``; the experts' are named ``dp_outer_replicate``, ``dp_outer_shard`` here
+(:func:`shape_of`), their coordinates differ."""
 STEP_BYTES = 4
 """AdamW's ``step``: one fp32 scalar per parameter (``torch.optim.AdamW``, not fused)."""
 
@@ -91,6 +94,10 @@ def rank_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
         coords[name], rest = rest % size, rest // size
     coords["dp"] = coords["dp_outer"] * dims.ep + coords["ep"]
     coords["dp_cp"] = coords["dp"] * dims.cp + coords["cp"]
+    # HSDP's 2-D views, the replica index outermost (composer.parallel.mesh)
+    shard, outer = dims.dp_shard, dims.dp_outer // dims.dp_replicate
+    coords["dp_replicate"], coords["dp_shard"] = divmod(coords["dp_cp"], shard)
+    coords["dp_outer_replicate"], coords["dp_outer_shard"] = divmod(coords["dp_outer"], outer)
     return coords
 
 
@@ -145,8 +152,11 @@ def _prod(shape: tuple[int, ...]) -> int:
 def shape_of(p: torch.Tensor) -> Shape:
     if isinstance(p, DTensor):
         mesh = p.device_mesh
-        return Shape(tuple(p.shape), tuple(mesh.mesh_dim_names), tuple(mesh.mesh.shape),
-                     tuple(p.placements))
+        names = tuple(mesh.mesh_dim_names)
+        if "ep" in names:  # an expert over its own replicas' mesh (DP_DIMS)
+            names = tuple({"dp_replicate": "dp_outer_replicate",
+                           "dp_shard": "dp_outer_shard"}.get(n, n) for n in names)
+        return Shape(tuple(p.shape), names, tuple(mesh.mesh.shape), tuple(p.placements))
     return Shape(tuple(p.shape), (), (), ())
 
 

@@ -9,7 +9,7 @@ from composer.parallel.layout import ParallelConfig
 from composer.plan.ranks import build_rank, impersonate, rank_bytes, rank_classes
 from composer.zoo import get_preset
 
-# (preset, world, layout): tp, pp, ep, cp and both dp modes at worlds 8 and 64
+# (preset, world, layout): tp, pp, ep, cp and both dp modes at worlds 8 and 64, HSDP
 CASES = [
     ("llama-debug", 8, {"tp": 2}),
     ("llama-debug", 64, {"tp": 2, "pp": 2, "dp_mode": "replicate"}),
@@ -19,6 +19,9 @@ CASES = [
     ("nemotron-h-debug", 64, {"cp": 2, "dp_mode": "replicate"}),
     ("deepseek-v3-debug", 8, {"pp": 2, "ep": 2}),
     ("deepseek-v3-debug", 64, {"pp": 2, "ep": 8, "tp": 2}),
+    # HSDP: 2-D shard meshes, uneven shards within a replica group, experts over their own
+    ("llama-debug", 12, {"dp_replicate": 2}),
+    ("qwen3-moe-debug", 16, {"ep": 2, "dp_replicate": 2, "pp": 2}),
 ]
 
 

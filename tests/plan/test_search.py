@@ -12,11 +12,13 @@ from composer.plan.analytic import PlainModel
 from composer.plan.ranks import rank_classes, rank_coords
 from composer.zoo import get_preset
 
-# (preset, world, layout): tp, pp, ep, cp, both dp modes, uneven FSDP shards (world 12, 24)
+# (preset, world, layout): tp, pp, ep, cp, both dp modes, HSDP, uneven FSDP shards (12, 24)
 CASES = [
     ("llama-debug", 8, {"tp": 2}),
     ("llama-debug", 12, {}),
     ("llama-debug", 64, {"tp": 2, "pp": 2, "dp_mode": "replicate"}),
+    ("llama-debug", 12, {"dp_replicate": 2}),
+    ("qwen3-moe-debug", 16, {"ep": 2, "dp_replicate": 2, "pp": 2}),
     ("qwen3-moe-debug", 8, {"tp": 2, "ep": 2}),
     ("qwen3-moe-debug", 64, {"ep": 4, "pp": 2}),
     ("qwen3-moe-debug", 24, {"ep": 4, "dp_mode": "replicate"}),
