@@ -26,6 +26,7 @@ import fnmatch
 import functools
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
@@ -113,7 +114,7 @@ class PlainModel:
         self.cfg = cfg
         model = build_model(cfg, device="meta")
         opts = build_optimizers(model, optimizer, 1e-3, 0.0, (0.9, 0.95), 1e-8).opts
-        copies = {id(p): 2 if type(o).__name__ == "AdamW" else 1
+        copies = {id(p): 2 if isinstance(o, torch.optim.AdamW) else 1
                   for o in opts for g in o.param_groups for p in g["params"]}
         rules: dict[str, Rule] = {}
         by_mixer = {kind.mixer: kind for kind in KINDS.values()}
@@ -161,7 +162,8 @@ class PlainModel:
                 return first
             if top in ("final_norm", "lm_head", "mtp"):
                 return last
-            return True  # shared parts: every stage (a lower bound on copies otherwise)
+            return True  # shared parts (model.shared): on every stage, an over-count on those
+            # whose layers use none (prune keeps the ones used)
 
         chosen = [p for p in self.params if held(p)]
         kinds = [self.kinds[u] for u in dict.fromkeys(p.unit for p in chosen if p.unit)]
