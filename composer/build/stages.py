@@ -10,6 +10,7 @@ dynamic program).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch import nn
@@ -39,9 +40,11 @@ def _layer_flops(cfg: ModelConfig, seq_len: int) -> list[int]:
     return [layer_kind(s).flops_per_token(cfg, seq_len) for s in cfg.parsed.layers]
 
 
-def _balance(costs: list[int], parts: int, tail: int) -> list[int]:
+@functools.lru_cache(maxsize=256)
+def _balance(costs: tuple[int, ...], parts: int, tail: int) -> tuple[int, ...]:
     """Cut points of ``costs`` into ``parts`` non-empty contiguous groups minimising the largest
-    group's cost (the last group also pays ``tail``): the linear-partition dynamic program."""
+    group's cost (the last group also pays ``tail``): the linear-partition dynamic program
+    (cached: ``composer plan``'s search checks many layouts with the same ``pp``)."""
     n = len(costs)
     prefix = [0]
     for c in costs:
@@ -62,7 +65,7 @@ def _balance(costs: list[int], parts: int, tail: int) -> list[int]:
     for k in range(parts, 0, -1):
         i = cut[k][i]
         bounds.append(i)
-    return bounds[::-1]
+    return tuple(bounds[::-1])
 
 
 def stage_layers(cfg: ModelConfig, pp: int, seq_len: int = 4096) -> list[tuple[int, ...]]:
@@ -84,7 +87,7 @@ def stage_layers(cfg: ModelConfig, pp: int, seq_len: int = 4096) -> list[tuple[i
         return out
     if pp > n:
         raise LayoutError(f"--pp {pp} is larger than the model's {n} layers")
-    bounds = _balance(_layer_flops(cfg, seq_len), pp, 2 * cfg.d_model * cfg.vocab_size)
+    bounds = _balance(tuple(_layer_flops(cfg, seq_len)), pp, 2 * cfg.d_model * cfg.vocab_size)
     return [tuple(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 

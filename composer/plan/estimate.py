@@ -6,7 +6,8 @@ a stage holds at once (1F1B: ``pp - stage``; GPipe: all of them; no pipeline: on
 last stage's fp32 logits of one micro-batch (vocab-parallel: ``/ tp``) and an allocator reserve.
 Communication is :mod:`composer.plan.comm`'s. Step time: compute at peak plus the pipeline
 bubble; the lower bound adds only the communication that cannot overlap compute (all but data
-parallelism's), the upper bound adds all of it, each collective at its ring traffic.
+parallelism's), and is at least the time of the communication that can (data parallelism's);
+the upper bound adds all of it, each collective at its ring traffic.
 """
 
 from __future__ import annotations
@@ -73,5 +74,8 @@ def step_time(flops_per_rank: float, comm: list[Collective], dims: ParallelDims,
 
     exposed = sum(seconds(c) for c in comm if c.kind not in OVERLAPPED)
     everything = sum(seconds(c) for c in comm)
-    return {"lower": compute + bubble + exposed, "upper": compute + bubble + everything,
+    # what overlaps hides behind compute and the bubble, but no longer than they last
+    overlapped = everything - exposed
+    lower = max(compute + bubble + exposed, overlapped)
+    return {"lower": lower, "upper": compute + bubble + everything,
             "compute": compute, "bubble": bubble}

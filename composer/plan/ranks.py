@@ -23,6 +23,7 @@ Bytes per rank:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -44,8 +45,11 @@ from composer.parallel.mesh import LayoutError, ParallelDims, build_parallel_dim
 from composer.plan.comm_parts import comm_parts
 
 ROOT_DIMS = ("pp", "dp_outer", "ep", "cp", "tp")
-DP_DIMS = ("dp", "dp_cp", "dp_outer", "dp_shard")
-"""Mesh dimensions data parallelism shards over (what an FSDP unit gathers)."""
+DP_DIMS = ("dp", "dp_cp", "dp_outer", "dp_shard", "dp_outer_shard")
+"""Mesh dimensions data parallelism shards over (what an FSDP unit gathers). Under HSDP the
+shard mesh is ``(dp_replicate, dp_shard)`` and the experts' ``(dp_replicate, dp_shard)`` of
+``dp_outer``; the experts' are named ``dp_outer_replicate``, ``dp_outer_shard`` here
+(:func:`shape_of`), their coordinates differ."""
 STEP_BYTES = 4
 """AdamW's ``step``: one fp32 scalar per parameter (``torch.optim.AdamW``, not fused)."""
 
@@ -99,9 +103,8 @@ def impersonate(rank: int, world: int) -> Iterator[None]:
 def rank_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
     """``rank``'s coordinate on every mesh dimension, the flattened ones included (the mesh is
     ``(pp, dp_outer, ep, cp, tp)``, row-major over the ranks). HSDP's ``dp_replicate x
-    dp_shard`` unflattens ``dp_cp`` (dense parameters) or ``dp_outer`` (experts) row-major:
-    keyed ``dp_replicate/N`` and ``dp_shard/N`` by the size ``N`` of what it unflattens
-    (:meth:`Shape.numel_at` picks by its mesh's)."""
+    dp_shard`` unflattens ``dp_cp`` (dense parameters) or ``dp_outer`` (experts, named
+    ``dp_outer_replicate x dp_outer_shard`` by :func:`shape_of`) row-major."""
     coords, rest = {}, rank
     for name in reversed(ROOT_DIMS):
         size = {"pp": dims.pp, "dp_outer": dims.dp_outer, "ep": dims.ep, "cp": dims.cp,
@@ -109,9 +112,10 @@ def rank_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
         coords[name], rest = rest % size, rest // size
     coords["dp"] = coords["dp_outer"] * dims.ep + coords["ep"]
     coords["dp_cp"] = coords["dp"] * dims.cp + coords["cp"]
-    for flat, n in (("dp_cp", dims.dp * dims.cp), ("dp_outer", dims.dp_outer)):
-        shard = n // dims.dp_replicate
-        coords[f"dp_replicate/{n}"], coords[f"dp_shard/{n}"] = divmod(coords[flat], shard)
+    # HSDP's 2-D views, the replica index outermost (composer.parallel.mesh)
+    shard, outer = dims.dp_shard, dims.dp_outer // dims.dp_replicate
+    coords["dp_replicate"], coords["dp_shard"] = divmod(coords["dp_cp"], shard)
+    coords["dp_outer_replicate"], coords["dp_outer_shard"] = divmod(coords["dp_outer"], outer)
     return coords
 
 
@@ -127,13 +131,22 @@ class Shape:
     def numel_at(self, coords: dict[str, int], gathered: bool = False) -> int:
         """Local elements at ``coords``; ``gathered``: with data parallelism's shards
         all-gathered (an FSDP unit's unsharded view)."""
-        return _local_numel(self, tuple(coords[self._key(d)] for d in self.dims), gathered)
+        even = _even_numel(self, gathered)
+        if even is not None:
+            return even
+        return _local_numel(self, tuple(coords[d] for d in self.dims), gathered)
 
-    def _key(self, dim: str) -> str:
-        if dim not in ("dp_replicate", "dp_shard"):
-            return dim
-        size = dict(zip(self.dims, self.sizes, strict=True))
-        return f"{dim}/{size['dp_replicate'] * size['dp_shard']}"
+
+@functools.lru_cache(maxsize=1 << 16)
+def _even_numel(shape: Shape, gathered: bool) -> int | None:
+    """The local elements when every rank holds as many (then the coordinates do not matter),
+    else None: the first rank's chunk is the largest of every split, so the chunks are all
+    equal exactly when it times the number of chunks is the whole."""
+    first = _local_numel(shape, (0,) * len(shape.dims), gathered)
+    chunks = _prod(tuple(n for d, n, p in zip(shape.dims, shape.sizes, shape.placements,
+                                              strict=True)
+                         if not isinstance(p, Replicate) and not (gathered and d in DP_DIMS)))
+    return first if first * chunks == _prod(shape.shape) else None
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -157,8 +170,11 @@ def _prod(shape: tuple[int, ...]) -> int:
 def shape_of(p: torch.Tensor) -> Shape:
     if isinstance(p, DTensor):
         mesh = p.device_mesh
-        return Shape(tuple(p.shape), tuple(mesh.mesh_dim_names), tuple(mesh.mesh.shape),
-                     tuple(p.placements))
+        names = tuple(mesh.mesh_dim_names)
+        if "ep" in names:  # an expert over its own replicas' mesh (DP_DIMS)
+            names = tuple({"dp_replicate": "dp_outer_replicate",
+                           "dp_shard": "dp_outer_shard"}.get(n, n) for n in names)
+        return Shape(tuple(p.shape), names, tuple(mesh.mesh.shape), tuple(p.placements))
     return Shape(tuple(p.shape), (), (), ())
 
 
@@ -176,16 +192,39 @@ class StageParts:
     """The :class:`~composer.blocks.kind.LayerKind` of each layer on the stage (None: unknown)."""
     comm: Any = None
     """The stage's :class:`composer.plan.comm_parts.CommParts` (what its collectives move)."""
+    _split: tuple | None = dataclasses.field(default=None, repr=False)
 
     def bytes_at(self, coords: dict[str, int]) -> RankBytes:
+        """The bytes of the rank at ``coords``. A parameter whose every chunk is equal counts
+        the same on every rank: those are summed once (:meth:`split`), the others per rank."""
+        const, uneven, units = self.split()
+        p, g, o = (a + b for a, b in zip(const, self._sums(uneven, coords), strict=True))
+        sizes = [c + self._gathered(idx, coords) for c, idx in units]
+        return RankBytes(p, g, o, sum(sorted(sizes, reverse=True)[:2]))
+
+    def split(self) -> tuple:
+        """``(params, grads, optimizer)`` of the evenly split parameters, the indices of the
+        others, and each unit's even part of :meth:`in_flight` with its other indices."""
+        if self._split is None:
+            even = [_even_numel(s, False) is not None and _even_numel(s, True) is not None
+                    for s, _, _, _ in self.params]
+            anywhere: dict[str, int] = collections.defaultdict(int)  # every coordinate 0
+            const = self._sums([i for i, e in enumerate(even) if e], anywhere)
+            units = [(self._gathered([i for i in unit if even[i]], anywhere),
+                      [i for i in unit if not even[i]]) for unit in self.units]
+            self._split = (const, [i for i, e in enumerate(even) if not e], units)
+        return self._split
+
+    def _sums(self, indices: list[int], coords: dict[str, int]) -> tuple[int, int, int]:
         params = grads = opt = 0
-        for shape, size, trainable, copies in self.params:
+        for i in indices:
+            shape, size, trainable, copies = self.params[i]
             n = shape.numel_at(coords) * size
             params += n
             if trainable:
                 grads += n
                 opt += copies * n + (STEP_BYTES if copies == 2 else 0)
-        return RankBytes(params, grads, opt, self.in_flight(coords))
+        return params, grads, opt
 
     def unsharded_params(self, rank: int, dims: ParallelDims | None = None) -> int:
         """Elements of ``rank``'s parameters with data parallelism's shards gathered."""
@@ -194,17 +233,19 @@ class StageParts:
 
     def in_flight(self, coords: dict[str, int]) -> int:
         """The two largest units' gathered bytes in the compute dtype (current + prefetched)."""
-        sizes = []
-        for unit in self.units:
-            total = 0
-            for i in unit:
-                shape, size, _, _ = self.params[i]
-                sharded = any(d in DP_DIMS for d in shape.dims) and \
-                    shape.numel_at(coords, gathered=True) != shape.numel_at(coords)
-                if sharded or size != self.compute_size:
-                    total += shape.numel_at(coords, gathered=True) * self.compute_size
-            sizes.append(total)
-        return sum(sorted(sizes, reverse=True)[:2])
+        return self.bytes_at(coords).buffers
+
+    def _gathered(self, indices: list[int], coords: dict[str, int]) -> int:
+        """A unit's (part's) gathered bytes in the compute dtype: its parameters that data
+        parallelism shards or that are cast (none where a unit is neither)."""
+        total = 0
+        for i in indices:
+            shape, size, _, _ = self.params[i]
+            sharded = any(d in DP_DIMS for d in shape.dims) and \
+                shape.numel_at(coords, gathered=True) != shape.numel_at(coords)
+            if sharded or size != self.compute_size:
+                total += shape.numel_at(coords, gathered=True) * self.compute_size
+        return total
 
 
 def stage_parts(model: nn.Module, optimizer: str, compute_size: int) -> StageParts:
@@ -220,7 +261,11 @@ def stage_parts(model: nn.Module, optimizer: str, compute_size: int) -> StagePar
         index[id(p)] = len(params)
         params.append((shape_of(p), p.element_size(), p.requires_grad, copies.get(id(p), 0)))
     units = []
-    for module in model.modules():
+    # a pipeline rank's stages are data parallelism's roots (their embedding, norm, head): they
+    # hold the layers but are not submodules of the model
+    views = model.pipeline.views if getattr(model, "pipeline", None) is not None else []
+    modules = {id(m): m for root in [model, *views] for m in root.modules()}
+    for module in modules.values():
         if isinstance(module, FSDPModule):
             group = module._get_fsdp_state()._fsdp_param_group
             if group is not None:

@@ -8,7 +8,7 @@ from typing import Any
 from composer.plan.comm import communication, resolve_grad_sync
 from composer.plan.estimate import RESERVE, UNKNOWNS, activation_bytes, in_flight, step_time
 from composer.plan.hardware import GPU
-from composer.plan.ranks import StageParts, rank_classes
+from composer.plan.ranks import RankClass, StageParts, rank_classes
 
 EXACTNESS = {"params_bytes": "exact", "grads_bytes": "exact", "optimizer_bytes": "exact",
              "buffers_bytes": "model", "activations_bytes": "model", "total_bytes": "model",
@@ -37,21 +37,37 @@ def check(recipe: Any, cfg: Any, world: int) -> tuple[Any, int, str | None]:
 
 def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU,
               stages: list[StageParts] | None = None) -> dict[str, Any]:
-    """The plan's object; ``stages``: filled with each stage's :class:`StageParts`."""
-    from composer.build.builder import build_model, model_stats
+    """The plan of ``recipe``'s layout: train's checks, then the exact construction (the run's
+    adapters and frozen parts as training builds them); ``stages``: filled with each stage's
+    :class:`StageParts`."""
     from composer.train.adapters import run_adapters
 
     dims, micro, schedule = check(recipe, cfg, world)
+    stages = [] if stages is None else stages
+    lora = run_adapters(recipe, None)[0]
+    classes = rank_classes(cfg, recipe.parallel, world, recipe.precision or "bf16",
+                           recipe.optimizer, stages, lora, recipe.freeze)
+    return assemble_plan(recipe, cfg, world, hw, (dims, micro, schedule), classes, stages)
+
+
+def assemble_plan(recipe: Any, cfg: Any, world: int, hw: GPU, checked: tuple,
+                  classes: list[RankClass], stages: list[StageParts],
+                  stats: Any = None, times: dict[str, float] | None = None) -> dict[str, Any]:
+    """The plan object from a checked layout (:func:`check`'s ``dims, micro, schedule``) and its
+    rank classes with their stages' parts (exact: :func:`~composer.plan.ranks.rank_classes`;
+    the search also gives estimated ones, :mod:`composer.plan.analytic`). ``stats``: the
+    model's :class:`~composer.build.builder.ModelStats` at the sequence length (computed if
+    None). ``times``: filled with the step time's parts (``compute``, ``bubble``, the bounds)."""
+    from composer.build.builder import build_model, model_stats
+
+    dims, micro, schedule = checked
     precision = recipe.precision or "bf16"
     size = 2 if precision in ("bf16", "fp8") else 4
     seq = recipe.seq_len
     n_micro = recipe.global_batch_size // (micro * dims.dp)
-    stages = [] if stages is None else stages
-    lora = run_adapters(recipe, None)[0]  # the run's adapters and frozen parts, as training's
-    classes = rank_classes(cfg, recipe.parallel, world, precision, recipe.optimizer, stages,
-                           lora, recipe.freeze)
     unknowns = list(UNKNOWNS)
-    stats = model_stats(build_model(cfg, device="meta"), seq_len=seq)
+    if stats is None:
+        stats = model_stats(build_model(cfg, device="meta"), seq_len=seq)
     fpt = stats.flops_per_token
     out_classes, comms = [], []
     reserve = int(RESERVE * hw.mem_bytes)
@@ -73,8 +89,11 @@ def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU,
     w = classes[worst]
     grad_sync = resolve_grad_sync(dims, n_micro, 4 * stages[w.stage].unsharded_params(
         w.example_rank), hw.mem_bytes)
-    comm, unknown = communication(cfg, dims, stages[w.stage].comm, seq, micro, n_micro, size,
-                                  hw.per_node, grad_sync, schedule)
+    if stages[w.stage].comm is not None:
+        comm, unknown = communication(cfg, dims, stages[w.stage].comm, seq, micro, n_micro,
+                                      size, hw.per_node, grad_sync, schedule)
+    else:  # an estimate without the construction's parts (the search's ranking)
+        comm, unknown = [], ["communication (the estimate reads no collectives)"]
     unknowns += [u for u in unknown if u not in unknowns]
     exactness = {**EXACTNESS, "comm": comm_exactness(comm, unknown)}
     comms = [{"kind": c.kind, "group": c.group, "bytes_per_step": c.bytes_per_step,
@@ -82,6 +101,8 @@ def make_plan(recipe: Any, cfg: Any, world: int, hw: GPU,
     tokens = recipe.global_batch_size * seq
     flops_rank = stats.training_flops_per_token(dims.ac) * tokens / world  # recompute included
     t = step_time(flops_rank, comm, dims, n_micro, hw, precision)
+    if times is not None:
+        times.update(t)
     tps = {k: tokens / (t[k] * world) for k in ("lower", "upper")}
     mfu = {k: fpt * tps[k] / hw.peak_flops(precision) for k in ("lower", "upper")}
     # the fastest step gives the most tokens/s: the bounds swap

@@ -9,7 +9,7 @@ from composer.parallel.layout import ParallelConfig
 from composer.plan.ranks import build_rank, impersonate, rank_bytes, rank_classes
 from composer.zoo import get_preset
 
-# (preset, world, layout): tp, pp, ep, cp and both dp modes at worlds 8 and 64
+# (preset, world, layout): tp, pp, ep, cp and both dp modes at worlds 8 and 64, HSDP
 CASES = [
     ("llama-debug", 8, {"tp": 2}),
     ("llama-debug", 64, {"tp": 2, "pp": 2, "dp_mode": "replicate"}),
@@ -19,10 +19,13 @@ CASES = [
     ("nemotron-h-debug", 64, {"cp": 2, "dp_mode": "replicate"}),
     ("deepseek-v3-debug", 8, {"pp": 2, "ep": 2}),
     ("deepseek-v3-debug", 64, {"pp": 2, "ep": 8, "tp": 2}),
-    # HSDP: dense parameters over dp_cp unflattened, experts over dp_outer unflattened
+    # HSDP: 2-D shard meshes (dense parameters over dp_cp unflattened, experts over dp_outer
+    # unflattened), uneven shards within a replica group
     ("llama-debug", 64, {"dp_replicate": 2, "tp": 2}),
     ("qwen3-moe-debug", 64, {"ep": 4, "dp_replicate": 2}),
     ("nemotron-h-debug", 64, {"cp": 2, "dp_replicate": 4}),
+    ("llama-debug", 12, {"dp_replicate": 2}),
+    ("qwen3-moe-debug", 16, {"ep": 2, "dp_replicate": 2, "pp": 2}),
 ]
 
 
@@ -184,7 +187,8 @@ def test_activation_model_within_10_percent_of_saved_tensors(preset, symbol):
 
 
 PLAN = ["plan", "qwen3-moe-debug", "--gpus", "8", "--gpu", "h100", "--tp", "2", "--ep", "2",
-        "--seq-len", "64", "--global-batch-size", "8", "--micro-batch-size", "1", "--json"]
+        "--pp", "1", "--cp", "1", "--seq-len", "64", "--global-batch-size", "8",
+        "--micro-batch-size", "1", "--json"]  # a full layout: no search (tests/plan/test_search)
 
 
 def test_cli_json_fields_and_exact_bytes(capsys):
@@ -237,7 +241,8 @@ def test_a_layout_the_construction_refuses_is_one_line(capsys):
     from composer.cli import main
 
     argv = ["plan", "deepseek-v3-debug", "--gpus", "256", "--gpu", "h100", "--pp", "2", "--ep",
-            "2", "--seq-len", "64", "--global-batch-size", "256", "--micro-batch-size", "1"]
+            "2", "--tp", "1", "--cp", "1", "--seq-len", "64", "--global-batch-size", "256",
+            "--micro-batch-size", "1"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("composer: error: rank 128 cannot be built: FSDP does not support "
