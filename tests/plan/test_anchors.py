@@ -181,6 +181,7 @@ def test_composer_plan_reproduces_the_first_row(capsys):
             "--set", f"attention.n_heads={row.heads}", "--set", "attention.qkv_bias=true",
             "--set", "attention.out_bias=true", "--set", f"mlp.d_ff={4 * row.h}",
             "--set", "mlp.activation=gelu", "--set", "mlp.bias=true",
+            "--tp", "1", "--pp", "1", "--cp", "1", "--ep", "1",  # a full layout: no search
             "--gpus", str(row.gpus), "--mem-gib", "80", "--tflops", str(row.tflops),
             "--hbm-tbs", "2", "--nvlink-gbs", "300", "--net-gbs", "25",
             "--seq-len", str(SEQ), "--global-batch-size", str(row.batch),
