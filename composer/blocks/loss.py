@@ -39,21 +39,12 @@ def _chunk_rows(vocab: int, chunk_rows: int | None) -> int:
     return chunk_rows or max(64, CHUNK_ELEMENTS // max(vocab, 1))
 
 
-def _chunk_loss(z_nV: torch.Tensor, target_n: torch.Tensor, valid_n: torch.Tensor,
-                softmax: bool = False) -> torch.Tensor:
-    """Summed loss of a chunk (``z`` in the math dtype). With ``softmax``, ``z`` is left
-    holding ``softmax(z)``: ``exp(z - max)`` in place, its row sums give the ``logsumexp``, one
-    multiply normalises (two passes over the chunk fewer than ``logsumexp`` and then
-    ``exp(z - lse)``)."""
+def _chunk_loss(z_nV: torch.Tensor, target_n: torch.Tensor,
+                valid_n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed loss of a chunk and its ``logsumexp`` (``z`` in the math dtype)."""
+    lse_n = torch.logsumexp(z_nV, dim=-1)
     picked_n = z_nV.gather(1, target_n.clamp(min=0)[:, None])[:, 0]
-    if softmax:
-        max_n = z_nV.amax(-1)
-        sum_n = z_nV.sub_(max_n[:, None]).exp_().sum(-1)
-        z_nV.mul_(sum_n.reciprocal()[:, None])
-        lse_n = max_n + sum_n.log()
-    else:
-        lse_n = torch.logsumexp(z_nV, dim=-1)
-    return torch.where(valid_n, lse_n - picked_n, 0.0).sum()
+    return torch.where(valid_n, lse_n - picked_n, 0.0).sum(), lse_n
 
 
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
@@ -86,13 +77,12 @@ def _chunks(h_ND: torch.Tensor, w_VD: torch.Tensor, target_N: torch.Tensor, scal
         z_nV = (h_nD @ w_VD.T).to(math)
         if scale != 1.0:
             z_nV.mul_(scale)
-        grad = dh_ND is not None or dw_VD is not None
-        total += _chunk_loss(z_nV, t_n, valid_n, softmax=grad)
-        if not grad:
+        part, lse_n = _chunk_loss(z_nV, t_n, valid_n)
+        total += part
+        if dh_ND is None and dw_VD is None:
             continue
-        # z (now the softmax) becomes dloss/dz * n_valid: softmax - onehot on valid rows, 0 on
-        # ignored ones.
-        dz_nV = z_nV
+        # z becomes dloss/dz * n_valid: softmax - onehot on valid rows, 0 on ignored ones.
+        dz_nV = z_nV.sub_(lse_n[:, None]).exp_()
         rows_n = valid_n.nonzero()[:, 0]
         dz_nV[rows_n, t_n[rows_n]] -= 1.0
         if len(rows_n) < len(t_n):
