@@ -2,14 +2,14 @@
 and/or transformers, one worker process per side, steps taken in turn.
 
 On a shared machine two benchmark runs made minutes apart differ by more than most single changes
-are worth, and even ``compare_hf.py``'s interleaving (ours, theirs, ours, ...) in one process
-sees bursts of other load. Here each side lives in its own process (a revision's ``composer`` is
-``git archive``-d into a temporary folder and put first on that worker's ``PYTHONPATH``), the
-model is the family's from ``compare_hf.py`` (built by transformers, converted once by this
-checkout, loaded by every side), and the driver asks the workers for one step each in rotating
-order, round after round, while the others wait. Per round it records each side's wall time and
-process CPU time (user + system, all threads; with one thread that is the step's own work,
-without the time the scheduler gave to other processes) and prints the median of each and the
+are worth, and even ``compare_hf.py``'s interleaving (ours, theirs, ours, ...) in one process sees
+bursts of other load. Here each side lives in its own process (a revision's ``composer`` is ``git
+archive``-d into a temporary folder and put first on that worker's ``PYTHONPATH``), the model is the
+family's from ``compare_hf.py`` (built and saved by transformers, converted by this checkout, and by
+a revision's own converter for that revision's worker), and the driver asks the workers for one step
+each in rotating order, round after round, while the others wait. Per round it records each side's
+wall time and process CPU time (user + system, all threads; with one thread that is the step's own
+work, without the time the scheduler gave to other processes) and prints the median of each and the
 median over rounds of the paired ratio against the first side, with its quartiles.
 
     python bench/ab_train.py --family nemotron-h --sides .,HEAD~1       # this tree vs HEAD~1
@@ -55,7 +55,13 @@ def worker(spec: dict) -> None:
     """One side: load, warm up, then one step per ``step`` line on stdin, a JSON line back."""
     torch.set_num_threads(spec["threads"])
     side = "theirs" if spec["side"] == "theirs" else "ours"
-    model = hf.load_side(side, Path(spec["folder"]) / side)
+    folder = Path(spec["folder"]) / side
+    if spec["side"] not in (".", "theirs"):  # the revision's own converter and config format
+        from composer.convert import from_hf
+
+        folder = Path(spec["tmp"]) / f"ours-{spec['side']}"
+        from_hf(Path(spec["folder"]) / "theirs", folder, force=True)
+    model = hf.load_side(side, folder)
     with torch.no_grad():  # own copies, not the file mapping (as compare_hf's timed models)
         for p in model.parameters():
             p.data = p.data.clone()
@@ -109,12 +115,15 @@ def main() -> None:
                 tree = export_revision(side, Path(tmp) / "revs")
                 env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])
             spec = dict(side=side, folder=str(folder), shape=args.shape, mode=args.mode,
-                        threads=args.threads, warmup=args.warmup)
+                        threads=args.threads, warmup=args.warmup, tmp=tmp)
             procs[side] = subprocess.Popen(
                 [sys.executable, __file__, "--worker", json.dumps(spec)], cwd=ROOT, env=env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for side, proc in procs.items():  # one at a time: loading is not what is measured
-            hello = json.loads(proc.stdout.readline())
+            line = proc.stdout.readline()
+            if not line:
+                raise SystemExit(f"the {side} worker failed (its error is above)")
+            hello = json.loads(line)
             print(f"{side:>10}: first loss {hello['loss']:.6f}, composer {hello['composer']}")
         times: dict[str, dict[str, list[float]]] = {s: {"wall": [], "cpu": []} for s in sides}
         for r in range(args.rounds):
