@@ -690,6 +690,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="profile both sides of one measurement instead of benchmarking")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads (default: all cores; 1 for A/Bs on a shared machine)")
     p.add_argument("--probe", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     unknown = [f for f in args.families.split(",") if f not in FAMILIES]
@@ -707,7 +709,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.probe:
         print(json.dumps(probe(json.loads(args.probe))))
         return
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     command = "python " + " ".join(shlex.quote(a) for a in (
         [str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
          else sys.argv[0]] + sys.argv[1:]))

@@ -18,6 +18,7 @@ channel count that is not a multiple of 8 takes the torch path).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,14 +33,56 @@ KERNEL_WIDTHS = (2, 3, 4)
 ConvFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
+class _CausalConv1d(torch.autograd.Function):
+    """``y[t] = bias + sum_lag w[K - 1 - lag] * x[t - lag]`` on ``(B, T, C)`` itself: one
+    multiply-add over the tensor per tap, forward and backward (``dx[t] = sum_lag w[K - 1 - lag]
+    * dy[t + lag]``, ``dw[K - 1 - lag] = sum_{b, t} dy[t] * x[t - lag]``). ``F.conv1d`` wants
+    ``(B, C, T)``: the transposes to it and back, and its depthwise kernel (forward and
+    backward), cost 1.6x this on a CPU (``bench/RESULTS.md``). The arithmetic is in ``x``'s
+    dtype (weight and bias cast to it, as autocast casts a convolution's); the gradients of the
+    weight and bias come back in their own dtypes."""
+
+    @staticmethod
+    def forward(ctx: Any, x_BTC: torch.Tensor, weight_C1K: torch.Tensor,
+                bias_C: torch.Tensor | None) -> torch.Tensor:
+        t, k = x_BTC.shape[1], weight_C1K.shape[-1]
+        w_KC = weight_C1K[:, 0, :].T.to(x_BTC.dtype).contiguous()
+        if bias_C is None:
+            y_BTC = x_BTC * w_KC[k - 1]
+        else:
+            y_BTC = torch.addcmul(bias_C.to(x_BTC.dtype), x_BTC, w_KC[k - 1])
+        for lag in range(1, min(k, t)):
+            y_BTC[:, lag:].addcmul_(x_BTC[:, :t - lag], w_KC[k - 1 - lag])
+        ctx.save_for_backward(x_BTC, w_KC)
+        ctx.dtypes = (weight_C1K.dtype, None if bias_C is None else bias_C.dtype)
+        return y_BTC
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dy_BTC: torch.Tensor):
+        x_BTC, w_KC = ctx.saved_tensors
+        t, k = x_BTC.shape[1], w_KC.shape[0]
+        want_x, want_w, want_b = ctx.needs_input_grad
+        dx_BTC = dw_C1K = db_C = None
+        if want_x:
+            dx_BTC = dy_BTC * w_KC[k - 1]
+            for lag in range(1, min(k, t)):
+                dx_BTC[:, :t - lag].addcmul_(dy_BTC[:, lag:], w_KC[k - 1 - lag])
+        if want_w:
+            dw_KC = w_KC.new_zeros(w_KC.shape)
+            for lag in range(min(k, t)):
+                dw_KC[k - 1 - lag] = (dy_BTC[:, lag:] * x_BTC[:, :t - lag]).sum((0, 1))
+            dw_C1K = dw_KC.T[:, None, :].to(ctx.dtypes[0])
+        if want_b:
+            db_C = dy_BTC.sum((0, 1)).to(ctx.dtypes[1])
+        return dx_BTC, dw_C1K, db_C
+
+
 def causal_conv1d(x_BTC: torch.Tensor, weight_C1K: torch.Tensor,
                   bias_C: torch.Tensor | None) -> torch.Tensor:
-    """The depthwise causal convolution in torch (no activation): padding ``K - 1`` on both
-    sides and keeping the first ``T`` outputs makes it causal."""
-    t, k = x_BTC.shape[1], weight_C1K.shape[-1]
-    y = F.conv1d(x_BTC.transpose(1, 2), weight_C1K, bias_C, padding=k - 1,
-                 groups=weight_C1K.shape[0])
-    return y[..., :t].transpose(1, 2)
+    """The depthwise causal convolution in torch (no activation), ``(B, T, C)`` in and out
+    (contiguous out): :class:`_CausalConv1d`."""
+    return _CausalConv1d.apply(x_BTC, weight_C1K, bias_C)
 
 
 def conv1d_silu_torch(x_BTC: torch.Tensor, weight_C1K: torch.Tensor,

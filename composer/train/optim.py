@@ -5,7 +5,8 @@ Mamba's ``A_log``, ``D`` and ``dt_bias``). ``muon``: every 2-D weight other than
 and the LM head is updated by :class:`ShardedMuon` (``torch.optim.Muon``'s update with the
 learning rate scaled to match AdamW's RMS, Liu et al. 2025, "Muon is Scalable for LLM
 Training"); 3-D expert stacks, convolutions, 1-D parameters, the embedding and the head take
-AdamW. Both read the same scheduled learning rate.
+AdamW. Both read the same scheduled learning rate. AdamW is torch's fused implementation
+(:func:`_fused_ok`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,15 @@ class Optimizers:
             o.zero_grad(set_to_none=True)
 
 
+def _fused_ok(params: list[nn.Parameter]) -> bool:
+    """Whether AdamW takes torch's fused implementation (one kernel per device and dtype for the
+    whole step; 3.6x the default for-loop on a CPU core, bench/RESULTS.md; the same update up to
+    rounding): parameters on a CPU or CUDA, all plain tensors or all DTensors (FSDP2, tensor
+    parallelism), so that every layout of a model takes the same implementation."""
+    kinds = {isinstance(p, DTensor) for p in params}
+    return len(kinds) == 1 and all(p.device.type in ("cpu", "cuda") for p in params)
+
+
 def build_optimizers(model: nn.Module, kind: str, lr: float, weight_decay: float,
                      betas: tuple[float, float], eps: float) -> Optimizers:
     decay, flat, hidden = [], [], []
@@ -95,7 +105,9 @@ def build_optimizers(model: nn.Module, kind: str, lr: float, weight_decay: float
             decay.append(p)
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                           {"params": flat, "weight_decay": 0.0}) if g["params"]]
-    opts: list[torch.optim.Optimizer] = [torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)]
+    adam_params = [p for g in groups for p in g["params"]]
+    opts: list[torch.optim.Optimizer] = [torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
+                                                           fused=_fused_ok(adam_params) or None)]
     if kind == "muon" and hidden:
         opts.append(ShardedMuon(hidden, lr=lr, weight_decay=weight_decay,
                                 adjust_lr_fn="match_rms_adamw"))
