@@ -294,23 +294,32 @@ class Attention(nn.Module):
         return 2 * proj + 4 * a.n_heads * e * seq_len
 
     @staticmethod
-    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int) -> int:
-        """Saved for the backward per token (``ac``: none or selective; ``full`` keeps none),
-        with a flash-style kernel (no ``T x T`` scores): the projections' input, q, k and v after
-        rope, the attention output and its log-sum-exp per head, the rope tables (``2 E`` per
-        position, with rope); a per-head qk-norm keeps each norm's input, its scaled input and
-        ``1/rms``. ``selective`` keeps the matmul and attention outputs (q, k, v, output,
-        log-sum-exp, the output projection's ``d``). Variants (output gates, sinks, partial
-        rope) are not counted."""
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1) -> float:
+        """Saved for the backward per token on one of ``tp`` ranks (heads split over ``tp``),
+        with a flash-style kernel (no ``T x T`` scores: the CPU's flash kernel and CUDA's keep
+        the same): the projections' input (``d``, gathered over the sequence under sequence
+        parallel), q, k and v after rope, the attention output and its log-sum-exp per head; a
+        per-head qk-norm keeps each norm's input, its scaled input and ``1/rms``. The rope
+        tables ``cos``/``sin`` (``2 E`` per position, whole on every rank) are held by the
+        mixer's :class:`~composer.blocks.rope.Rotary` for the run's length (per position, so
+        per token at micro-batch 1; with document isolation they are per token, made and saved
+        each call) and so count under every ``ac``. ``selective`` keeps the matmul and
+        attention outputs (q, k, v, output, log-sum-exp, and the output projection's partial
+        sum ``d``). ``full``: the tables only. Variants (output gates, sinks, partial rope) are
+        not counted."""
         a = cfg.attention
         assert a is not None
         e, kv = d_head_of(cfg), a.n_kv_heads or a.n_heads
-        qkv = (a.n_heads + 2 * kv) * e
-        core = qkv + a.n_heads * e + a.n_heads  # q, k, v; output; log-sum-exp
-        if ac == "selective":
-            return size * (core + cfg.d_model)
-        norms = (2 * (a.n_heads + kv) * e + a.n_heads + kv) if a.qk_norm else 0
+        h, kv = a.n_heads / tp, max(kv / tp, 1)  # fewer kv heads than ranks: one each
         tables = 0 if a.position == "none" else 2 * e
+        if ac == "full":
+            return size * tables
+        qkv = (h + 2 * kv) * e
+        core = qkv + h * e + h  # q, k, v; output; log-sum-exp
+        if ac == "selective":
+            return size * (core + cfg.d_model + tables)
+        norms = (2 * (h + kv) * e + h + kv) if a.qk_norm else 0
         return size * (cfg.d_model + core + norms + tables)
 
 

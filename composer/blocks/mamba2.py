@@ -388,6 +388,59 @@ class Mamba2Mixer(nn.Module):
         return 2 * (in_params + out_params) + 2 * conv_dim * m.d_conv + ssd // max(seq_len, 1)
 
 
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1) -> float:
+        """Saved for the backward per token of a ``seq_len``-token sequence on one of ``tp``
+        ranks (heads and groups split over ``tp``), on the torch path (CPU; the scan in chunks
+        of ``L = min(chunk_size, 64, seq_len)`` steps, ``n`` of them, padded to ``n L``). With
+        ``E = H P``, ``X = E + 2 G N`` (conv channels) and ``J = E + X + H`` (the fused
+        projection's output), ``ac`` none keeps:
+
+        - the projection's input ``d`` (gathered over the sequence under sequence parallel)
+          and output ``J`` (the conv reads a slice of it);
+        - the conv's output with its ``K - 1`` steps of padding (``X (T + K - 1) / T``) and
+          its activated, contiguous copy (``X``: the scan's x, B and C are views of it);
+        - ``dt + dt_bias``, its softplus and its clamp (``3 H``);
+        - the scan's own (:class:`composer.kernels.ssd._SSDScan`): the state entering each
+          chunk (``n H P N`` per sequence) and, with more than one chunk, the starting states'
+          read-out (``E`` per padded step);
+        - the gated norm: ``silu(z)``, the scan output, its grouped view, ``1/rms`` per group,
+          the normalised output, ``out_proj``'s input (``5 E + E / group``; without the norm
+          the product and its factors, ``3 E``);
+        - per call, not per token (counted per sequence: exact at micro-batch 1): the fused
+          projection and conv weights concatenated from their per-component parameters
+          (``d J + X K``).
+
+        ``selective`` keeps the matmul outputs: the projection (``J``), the scan's ``C B^T``
+        (``G L`` per padded step), its diagonal-block output (``E``), the starting states'
+        read-out (``E``, more than one chunk), the chunk states (``n H P N`` per sequence) and
+        ``out_proj``'s partial sum (``d``). ``full`` keeps nothing of its own.
+
+        On CUDA (mamba_ssm's ``mamba_chunk_scan_combined`` and causal-conv1d) the kernels keep
+        their inputs and output and the per-chunk cumulative decays instead of the padded conv
+        output, the chunk states and the read-out; that path is not measured here. Tensors the
+        scan keeps in fp32 (dt, states) are counted at ``size``."""
+        m = cfg.mamba
+        assert m is not None
+        if ac == "full":
+            return 0.0
+        d, T = cfg.d_model, max(seq_len, 1)
+        H, G, P, N, K = m.n_heads / tp, m.n_groups / tp, m.d_head, m.d_state, m.d_conv
+        E = H * P
+        X, J = E + 2 * G * N, 2 * E + 2 * G * N + H
+        L = max(1, min(m.chunk_size, 64, T))
+        n = -(-T // L)
+        padded = n * L / T
+        states = n * H * P * N / T
+        readout = E * padded if n > 1 else 0.0
+        if ac == "selective":
+            return size * (J + G * L * padded + E * padded + readout + states + d)
+        gate = 5 * E + E / _norm_group_size(m) if m.gated_norm else 3 * E
+        per_call = (d * J + X * K) / T
+        return size * (d + J + X * (T + K - 1) / T + X + 3 * H + states + readout + gate
+                       + per_call)
+
 def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig,
                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-math twin of :class:`Mamba2Mixer`; ``weights`` uses its state-dict names.
