@@ -329,6 +329,61 @@ class GatedDeltaNet(nn.Module):
         return 2 * proj + 2 * (2 * qk + vv) * d.d_conv + chunked // max(seq_len, 1)
 
 
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1) -> float:
+        """Saved for the backward per token of a ``seq_len``-token sequence on one of ``tp``
+        ranks (heads split over ``tp``), on the torch path (CPU: :func:`composer.kernels.gdn.
+        gdn_chunked`, plain autograd over chunks of ``L = min(chunk_size, T)`` steps, ``n`` of
+        them, padded by ``p = n L / T``). With ``G`` q/k heads, ``H`` v heads and ``X = 2 G K
+        + H V`` (conv channels), ``ac`` none keeps:
+
+        - the projections' input ``d`` (gathered over the sequence under sequence parallel),
+          the conv's input ``X``, its padded output ``X (T + K_conv - 1) / T`` and its SiLU
+          ``X``; the L2 norms' ``1/|q|``, ``1/|k|`` (``2 G``);
+        - ``beta = sigmoid(b)``, ``a + dt_bias``, its softplus and two broadcasts of ``beta``
+          (``5 H``), and the decays from and to the chunk ends in fp64 (``2 H`` of 8 bytes
+          per padded step);
+        - per padded step, five ``H x L`` matrices (the decay ``Γ``, ``I + A``, ``A``'s
+          product, ``q k^T`` and one chunk's slice of it) and the rule's key-sized operands
+          (k, ``k beta``, W, q, ``q e^c``, ``k e^{c_L - c}``: ``6 H K``) and ``U0`` (``H V``);
+          with more than one chunk the batched products copy four more key-sized operands and
+          keep each chunk's deltas (``4 H K + H V``);
+        - the state entering each chunk (``n H K V`` per sequence);
+        - the gated norm and o_proj: the rule's output, ``1/rms``, the scaled output, its
+          view, ``silu(z)``, the product and o_proj's input (``6 H V + H``);
+        - per call (per sequence, exact at micro-batch 1): the conv weight concatenated from
+          its parts (``X K_conv``) and the causal mask (``L^2`` booleans).
+
+        ``selective`` keeps the matmul outputs: the q, k, v, b, a and z projections (``2 G K
+        + 2 H V + 2 H``), ``k beta k^T`` and ``q k^T`` (``2 H L`` per padded step), the three
+        per-chunk ``H V`` products and the state update (``n H K V`` per sequence), and
+        o_proj's partial sum ``d``. ``full`` keeps nothing of its own.
+
+        On CUDA flash-linear-attention's chunked kernel keeps its inputs and recomputes the
+        chunk states and ``L x L`` matrices in the backward (not measured here)."""
+        c = cfg.gdn
+        assert c is not None
+        if ac == "full":
+            return 0.0
+        d, T = cfg.d_model, max(seq_len, 1)
+        H, K, V = c.n_heads / tp, c.d_head_k, c.d_head_v
+        G = _n_kv_heads(c) / tp
+        X = 2 * G * K + H * V
+        L = max(1, min(c.chunk_size, T))
+        n = -(-T // L)
+        p = n * L / T
+        states = n * H * K * V / T
+        if ac == "selective":
+            return size * (2 * G * K + 2 * H * V + 2 * H + 2 * H * L * p + 3 * H * V * p
+                           + states + d)
+        operands = 6 * H * K + H * V + (4 * H * K + H * V if n > 1 else 0)
+        rule = 5 * H * L * p + operands * p + states
+        finish = 6 * H * V + H
+        per_call = X * c.d_conv / T
+        return (size * (d + 2 * X + X * (T + c.d_conv - 1) / T + 2 * G + 5 * H + rule
+                        + finish + per_call) + 8 * 2 * H * p + L * L / T)
+
 def conv_silu_ref(x_BTX: torch.Tensor, weights: dict[str, torch.Tensor],
                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(causal depthwise conv(x))`` as a sum over taps (``conv1d.weight``, optional

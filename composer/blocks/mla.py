@@ -373,6 +373,44 @@ class MLA(nn.Module):
         return 2 * proj + 2 * h * (q + m.d_head_v) * seq_len
 
 
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1) -> float:
+        """Saved for the backward per token on one of ``tp`` ranks (heads split over ``tp``;
+        the down-projections, their norms and the shared RoPE key replicated). With ``Q = N +
+        R`` (no-RoPE and RoPE head dims), ``V``, the latent width ``C`` and the query LoRA rank
+        ``r``, ``ac`` none keeps: the projections' input ``d`` (gathered over the sequence
+        under sequence parallel); with a query LoRA its output, the norm's ``1/rms``, scaled
+        input and output (``3 r + 1``); the latent projection's output ``C + R``, its norm's
+        ``1/rms``, scaled input and output (``+ 1 + 2 C``); the RoPE tables (``2 R`` per
+        position, held by the mixer: see ``attention.py``); the per-head query and key after
+        RoPE (``2 H Q``), ``kv_b_proj``'s output (``H (N + V)``: the values are a view of it)
+        and ``o_proj``'s input (``H V``). The attention itself: where ``Q != V`` the CPU has no
+        flash kernel and SDPA's math path keeps the ``T x T`` probabilities (``H T`` per
+        token, causal rows full length); with ``Q == V`` (and on CUDA, whose efficient kernel
+        takes ``Q != V``) the output and its log-sum-exp instead (``H V + H``).
+
+        ``selective`` keeps the matmul outputs: the query (LoRA ``r`` and ``H Q``, or ``H
+        Q``), the latent ``C + R``, ``kv_b_proj``'s ``H (N + V)``, the attention (math path:
+        the scores ``H T`` and the weighted sum ``H V``; flash: output and log-sum-exp) and
+        ``o_proj``'s partial sum ``d``, with the tables. ``full``: the tables only."""
+        m = cfg.mla
+        assert m is not None
+        d, h, T = cfg.d_model, m.n_heads / tp, max(seq_len, 1)
+        N, R, V, C, r = m.d_head_nope, m.d_head_rope, m.d_head_v, m.kv_lora_rank, m.q_lora_rank
+        Q = N + R
+        tables = 2 * R if m.rope else 0
+        if ac == "full":
+            return size * tables
+        attend = h * T + h * V if Q != V else h * V + h  # math path / flash-style kernel
+        if ac == "selective":
+            query = h * Q + (r or 0)
+            return size * (tables + query + C + R + h * (N + V) + attend + d)
+        query = 3 * r + 1 if r is not None else 0
+        latent = C + R + 1 + 2 * C
+        probs = h * T if Q != V else h * V + h
+        return size * (d + query + latent + tables + 2 * h * Q + h * (N + V) + h * V + probs)
+
 def mla_ref(x: torch.Tensor, w: dict[str, torch.Tensor], m: MLAConfig,
             doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-math twin of :class:`MLA`: per-head keys and values materialised from the latent,
