@@ -295,7 +295,7 @@ class Attention(nn.Module):
 
     @staticmethod
     def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
-                                   tp: int = 1) -> float:
+                                   tp: int = 1, cp: int = 1) -> float:
         """Saved for the backward per token on one of ``tp`` ranks (heads split over ``tp``),
         with a flash-style kernel (no ``T x T`` scores: the CPU's flash kernel and CUDA's keep
         the same): the projections' input (``d``, gathered over the sequence under sequence
@@ -307,19 +307,36 @@ class Attention(nn.Module):
         each call) and so count under every ``ac``. ``selective`` keeps the matmul and
         attention outputs (q, k, v, output, log-sum-exp, and the output projection's partial
         sum ``d``). ``full``: the tables only. Variants (output gates, sinks, partial rope) are
-        not counted."""
+        not counted.
+
+        Under context parallelism (``cp > 1``; ``seq_len`` is a rank's share, its two chunks of
+        the 2N-chunk layout, :mod:`composer.parallel.context.attention`) the keys and values of
+        the whole rows are gathered and kept: ``2 kv E cp`` per token, not divided by ``cp``
+        (on the CPU's unmasked path repeated to the query heads first, ``2 H E cp``, and each
+        chunk's output kept besides the merged one, ``+ H E``); the tables are made per call at
+        the tokens' global positions (counted in ``none`` only: recomputed when checkpointed).
+        ``selective`` then keeps the projections, each flash block's output and log-sum-exp
+        (a chunk ``c`` attends in one block when it is the first, two otherwise: ``(4 cp - 1)
+        / (2 cp)`` blocks per token on average over the ranks; the first rank has fewer) and
+        ``o_proj``'s partial sum; the gathered keys are gathered again in the backward."""
         a = cfg.attention
         assert a is not None
         e, kv = d_head_of(cfg), a.n_kv_heads or a.n_heads
         h, kv = a.n_heads / tp, max(kv / tp, 1)  # fewer kv heads than ranks: one each
         tables = 0 if a.position == "none" else 2 * e
+        held = tables if cp == 1 else 0  # the Rotary's cached table; per call under cp
         if ac == "full":
-            return size * tables
+            return size * held
         qkv = (h + 2 * kv) * e
         core = qkv + h * e + h  # q, k, v; output; log-sum-exp
         if ac == "selective":
-            return size * (core + cfg.d_model + tables)
+            if cp > 1:
+                return size * (qkv + (h * e + h) * (4 * cp - 1) / (2 * cp) + cfg.d_model)
+            return size * (core + cfg.d_model + held)
         norms = (2 * (h + kv) * e + h + kv) if a.qk_norm else 0
+        if cp > 1:
+            gathered = 2 * (h if kv < h else kv) * e * cp
+            core = h * e + gathered + 2 * h * e + h  # q; k, v whole; chunk and merged outputs
         return size * (cfg.d_model + core + norms + tables)
 
 

@@ -331,7 +331,7 @@ class GatedDeltaNet(nn.Module):
 
     @staticmethod
     def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
-                                   tp: int = 1) -> float:
+                                   tp: int = 1, cp: int = 1) -> float:
         """Saved for the backward per token of a ``seq_len``-token sequence on one of ``tp``
         ranks (heads split over ``tp``), on the torch path (CPU: :func:`composer.kernels.gdn.
         gdn_chunked`, plain autograd over chunks of ``L = min(chunk_size, T)`` steps, ``n`` of
@@ -361,7 +361,19 @@ class GatedDeltaNet(nn.Module):
         o_proj's partial sum ``d``. ``full`` keeps nothing of its own.
 
         On CUDA flash-linear-attention's chunked kernel keeps its inputs and recomputes the
-        chunk states and ``L x L`` matrices in the backward (not measured here)."""
+        chunk states and ``L x L`` matrices in the backward (not measured here).
+
+        Under context parallelism (``cp > 1``: ``seq_len`` is a rank's share, run as its two
+        chunks side by side, rows of ``T / 2``; :mod:`composer.parallel.context.recurrent`) the
+        conv and the rule count per row (chunks, padding, states), the conv's input is copied
+        with its halo and its output padded once more, every row starts from a passed state
+        (the batched products copy their operands as with several chunks), and the end-state
+        pass (:func:`composer.kernels.gdn.gdn_end_state`, plain autograd over the same chunks)
+        keeps eight ``H x L`` matrices and ten key-sized operands per padded step, two
+        broadcasts of ``beta`` and a decay in fp64, and the passed states (``2 cp - 1`` of ``H
+        K V`` per sequence, plus each row's start); ``selective`` keeps the
+        end-state pass's products besides (five ``H x L``, one key-sized per padded step, each
+        row's ``K x K`` transition and end state)."""
         c = cfg.gdn
         assert c is not None
         if ac == "full":
@@ -370,19 +382,30 @@ class GatedDeltaNet(nn.Module):
         H, K, V = c.n_heads / tp, c.d_head_k, c.d_head_v
         G = _n_kv_heads(c) / tp
         X = 2 * G * K + H * V
-        L = max(1, min(c.chunk_size, T))
-        n = -(-T // L)
-        p = n * L / T
-        states = n * H * K * V / T
+        rows = 2 if cp > 1 else 1  # the rank's two chunks, each a row
+        Tr = max(T // rows, 1)
+        L = max(1, min(c.chunk_size, Tr))
+        n = -(-Tr // L)
+        p = n * L / Tr
+        states = rows * n * H * K * V / T
+        passed = (2 * cp - 1 + rows) * H * K * V / T if cp > 1 else 0.0
         if ac == "selective":
+            ends = ((5 * H * L + H * K) * p + rows * H * K * (K + V) / T) if cp > 1 else 0.0
             return size * (2 * G * K + 2 * H * V + 2 * H + 2 * H * L * p + 3 * H * V * p
-                           + states + d)
-        operands = 6 * H * K + H * V + (4 * H * K + H * V if n > 1 else 0)
+                           + states + ends + d)
+        copies = n > 1 or cp > 1  # several chunks or a passed start: operands copied
+        operands = 6 * H * K + H * V + (4 * H * K + H * V if copies else 0)
         rule = 5 * H * L * p + operands * p + states
         finish = 6 * H * V + H
         per_call = X * c.d_conv / T
-        return (size * (d + 2 * X + X * (T + c.d_conv - 1) / T + 2 * G + 5 * H + rule
-                        + finish + per_call) + 8 * 2 * H * p + L * L / T)
+        conv = X * (Tr + c.d_conv - 1) / Tr
+        fp64 = 2 * H * p  # the decays from and to the chunk ends, 8 bytes each
+        if cp > 1:
+            conv += X * (Tr + 2 * (c.d_conv - 1)) / Tr
+            rule += (8 * H * L + 10 * H * K) * p + 2 * H + passed
+            fp64 += H * p
+        return (size * (d + X + conv + X + 2 * G + 5 * H + rule + finish + per_call)
+                + 8 * fp64 + rows * L * L / T)
 
 def conv_silu_ref(x_BTX: torch.Tensor, weights: dict[str, torch.Tensor],
                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:

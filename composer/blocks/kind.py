@@ -85,25 +85,27 @@ class LayerKind:
         return self.mixer.flops_per_token(cfg, seq_len)
 
     def activation_bytes_per_token(self, cfg: Any, seq_len: int, ac: str, size: int,
-                                   tp: int = 1, sequence_parallel: bool = True
+                                   tp: int = 1, sequence_parallel: bool = True, cp: int = 1
                                    ) -> float | None:
         """Bytes one layer of this kind keeps for the backward per token of a rank's sequence
-        (``seq_len`` tokens: the sequence's share under context parallelism) with ``size``-byte
+        (``seq_len`` tokens: its share under context parallelism) with ``size``-byte
         activations, under activation checkpointing ``ac``, on one of ``tp`` tensor-parallel
-        ranks; None when the mixer declares no ``activation_bytes_per_token`` (``composer
-        plan`` lists it as unknown). The layer's own part is on the residual stream, cut over
-        ``tp`` under sequence parallel and whole without: with ``ac`` none its input and the
-        pre-norm's scaled input and ``1/rms`` (``2 d + 1``); checkpointed (selective or full)
-        its input alone (``d``: the recompute's argument), the norm recomputed. The mixer's
-        part (its input gathered over the sequence, so per token of the whole share) is what
-        the mixer declares for ``ac``; under ``full`` that is only what its module holds beyond
-        the graph (RoPE tables), the rest recomputed."""
+        and one of ``cp`` context-parallel ranks; None when the mixer declares no
+        ``activation_bytes_per_token`` (``composer plan`` lists it as unknown).
+
+        The layer's own part is on the residual stream, cut over ``tp`` under sequence
+        parallel and whole without: with ``ac`` none its input and the pre-norm's scaled input
+        and ``1/rms`` (``2 d + 1``); checkpointed (selective or full) its input alone (``d``:
+        the recompute's argument), the norm recomputed. The mixer's part (its input gathered
+        over the sequence, so per token of the whole share) is what the mixer declares for
+        ``ac``, ``tp`` and ``cp``; under ``full`` that is only what its module holds beyond the
+        graph (RoPE tables), the rest recomputed."""
         mixer = declared(self.mixer, "activation_bytes_per_token")
         if mixer is None:
             return None
         own = 2 * cfg.d_model + 1 if ac == "none" else cfg.d_model
         stream = tp if sequence_parallel else 1
-        return size * own / stream + mixer(cfg, seq_len, ac, size, tp)
+        return size * own / stream + mixer(cfg, seq_len, ac, size, tp, cp)
 
     def layout_rules(self, cfg: Any) -> list:
         rules = declared(self.mixer, "layout_rules")

@@ -390,7 +390,7 @@ class Mamba2Mixer(nn.Module):
 
     @staticmethod
     def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
-                                   tp: int = 1) -> float:
+                                   tp: int = 1, cp: int = 1) -> float:
         """Saved for the backward per token of a ``seq_len``-token sequence on one of ``tp``
         ranks (heads and groups split over ``tp``), on the torch path (CPU; the scan in chunks
         of ``L = min(chunk_size, 64, seq_len)`` steps, ``n`` of them, padded to ``n L``). With
@@ -420,7 +420,18 @@ class Mamba2Mixer(nn.Module):
         On CUDA (mamba_ssm's ``mamba_chunk_scan_combined`` and causal-conv1d) the kernels keep
         their inputs and output and the per-chunk cumulative decays instead of the padded conv
         output, the chunk states and the read-out; that path is not measured here. Tensors the
-        scan keeps in fp32 (dt, states) are counted at ``size``."""
+        scan keeps in fp32 (dt, states) are counted at ``size``.
+
+        Under context parallelism (``cp > 1``: ``seq_len`` is a rank's share, run as its two
+        chunks side by side, rows of ``T / 2``; :mod:`composer.parallel.context.recurrent`) the
+        conv and the scan count per row of ``T / 2`` (chunks, padding, states), the conv's
+        input is copied with its halo (``X (T / 2 + K - 1) / (T / 2)``) and its output padded
+        once more, every row starts from a passed state (the read-out is always kept), and the
+        end-state pass (:func:`composer.kernels.scan.ssd_end_state`) keeps the cumulative decay
+        (``H`` in fp64), ``dt`` again (``3 H``), the decay to the end and its weights (``2 H``),
+        its product operands (``E + G N``), and the passed states (``2 cp - 1`` of ``H P N``
+        per sequence, plus each row's start); ``selective`` keeps each row's end state (the
+        pass's product) besides."""
         m = cfg.mamba
         assert m is not None
         if ac == "full":
@@ -429,17 +440,25 @@ class Mamba2Mixer(nn.Module):
         H, G, P, N, K = m.n_heads / tp, m.n_groups / tp, m.d_head, m.d_state, m.d_conv
         E = H * P
         X, J = E + 2 * G * N, 2 * E + 2 * G * N + H
-        L = max(1, min(m.chunk_size, 64, T))
-        n = -(-T // L)
-        padded = n * L / T
-        states = n * H * P * N / T
-        readout = E * padded if n > 1 else 0.0
-        if ac == "selective":
-            return size * (J + G * L * padded + E * padded + readout + states + d)
+        rows = 2 if cp > 1 else 1  # the rank's two chunks, each a row
+        Tr = max(T // rows, 1)
+        L = max(1, min(m.chunk_size, 64, Tr))
+        n = -(-Tr // L)
+        padded = n * L / Tr
+        states = n * H * P * N / Tr
+        readout = E * padded if n > 1 or cp > 1 else 0.0
+        passing = 0.0
+        if cp > 1:  # the end-state pass and the states passed between the chunks
+            passing = (8 / size) * H + 5 * H + E + G * N + (2 * cp - 1 + rows) * H * P * N / T
+        if ac == "selective":  # under cp also each row's end state (a batched product)
+            ends = rows * H * P * N / T if cp > 1 else 0.0
+            return size * (J + G * L * padded + E * padded + readout + states + ends + d)
         gate = 5 * E + E / _norm_group_size(m) if m.gated_norm else 3 * E
         per_call = (d * J + X * K) / T
-        return size * (d + J + X * (T + K - 1) / T + X + 3 * H + states + readout + gate
-                       + per_call)
+        conv = X * (Tr + K - 1) / Tr
+        if cp > 1:
+            conv = X * (Tr + K - 1) / Tr + X * (Tr + 2 * (K - 1)) / Tr
+        return size * (d + J + conv + X + 3 * H + states + readout + gate + per_call + passing)
 
 def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig,
                doc_ids: torch.Tensor | None = None) -> torch.Tensor:

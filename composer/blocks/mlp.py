@@ -154,7 +154,7 @@ class MLP(nn.Module):
 
     @staticmethod
     def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
-                                   tp: int = 1) -> float:
+                                   tp: int = 1, cp: int = 1) -> float:
         """Saved for the backward per token on one of ``tp`` ranks (the same on the CPU and on
         CUDA: matmuls and elementwise ops, no fused kernel). ``none``: the projections' input
         (gathered over the sequence under sequence parallel: whole on every rank) and, with

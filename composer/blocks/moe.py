@@ -349,7 +349,7 @@ class MoE(nn.Module):
 
     @staticmethod
     def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
-                                   tp: int = 1) -> float:
+                                   tp: int = 1, cp: int = 1) -> float:
         """Saved for the backward per token on one of ``tp`` ranks, with uniform routing
         (each rank's experts see ``top_k`` assignments per token on average, whatever ``ep``)
         and the experts' hidden units split over ``tp``; everything else is whole on every rank
