@@ -47,7 +47,7 @@ def activation_bytes(cfg: ModelConfig, kinds: list, dims: ParallelDims, seq_len:
     sp = dims.sequence_parallel
 
     def per_token(kind, mode: str) -> float | None:
-        return kind.activation_bytes_per_token(cfg, local, mode, size, dims.tp, sp)
+        return kind.activation_bytes_per_token(cfg, local, mode, size, dims.tp, sp, dims.cp)
 
     layers, unknown = 0.0, []
     for kind in kinds:

@@ -243,3 +243,30 @@ def test_activation_model_per_rank_at_tp2_and_cp2():
             measured = got[i]["saved"] if ac == "none" else got[i]["kept"]
             assert abs(modelled - measured) <= 0.1 * measured, \
                 (layout, preset, symbol, ac, rank, modelled, measured)
+
+
+def test_loss_buffer_is_what_the_chunked_loss_keeps():
+    """The chunked head and loss keep ``dloss/dh`` and the head's fp32 ``dloss/dW`` for the
+    backward (measured with saved-tensor hooks), never the ``N x V`` logits: the held part of
+    :func:`composer.plan.estimate.loss_bytes`; the chunk is its stated transient."""
+    from composer.blocks.loss import CHUNK_ELEMENTS, linear_cross_entropy
+    from composer.parallel.mesh import ParallelConfig, resolve_layout
+    from composer.plan.estimate import loss_bytes
+
+    cfg = get_preset("llama-debug").config()
+    dims = resolve_layout(ParallelConfig(), world_size=1)
+    for tokens in (64, 512):
+        h = torch.randn(tokens, cfg.d_model, requires_grad=True)
+        w = torch.randn(cfg.vocab_size, cfg.d_model, requires_grad=True)
+        target = torch.randint(0, cfg.vocab_size, (tokens,))
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            linear_cross_entropy(h, w, target)
+        rows = min(tokens, max(64, CHUNK_ELEMENTS // cfg.vocab_size))
+        chunk = rows * cfg.vocab_size * 4
+        assert loss_bytes(cfg, dims, tokens, 4, held=1) - chunk == sum(seen.values())
