@@ -430,6 +430,20 @@ class WindowedAttention(Attention):
         return Attention.flops_per_token(cfg, min(seq_len, a.window))
 
 
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1, cp: int = 1) -> float:
+        """:meth:`Attention.activation_bytes_per_token` plus, when the sequence is longer than
+        the window, the window's mask: on the CPU (and on CUDA without FlexAttention) a ``T x
+        T`` boolean mask becomes SDPA's float bias, kept for the backward and made per call
+        (``T`` per token in ``none``; recomputed when checkpointed). FlexAttention's block
+        mask (CUDA) keeps nothing that grows with ``T``."""
+        a = cfg.attention
+        assert a is not None and a.window is not None
+        base = Attention.activation_bytes_per_token(cfg, seq_len, ac, size, tp, cp)
+        masked = seq_len > a.window and cp == 1
+        return base + (size * seq_len if masked and ac == "none" else 0.0)
+
 KIND = LayerKind("*", "attention", Attention, "attention", AttentionConfig, validate_attention,
                  always=True)
 """``*``: causal self-attention (its section is present by default)."""

@@ -95,8 +95,9 @@ class LayerKind:
 
         The layer's own part is on the residual stream, cut over ``tp`` under sequence
         parallel and whole without: with ``ac`` none its input and the pre-norm's scaled input
-        and ``1/rms`` (``2 d + 1``); checkpointed (selective or full) its input alone (``d``:
-        the recompute's argument), the norm recomputed. The mixer's part (its input gathered
+        and ``1/rms`` (``2 d + 1``; a sandwich norm on the mixer's output as much again);
+        checkpointed (selective or full) its input alone (``d``: the recompute's argument),
+        the norms recomputed. The mixer's part (its input gathered
         over the sequence, so per token of the whole share) is what the mixer declares for
         ``ac``, ``tp`` and ``cp``; under ``full`` that is only what its module holds beyond the
         graph (RoPE tables), the rest recomputed."""
@@ -104,6 +105,8 @@ class LayerKind:
         if mixer is None:
             return None
         own = 2 * cfg.d_model + 1 if ac == "none" else cfg.d_model
+        if cfg.sandwich_norm and ac == "none":  # the mixer output's norm keeps the same
+            own += 2 * cfg.d_model + 1
         stream = tp if sequence_parallel else 1
         return size * own / stream + mixer(cfg, seq_len, ac, size, tp, cp)
 

@@ -32,11 +32,13 @@ from composer.zoo import get_preset
 
 # (preset, symbol): every kind with an activation model, in presets that vary it (gated and
 # ungated MLP, GQA with and without qk-norm, MLA with a query LoRA, MoE with softmax routing
-# and no shared expert / sigmoid group-limited routing with one)
+# and no shared expert / sigmoid group-limited routing with one; Gemma 3's sandwich norms and
+# sliding window, shorter than the longer length)
 CASES = [("llama-debug", "*"), ("llama-debug", "-"), ("qwen3-moe-debug", "*"),
          ("nemotron-h-debug", "-"), ("nemotron-h-debug", "*"), ("nemotron-h-debug", "M"),
          ("mamba2-debug", "M"), ("deepseek-v3-debug", "+"), ("qwen3.5-debug", "G"),
-         ("qwen3-next-debug", "G"), ("qwen3-moe-debug", "E"), ("deepseek-v3-debug", "E")]
+         ("qwen3-next-debug", "G"), ("qwen3-moe-debug", "E"), ("deepseek-v3-debug", "E"),
+         ("gemma3-debug", "W"), ("gemma3-debug", "*")]
 MODES = ("none", "selective", "full")
 LENGTHS = (32, 128)  # one chunk of the scans, and several
 
