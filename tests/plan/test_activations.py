@@ -38,7 +38,7 @@ CASES = [("llama-debug", "*"), ("llama-debug", "-"), ("qwen3-moe-debug", "*"),
          ("nemotron-h-debug", "-"), ("nemotron-h-debug", "*"), ("nemotron-h-debug", "M"),
          ("mamba2-debug", "M"), ("deepseek-v3-debug", "+"), ("qwen3.5-debug", "G"),
          ("qwen3-next-debug", "G"), ("qwen3-moe-debug", "E"), ("deepseek-v3-debug", "E"),
-         ("gemma3-debug", "W"), ("gemma3-debug", "*")]
+         ("gemma3-debug", "W"), ("gemma3-debug", "*"), ("lfm2-debug", "C")]
 MODES = ("none", "selective", "full")
 LENGTHS = (32, 128)  # one chunk of the scans, and several
 
@@ -214,7 +214,8 @@ def per_rank(cases: list) -> list[dict]:
 
 
 # (preset, symbols) measured per rank: every kind of the acceptance (M, *, +, G, -, E)
-PER_RANK = [("nemotron-h-debug", "M*-"), ("deepseek-v3-debug", "+E"), ("qwen3.5-debug", "G")]
+PER_RANK = [("nemotron-h-debug", "M*-"), ("deepseek-v3-debug", "+E"), ("qwen3.5-debug", "G"),
+            ("lfm2-debug", "C")]
 # every mode at tp=2; at cp=2 the autograd graph's count (``none``): context parallelism runs
 # under data parallelism over dp x cp, whose hooks leave one more residual-stream-sized tensor
 # alive per layer after the first (seen at dp=2 without cp too; not modelled), which the
