@@ -38,7 +38,8 @@ CASES = [("llama-debug", "*"), ("llama-debug", "-"), ("qwen3-moe-debug", "*"),
          ("nemotron-h-debug", "-"), ("nemotron-h-debug", "*"), ("nemotron-h-debug", "M"),
          ("mamba2-debug", "M"), ("deepseek-v3-debug", "+"), ("qwen3.5-debug", "G"),
          ("qwen3-next-debug", "G"), ("qwen3-moe-debug", "E"), ("deepseek-v3-debug", "E"),
-         ("gemma3-debug", "W"), ("gemma3-debug", "*"), ("lfm2-debug", "C")]
+         ("gemma3-debug", "W"), ("gemma3-debug", "*"), ("lfm2-debug", "C"),
+         ("jamba-debug", "S")]
 MODES = ("none", "selective", "full")
 LENGTHS = (32, 128)  # one chunk of the scans, and several
 
