@@ -39,7 +39,7 @@ CASES = [("llama-debug", "*"), ("llama-debug", "-"), ("qwen3-moe-debug", "*"),
          ("mamba2-debug", "M"), ("deepseek-v3-debug", "+"), ("qwen3.5-debug", "G"),
          ("qwen3-next-debug", "G"), ("qwen3-moe-debug", "E"), ("deepseek-v3-debug", "E"),
          ("gemma3-debug", "W"), ("gemma3-debug", "*"), ("lfm2-debug", "C"),
-         ("jamba-debug", "S")]
+         ("jamba-debug", "S"), ("kimi-linear-debug", "K")]
 MODES = ("none", "selective", "full")
 LENGTHS = (32, 128)  # one chunk of the scans, and several
 
