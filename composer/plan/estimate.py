@@ -53,8 +53,9 @@ def activation_bytes(cfg: ModelConfig, kinds: list, dims: ParallelDims, seq_len:
     for kind in kinds:
         b = per_token(kind, ac) if kind is not None else None
         if b is None:
-            name = kind.name if kind is not None else "a layer"
-            unknown.append(f"activations of {name} layers (no activation_bytes_per_token)")
+            unknown.append(f"activations of {kind.name} layers (no activation_bytes_per_token)"
+                           if kind is not None else
+                           "activations of layers with no kind of their own (parallel groups)")
         else:
             layers += b
     total = layers * tokens * held
