@@ -107,23 +107,41 @@ def kept_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:
     return _storage(x).nbytes() + sum(s.nbytes() for s in alive)
 
 
-def _layer(preset: str, symbol: str, ac: str):
+class _Only:
+    """One layer as the model :func:`composer.parallel.parallelize.apply_ac` walks."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.layer = layer
+
+    def all_layers(self) -> list[torch.nn.Module]:
+        return [self.layer]
+
+
+def _layers(preset: str, symbol: str):
+    """The preset's config and, per ``--ac`` mode, a fresh copy of its first ``symbol`` layer
+    checkpointed as training does (the model built once)."""
+    import copy
+
     from composer.build.builder import build_model
     from composer.parallel.parallelize import apply_ac
 
     cfg = get_preset(preset).config()
     torch.manual_seed(0)
-    model = build_model(cfg, device="cpu")
-    apply_ac(model, ac)
-    return cfg, model.layers[str(cfg.parsed.symbols.index(symbol))]
+    built = build_model(cfg, device="cpu").layers[str(cfg.parsed.symbols.index(symbol))]
+    out = {}
+    for ac in MODES:
+        layer = copy.deepcopy(built)
+        apply_ac(_Only(layer), ac)
+        out[ac] = layer
+    return cfg, out
 
 
 @pytest.mark.parametrize(("preset", "symbol"), CASES)
 def test_activation_model_within_10_percent_of_what_a_layer_keeps(preset, symbol):
     from composer.blocks.kind import KINDS
 
-    for ac in MODES:
-        cfg, layer = _layer(preset, symbol, ac)
+    cfg, layers = _layers(preset, symbol)
+    for ac, layer in layers.items():
         for seq_len in LENGTHS:
             x = torch.randn(1, seq_len, cfg.d_model, requires_grad=True)
             kept = kept_bytes(layer, x) / seq_len
