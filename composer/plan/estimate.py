@@ -5,8 +5,8 @@ of a rank's ``seq_len / cp`` share on one tp rank, the residual stream cut by tp
 parallel and the mixer's own tensors by the heads or channels each rank holds) times the tokens
 of a micro-batch, times the micro-batches a stage holds at once (1F1B: ``pp - stage``; GPipe:
 all of them; no pipeline: one); under checkpointing, one layer's recompute at a time; plus the
-MoE dispatch buffer (:func:`dispatch_bytes`) and, on the last stage, the chunked loss
-(:func:`loss_bytes`), and an allocator reserve.
+MoE dispatch buffer (:func:`dispatch_bytes`) and, on the last stage, the final norm (``2 d +
+1``) and the chunked loss (:func:`loss_bytes`), and an allocator reserve.
 Communication: bytes each rank sends per step, by collective, ring algorithms
 (``(n - 1) / n`` of the buffer per all-gather, reduce-scatter or all-to-all, twice that per
 all-reduce). Step time: compute at peak plus the pipeline bubble; the lower bound adds only the
@@ -64,7 +64,9 @@ def activation_bytes(cfg: ModelConfig, kinds: list, dims: ParallelDims, seq_len:
                      default=0.0) * tokens
     if any(k is not None and k.section == "moe" for k in kinds):
         total += dispatch_bytes(cfg, dims, tokens, size)
-    if last:
+    if last:  # the final norm keeps its input, scaled input and 1/rms, then the loss
+        shard = dims.tp if sp else 1
+        total += held * tokens * (2 * cfg.d_model + 1) * size / shard
         total += loss_bytes(cfg, dims, tokens, size, held)
     return int(total), sorted(set(unknown))
 

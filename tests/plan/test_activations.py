@@ -54,10 +54,11 @@ def _weights(layer: torch.nn.Module) -> set[int]:
     return {_storage(p).data_ptr() for p in [*layer.parameters(), *layer.buffers()]}
 
 
-def saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:
+def saved_bytes(layer, x: torch.Tensor, owner: torch.nn.Module | None = None) -> int:
     """Bytes the autograd graph of ``layer(x)`` keeps for the backward (each storage once,
-    the weights not: they are the model's), the input included."""
-    weights = _weights(layer)
+    the weights of ``owner`` (default: the layer) not: they are the model's), the input
+    included."""
+    weights = _weights(owner if owner is not None else layer)
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -291,3 +292,29 @@ def test_loss_buffer_is_what_the_chunked_loss_keeps():
         rows = min(tokens, max(64, CHUNK_ELEMENTS // cfg.vocab_size))
         chunk = rows * cfg.vocab_size * 4
         assert loss_bytes(cfg, dims, tokens, 4, held=1) - chunk == sum(seen.values())
+
+
+@pytest.mark.parametrize("preset", ["llama-debug", "nemotron-h-debug", "deepseek-v3-debug"])
+def test_a_stage_is_the_sum_of_its_layers_and_the_loss(preset):
+    """One process, ``--ac none``: :func:`composer.plan.estimate.activation_bytes` of the whole
+    model (its layers, the final norm, the chunked loss's held part) within 10% of what the
+    model's forward with its loss saves (weights excluded), at two lengths."""
+    from composer.blocks.kind import KINDS
+    from composer.blocks.loss import CHUNK_ELEMENTS
+    from composer.build.builder import build_model
+    from composer.parallel.mesh import ParallelConfig, resolve_layout
+    from composer.plan.estimate import activation_bytes
+
+    cfg = get_preset(preset).config()
+    torch.manual_seed(0)
+    model = build_model(cfg, device="cpu")
+    by_mixer = {kind.mixer: kind for kind in KINDS.values()}
+    kinds = [by_mixer.get(type(layer.mixer)) for layer in model.all_layers()]
+    dims = resolve_layout(ParallelConfig(), world_size=1)
+    for seq_len in (64, 256):
+        ids = torch.randint(0, cfg.vocab_size, (1, seq_len))
+        measured = saved_bytes(lambda x: model(x, x), ids, model)
+        planned, unknown = activation_bytes(cfg, kinds, dims, seq_len, 1, "none", 4, 1, True)
+        chunk = min(seq_len, max(64, CHUNK_ELEMENTS // cfg.vocab_size)) * cfg.vocab_size * 4
+        assert not unknown
+        assert abs(planned - chunk - measured) <= 0.1 * measured, (seq_len, planned, measured)
