@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.cache import RecurrentState, Step, recurrent_state
-from composer.blocks.kind import LayerKind
+from composer.blocks.kind import LayerKind, cp_rows
 from composer.blocks.mamba2 import ALogInit, DtBiasInit
 from composer.blocks.ops import CausalConv, LinearRecurrence, keep_mask, step_docs
 from composer.blocks.plan import ONES, Divisible, Init, Normal, ParallelPlan, init_module
@@ -382,8 +382,7 @@ class GatedDeltaNet(nn.Module):
         H, K, V = c.n_heads / tp, c.d_head_k, c.d_head_v
         G = _n_kv_heads(c) / tp
         X = 2 * G * K + H * V
-        rows = 2 if cp > 1 else 1  # the rank's two chunks, each a row
-        Tr = max(T // rows, 1)
+        rows, Tr = cp_rows(T, cp)  # the rank's two chunks under cp, each a row
         L = max(1, min(c.chunk_size, Tr))
         n = -(-Tr // L)
         p = n * L / Tr

@@ -56,7 +56,7 @@ from composer.blocks.gdn import (
     conv_silu_ref,
     l2norm_ref,
 )
-from composer.blocks.kind import LayerKind
+from composer.blocks.kind import LayerKind, cp_rows
 from composer.blocks.mamba2 import ALogInit, DtBiasInit
 from composer.blocks.ops import CausalConv
 from composer.blocks.plan import Divisible, Init, Normal, ParallelPlan
@@ -253,8 +253,7 @@ class KimiDeltaAttention(GatedDeltaNet):
         d, T = cfg.d_model, max(seq_len, 1)
         H, K, R = k.n_heads / tp, k.d_head, _rank(k)
         X = 3 * H * K
-        rows = 2 if cp > 1 else 1
-        Tr = max(T // rows, 1)
+        rows, Tr = cp_rows(T, cp)  # the rank's two chunks under cp, each a row
         L = max(1, min(k.chunk_size, Tr))
         n = -(-Tr // L)
         p = n * L / Tr

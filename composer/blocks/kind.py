@@ -143,6 +143,15 @@ class LayerKind:
         return tuple(op.context for _, op in ops)
 
 
+def cp_rows(seq_len: int, cp: int) -> tuple[int, int]:
+    """``(rows, row length)`` a rank's ``seq_len`` tokens run as in a recurrent kind's time
+    mixing: its two chunks of the 2N-chunk layout side by side under context parallelism
+    (:mod:`composer.parallel.context.recurrent`), one row without; for the activation
+    models' per-row terms (chunks, padding, states)."""
+    rows = 2 if cp > 1 else 1
+    return rows, max(seq_len // rows, 1)
+
+
 KINDS: dict[str, LayerKind] = {}
 """Pattern symbol -> its record, in registration order (built-in kinds first); filled by the
 registry (``composer/build/registry.py``), which collects the records from the block files."""

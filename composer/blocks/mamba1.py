@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.cache import RecurrentState, Step, recurrent_state
-from composer.blocks.kind import LayerKind
+from composer.blocks.kind import LayerKind, cp_rows
 from composer.blocks.mamba2 import DtBiasInit
 from composer.blocks.norm import RMSNorm
 from composer.blocks.ops import CausalConv, LinearRecurrence, keep_mask, step_docs
@@ -322,8 +322,7 @@ class Mamba1Mixer(nn.Module):
         if ac == "full":
             return 0.0
         d, T, E, N, R, K = cfg.d_model, max(seq_len, 1), m.d_inner, m.d_state, m.dt_rank, m.d_conv
-        rows = 2 if cp > 1 else 1
-        Tr = max(T // rows, 1)
+        rows, Tr = cp_rows(T, cp)  # the rank's two chunks under cp, each a row
         n = -(-Tr // TORCH_CHUNK)
         if ac == "selective":  # and each chunk's read-out product (``E`` per padded step)
             return size * (2 * E + R + 2 * N + E + d + E * n * min(TORCH_CHUNK, Tr) / Tr)

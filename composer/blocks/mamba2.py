@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.cache import RecurrentState, Step, recurrent_state
-from composer.blocks.kind import LayerKind
+from composer.blocks.kind import LayerKind, cp_rows
 from composer.blocks.norm import GatedRMSNorm, gated_rms_norm_ref
 from composer.blocks.ops import CausalConv, LinearRecurrence, keep_mask, step_docs
 from composer.blocks.plan import (
@@ -440,8 +440,7 @@ class Mamba2Mixer(nn.Module):
         H, G, P, N, K = m.n_heads / tp, m.n_groups / tp, m.d_head, m.d_state, m.d_conv
         E = H * P
         X, J = E + 2 * G * N, 2 * E + 2 * G * N + H
-        rows = 2 if cp > 1 else 1  # the rank's two chunks, each a row
-        Tr = max(T // rows, 1)
+        rows, Tr = cp_rows(T, cp)  # the rank's two chunks under cp, each a row
         L = max(1, min(m.chunk_size, 64, Tr))
         n = -(-Tr // L)
         padded = n * L / Tr

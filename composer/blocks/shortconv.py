@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from composer.blocks.cache import Step
-from composer.blocks.kind import LayerKind
+from composer.blocks.kind import LayerKind, cp_rows
 from composer.blocks.ops import CausalConv, step_docs
 from composer.blocks.plan import ZEROS, Divisible, Init, Normal, ParallelPlan, init_module
 from composer.blocks.split import SplitCausalConv1d, SplitLinear
@@ -174,8 +174,7 @@ class ShortConvMixer(nn.Module):
         D = d / tp
         if ac == "selective":
             return size * (3 * D + d)
-        rows = 2 if cp > 1 else 1
-        Tr = max(T // rows, 1)
+        rows, Tr = cp_rows(T, cp)  # the rank's two chunks under cp, each a row
         conv = D * (Tr + K - 1) / Tr
         if cp > 1:
             conv += D * (Tr + 2 * (K - 1)) / Tr - D  # the halo'd copy replaces the input
