@@ -300,7 +300,8 @@ class Attention(nn.Module):
         with a flash-style kernel (no ``T x T`` scores: the CPU's flash kernel and CUDA's keep
         the same): the projections' input (``d``, gathered over the sequence under sequence
         parallel), q, k and v after rope, the attention output and its log-sum-exp per head; a
-        per-head qk-norm keeps each norm's input, its scaled input and ``1/rms``. The rope
+        per-head qk-norm keeps each norm's input (in at least fp32), its scaled input and
+        ``1/rms`` (fp32). The rope
         tables ``cos``/``sin`` (``2 E`` per position, whole on every rank) are held by the
         mixer's :class:`~composer.blocks.rope.Rotary` for the run's length (per position, so
         per token at micro-batch 1; with document isolation they are per token, made and saved
@@ -333,11 +334,12 @@ class Attention(nn.Module):
             if cp > 1:
                 return size * (qkv + (h * e + h) * (4 * cp - 1) / (2 * cp) + cfg.d_model)
             return size * (core + cfg.d_model + held)
-        norms = (2 * (h + kv) * e + h + kv) if a.qk_norm else 0
+        # a qk-norm per head: its input's copy in >= fp32, 1/rms (fp32), the scaled input
+        norms = (h + kv) * (max(size, 4) * e + 4 + size * e) if a.qk_norm else 0
         if cp > 1:
             gathered = 2 * (h if kv < h else kv) * e * cp
             core = h * e + gathered + 2 * h * e + h  # q; k, v whole; chunk and merged outputs
-        return size * (cfg.d_model + core + norms + tables)
+        return size * (cfg.d_model + core + tables) + norms
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,9 @@ class LayerKind:
         ``activation_bytes_per_token`` (``composer plan`` lists it as unknown).
 
         The layer's own part is on the residual stream, cut over ``tp`` under sequence
-        parallel and whole without: with ``ac`` none its input and the pre-norm's scaled input
-        and ``1/rms`` (``2 d + 1``; a sandwich norm on the mixer's output as much again);
+        parallel and whole without: with ``ac`` none the pre-norm's input (in at least fp32:
+        the norm computes there, so under bf16 an fp32 copy), ``1/rms`` (fp32) and its scaled
+        input (``2 d + 1`` in fp32; a sandwich norm on the mixer's output as much again);
         checkpointed (selective or full) its input alone (``d``: the recompute's argument),
         the norms recomputed. The mixer's part (its input gathered
         over the sequence, so per token of the whole share) is what the mixer declares for
@@ -104,11 +105,13 @@ class LayerKind:
         mixer = declared(self.mixer, "activation_bytes_per_token")
         if mixer is None:
             return None
-        own = 2 * cfg.d_model + 1 if ac == "none" else cfg.d_model
-        if cfg.sandwich_norm and ac == "none":  # the mixer output's norm keeps the same
-            own += 2 * cfg.d_model + 1
+        d = cfg.d_model
+        own = float(size * d)
+        if ac == "none":  # the norm computes in >= fp32: its input's fp32 copy and 1/rms
+            norm = max(size, 4) * d + 4 + size * d
+            own = norm * (2 if cfg.sandwich_norm else 1)  # the mixer output's norm alike
         stream = tp if sequence_parallel else 1
-        return size * own / stream + mixer(cfg, seq_len, ac, size, tp, cp)
+        return own / stream + mixer(cfg, seq_len, ac, size, tp, cp)
 
     def layout_rules(self, cfg: Any) -> list:
         rules = declared(self.mixer, "layout_rules")

@@ -367,6 +367,10 @@ class MoE(nn.Module):
           copy (``2 k d``);
         - shared experts: the MLP's hidden tensors (gated ``4 F_shared``, ungated ``2``).
 
+        The router and the combine run in at least fp32 (under bf16: an fp32 copy of the input,
+        fp32 scores, weights and weighted outputs; the shared experts then keep the input in
+        its own dtype besides); the dispatched rows and the experts' tensors are at ``size``.
+
         ``selective`` keeps the matmul outputs: the router's scores (``n``), per assignment
         the gate, up and down outputs (gated ``2 F + d``, ungated ``F + d``) and the shared
         experts' likewise; ``full`` keeps nothing of its own. The same on CUDA with the
@@ -388,10 +392,13 @@ class MoE(nn.Module):
                 experts += (2 if gated else 1) * shared + d
             return size * (n + experts)
         hidden = 4 if gated else 2
+        wide = max(size, 4)  # the router and the combine compute in >= fp32
         router = d + n + int(moe.renormalize) + k
-        dispatch = k * d
         combine = k + 2 * k * d
-        return size * (router + dispatch + k * hidden * F + combine + hidden * shared) + 8 * 3 * k
+        own = size * (k * d + k * hidden * F + hidden * shared) + 8 * 3 * k
+        if shared and size < 4:  # the shared experts read the input in its own dtype
+            own += size * d
+        return wide * (router + combine) + own
 
 # ---------------------------------------------------------------- plain-math twins
 

@@ -318,3 +318,24 @@ def test_a_stage_is_the_sum_of_its_layers_and_the_loss(preset):
         chunk = min(seq_len, max(64, CHUNK_ELEMENTS // cfg.vocab_size)) * cfg.vocab_size * 4
         assert not unknown
         assert abs(planned - chunk - measured) <= 0.1 * measured, (seq_len, planned, measured)
+
+
+# kinds whose bf16 accounting (norms, router and combine in >= fp32) is modelled; the scans'
+# fp32 internals (M, S, G, K, +'s math path) are still counted at the activation size
+BF16_CASES = [("llama-debug", "*"), ("llama-debug", "-"), ("qwen3-moe-debug", "*"),
+              ("qwen3-moe-debug", "E"), ("deepseek-v3-debug", "E"), ("lfm2-debug", "C")]
+
+
+@pytest.mark.parametrize(("preset", "symbol"), BF16_CASES)
+def test_bf16_layers_keep_their_fp32_internals(preset, symbol):
+    """In bf16 (``size`` 2) the model counts what computes in fp32 at 4 bytes: within 10% of
+    the saved tensors of the layer cast to bf16, ``--ac none``, at two lengths."""
+    from composer.blocks.kind import KINDS
+
+    cfg, layers = _layers(preset, symbol)
+    layer = layers["none"].to(torch.bfloat16)
+    for seq_len in LENGTHS:
+        x = torch.randn(1, seq_len, cfg.d_model, dtype=torch.bfloat16, requires_grad=True)
+        saved = saved_bytes(layer, x) / seq_len
+        modelled = KINDS[symbol].activation_bytes_per_token(cfg, seq_len, "none", 2)
+        assert abs(modelled - saved) <= 0.1 * saved, (seq_len, modelled, saved)
