@@ -419,8 +419,9 @@ class Mamba2Mixer(nn.Module):
 
         On CUDA (mamba_ssm's ``mamba_chunk_scan_combined`` and causal-conv1d) the kernels keep
         their inputs and output and the per-chunk cumulative decays instead of the padded conv
-        output, the chunk states and the read-out; that path is not measured here. Tensors the
-        scan keeps in fp32 (dt, states) are counted at ``size``.
+        output, the chunk states and the read-out; that path is not measured here. The scan
+        and the gated norm compute in at least fp32: their tensors (x, B, C, dt, states,
+        read-out, the norm's) count 4 bytes under bf16.
 
         Under context parallelism (``cp > 1``: ``seq_len`` is a rank's share, run as its two
         chunks side by side, rows of ``T / 2``; :mod:`composer.parallel.context.recurrent`) the
@@ -446,18 +447,26 @@ class Mamba2Mixer(nn.Module):
         padded = n * L / Tr
         states = n * H * P * N / Tr
         readout = E * padded if n > 1 or cp > 1 else 0.0
+        wide = max(size, 4)  # the scan and the gated norm compute in >= fp32
         passing = 0.0
         if cp > 1:  # the end-state pass and the states passed between the chunks
-            passing = (8 / size) * H + 5 * H + E + G * N + (2 * cp - 1 + rows) * H * P * N / T
+            passing = wide * (5 * H + E + G * N + (2 * cp - 1 + rows) * H * P * N / T) + 8 * H
         if ac == "selective":  # under cp also each row's end state (a batched product)
             ends = rows * H * P * N / T if cp > 1 else 0.0
-            return size * (J + G * L * padded + E * padded + readout + states + ends + d)
-        gate = 5 * E + E / _norm_group_size(m) if m.gated_norm else 3 * E
+            scan = G * L * padded + E * padded + readout + states + ends
+            return size * (J + d) + wide * scan
+        if m.gated_norm:  # z's copy in >= fp32 (bf16), silu(z), y and its views, 1/rms
+            gate = wide * (4 * E + E / _norm_group_size(m)) + size * E
+            gate += wide * E if size < 4 else 0
+        else:
+            gate = wide * 2 * E + size * E
         per_call = (d * J + X * K) / T
         conv = X * (Tr + K - 1) / Tr
         if cp > 1:
-            conv = X * (Tr + K - 1) / Tr + X * (Tr + 2 * (K - 1)) / Tr
-        return size * (d + J + conv + X + 3 * H + states + readout + gate + per_call + passing)
+            conv += X * (Tr + 2 * (K - 1)) / Tr
+        # the scan's x, B and C (the activated conv output) in >= fp32, dt, states, read-out
+        scan = X + 3 * H + states + readout
+        return size * (d + J + conv + per_call) + wide * scan + gate + passing
 
 def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig,
                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
