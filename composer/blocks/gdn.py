@@ -361,7 +361,9 @@ class GatedDeltaNet(nn.Module):
         o_proj's partial sum ``d``. ``full`` keeps nothing of its own.
 
         On CUDA flash-linear-attention's chunked kernel keeps its inputs and recomputes the
-        chunk states and ``L x L`` matrices in the backward (not measured here).
+        chunk states and ``L x L`` matrices in the backward (not measured here). Everything
+        from the rule's inputs to the gated norm computes in at least fp32 (4 bytes under bf16);
+        the projections, the conv and o_proj's input are at ``size``.
 
         Under context parallelism (``cp > 1``: ``seq_len`` is a rank's share, run as its two
         chunks side by side, rows of ``T / 2``; :mod:`composer.parallel.context.recurrent`) the
@@ -388,14 +390,17 @@ class GatedDeltaNet(nn.Module):
         p = n * L / Tr
         states = rows * n * H * K * V / T
         passed = (2 * cp - 1 + rows) * H * K * V / T if cp > 1 else 0.0
+        wide = max(size, 4)  # the rule and the gated norm compute in >= fp32
         if ac == "selective":
             ends = ((5 * H * L + H * K) * p + rows * H * K * (K + V) / T) if cp > 1 else 0.0
-            return size * (2 * G * K + 2 * H * V + 2 * H + 2 * H * L * p + 3 * H * V * p
-                           + states + ends + d)
+            products = 2 * H * L * p + 3 * H * V * p + states + ends
+            return size * (2 * G * K + 2 * H * V + 2 * H + d) + wide * products
         copies = n > 1 or cp > 1  # several chunks or a passed start: operands copied
         operands = 6 * H * K + H * V + (4 * H * K + H * V if copies else 0)
         rule = 5 * H * L * p + operands * p + states
-        finish = 6 * H * V + H
+        # the norm's input, 1/rms, scaled output, z's >= fp32 copy, silu(z), the product; and
+        # o_proj's input in the activation dtype
+        finish = wide * (5 * H * V + H) + size * H * V
         per_call = X * c.d_conv / T
         conv = X * (Tr + c.d_conv - 1) / Tr
         fp64 = 2 * H * p  # the decays from and to the chunk ends, 8 bytes each
@@ -403,7 +408,8 @@ class GatedDeltaNet(nn.Module):
             conv += X * (Tr + 2 * (c.d_conv - 1)) / Tr
             rule += (8 * H * L + 10 * H * K) * p + 2 * H + passed
             fp64 += H * p
-        return (size * (d + X + conv + X + 2 * G + 5 * H + rule + finish + per_call)
+        # the rule's q, k, v (the activated conv output) in >= fp32, their norms, the gates
+        return (size * (d + X + conv + per_call) + wide * (X + 2 * G + 5 * H + rule) + finish
                 + 8 * fp64 + rows * L * L / T)
 
 def conv_silu_ref(x_BTX: torch.Tensor, weights: dict[str, torch.Tensor],

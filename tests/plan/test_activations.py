@@ -241,7 +241,8 @@ def per_rank(cases: list) -> list[dict]:
 # (preset, symbols) measured per rank: every kind of the acceptance (M, *, +, G, -, E)
 PER_RANK = [("nemotron-h-debug", "M*-"), ("deepseek-v3-debug", "+E"), ("qwen3.5-debug", "G"),
             ("lfm2-debug", "C"),
-              ("nemotron-h-debug", "M"), ("mamba2-debug", "M")]
+              ("nemotron-h-debug", "M"), ("mamba2-debug", "M"), ("qwen3.5-debug", "G"),
+              ("qwen3-next-debug", "G")]
 RANK_CASES = [(layout, preset, symbol, ac, 64) for layout in ({"tp": 2}, {"cp": 2})
               for preset, symbols in PER_RANK for symbol in symbols for ac in MODES]
 
@@ -321,12 +322,13 @@ def test_a_stage_is_the_sum_of_its_layers_and_the_loss(preset):
         assert abs(planned - chunk - measured) <= 0.1 * measured, (seq_len, planned, measured)
 
 
-# kinds whose bf16 accounting (norms, router and combine, Mamba-2's scan in >= fp32) is
-# modelled; the other scans' fp32 internals (S, G, K) and MLA's are still counted at the
+# kinds whose bf16 accounting (norms, router and combine, the Mamba-2 and gated delta net
+# scans in >= fp32) is modelled; S's, K's and MLA's fp32 internals are still counted at the
 # activation size
 BF16_CASES = [("llama-debug", "*"), ("llama-debug", "-"), ("qwen3-moe-debug", "*"),
               ("qwen3-moe-debug", "E"), ("deepseek-v3-debug", "E"), ("lfm2-debug", "C"),
-              ("nemotron-h-debug", "M"), ("mamba2-debug", "M")]
+              ("nemotron-h-debug", "M"), ("mamba2-debug", "M"), ("qwen3.5-debug", "G"),
+              ("qwen3-next-debug", "G")]
 
 
 @pytest.mark.parametrize(("preset", "symbol"), BF16_CASES)
