@@ -388,7 +388,9 @@ class MLA(nn.Module):
         and ``o_proj``'s input (``H V``). The attention itself: where ``Q != V`` the CPU has no
         flash kernel and SDPA's math path keeps the ``T x T`` probabilities (``H T`` per
         token, causal rows full length); with ``Q == V`` (and on CUDA, whose efficient kernel
-        takes ``Q != V``) the output and its log-sum-exp instead (``H V + H``).
+        takes ``Q != V``) the output and its log-sum-exp instead (``H V + H``). The norms and
+        the math path compute in at least fp32: under bf16 they keep fp32 copies (of the
+        norms' inputs, q, k, v) and fp32 probabilities, and not the bf16 tensors they read.
 
         ``selective`` keeps the matmul outputs: the query (LoRA ``r`` and ``H Q``, or ``H
         Q``), the latent ``C + R``, ``kv_b_proj``'s ``H (N + V)``, the attention (math path:
@@ -427,9 +429,16 @@ class MLA(nn.Module):
             latent = C + R + 1 + C + C * cp
             core = h * Q + 2 * h * W * cp + h * W + h
             return size * (d + query + latent + tables + core + h * V)
+        if Q != V:  # SDPA's math path on the CPU, and the norms, compute in >= fp32
+            wide = max(size, 4)
+            norm_q = wide * r + 4 + 2 * size * r if r is not None else 0
+            norm_in = size * (C + R) if size >= 4 else wide * C  # kv_a's output, or a copy
+            values = size * h * (N + V) if size >= 4 else wide * h * V  # kv_b's, or v's copy
+            return (size * (d + tables + h * V) + norm_q + norm_in + 4 + 2 * size * C
+                    + wide * (2 * h * Q + h * T) + values)
         latent = C + R + 1 + 2 * C
-        probs = h * T if Q != V else h * V + h
-        return size * (d + query + latent + tables + 2 * h * Q + h * (N + V) + h * V + probs)
+        return size * (d + query + latent + tables + 2 * h * Q + h * (N + V) + h * V + h * V
+                       + h)
 
 def mla_ref(x: torch.Tensor, w: dict[str, torch.Tensor], m: MLAConfig,
             doc_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -242,7 +242,7 @@ def per_rank(cases: list) -> list[dict]:
 PER_RANK = [("nemotron-h-debug", "M*-"), ("deepseek-v3-debug", "+E"), ("qwen3.5-debug", "G"),
             ("lfm2-debug", "C"),
               ("nemotron-h-debug", "M"), ("mamba2-debug", "M"), ("qwen3.5-debug", "G"),
-              ("qwen3-next-debug", "G")]
+              ("qwen3-next-debug", "G"), ("deepseek-v3-debug", "+")]
 RANK_CASES = [(layout, preset, symbol, ac, 64) for layout in ({"tp": 2}, {"cp": 2})
               for preset, symbols in PER_RANK for symbol in symbols for ac in MODES]
 
@@ -323,12 +323,12 @@ def test_a_stage_is_the_sum_of_its_layers_and_the_loss(preset):
 
 
 # kinds whose bf16 accounting (norms, router and combine, the Mamba-2 and gated delta net
-# scans in >= fp32) is modelled; S's, K's and MLA's fp32 internals are still counted at the
-# activation size
+# scans, MLA's math path in >= fp32) is modelled; S's and K's fp32 internals are still counted
+# at the activation size
 BF16_CASES = [("llama-debug", "*"), ("llama-debug", "-"), ("qwen3-moe-debug", "*"),
               ("qwen3-moe-debug", "E"), ("deepseek-v3-debug", "E"), ("lfm2-debug", "C"),
               ("nemotron-h-debug", "M"), ("mamba2-debug", "M"), ("qwen3.5-debug", "G"),
-              ("qwen3-next-debug", "G")]
+              ("qwen3-next-debug", "G"), ("deepseek-v3-debug", "+")]
 
 
 @pytest.mark.parametrize(("preset", "symbol"), BF16_CASES)
