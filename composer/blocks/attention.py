@@ -294,24 +294,52 @@ class Attention(nn.Module):
         return 2 * proj + 4 * a.n_heads * e * seq_len
 
     @staticmethod
-    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int) -> int:
-        """Saved for the backward per token (``ac``: none or selective; ``full`` keeps none),
-        with a flash-style kernel (no ``T x T`` scores): the projections' input, q, k and v after
-        rope, the attention output and its log-sum-exp per head, the rope tables (``2 E`` per
-        position, with rope); a per-head qk-norm keeps each norm's input, its scaled input and
-        ``1/rms``. ``selective`` keeps the matmul and attention outputs (q, k, v, output,
-        log-sum-exp, the output projection's ``d``). Variants (output gates, sinks, partial
-        rope) are not counted."""
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1, cp: int = 1) -> float:
+        """Saved for the backward per token on one of ``tp`` ranks (heads split over ``tp``),
+        with a flash-style kernel (no ``T x T`` scores: the CPU's flash kernel and CUDA's keep
+        the same): the projections' input (``d``, gathered over the sequence under sequence
+        parallel), q, k and v after rope, the attention output and its log-sum-exp per head; a
+        per-head qk-norm keeps each norm's input (in at least fp32), its scaled input and
+        ``1/rms`` (fp32). The rope
+        tables ``cos``/``sin`` (``2 E`` per position, whole on every rank) are held by the
+        mixer's :class:`~composer.blocks.rope.Rotary` for the run's length (per position, so
+        per token at micro-batch 1; with document isolation they are per token, made and saved
+        each call) and so count under every ``ac``. ``selective`` keeps the matmul and
+        attention outputs (q, k, v, output, log-sum-exp, and the output projection's partial
+        sum ``d``). ``full``: the tables only. Variants (output gates, sinks, partial rope) are
+        not counted.
+
+        Under context parallelism (``cp > 1``; ``seq_len`` is a rank's share, its two chunks of
+        the 2N-chunk layout, :mod:`composer.parallel.context.attention`) the keys and values of
+        the whole rows are gathered and kept: ``2 kv E cp`` per token, not divided by ``cp``
+        (on the CPU's unmasked path repeated to the query heads first, ``2 H E cp``, and each
+        chunk's output kept besides the merged one, ``+ H E``); the tables are made per call at
+        the tokens' global positions (counted in ``none`` only: recomputed when checkpointed).
+        ``selective`` then keeps the projections, each flash block's output and log-sum-exp
+        (a chunk ``c`` attends in one block when it is the first, two otherwise: ``(4 cp - 1)
+        / (2 cp)`` blocks per token on average over the ranks; the first rank has fewer) and
+        ``o_proj``'s partial sum; the gathered keys are gathered again in the backward."""
         a = cfg.attention
         assert a is not None
         e, kv = d_head_of(cfg), a.n_kv_heads or a.n_heads
-        qkv = (a.n_heads + 2 * kv) * e
-        core = qkv + a.n_heads * e + a.n_heads  # q, k, v; output; log-sum-exp
-        if ac == "selective":
-            return size * (core + cfg.d_model)
-        norms = (2 * (a.n_heads + kv) * e + a.n_heads + kv) if a.qk_norm else 0
+        h, kv = a.n_heads / tp, max(kv / tp, 1)  # fewer kv heads than ranks: one each
         tables = 0 if a.position == "none" else 2 * e
-        return size * (cfg.d_model + core + norms + tables)
+        held = tables if cp == 1 else 0  # the Rotary's cached table; per call under cp
+        if ac == "full":
+            return size * held
+        qkv = (h + 2 * kv) * e
+        core = qkv + h * e + h  # q, k, v; output; log-sum-exp
+        if ac == "selective":
+            if cp > 1:
+                return size * (qkv + (h * e + h) * (4 * cp - 1) / (2 * cp) + cfg.d_model)
+            return size * (core + cfg.d_model + held)
+        # a qk-norm per head: its input's copy in >= fp32, 1/rms (fp32), the scaled input
+        norms = (h + kv) * (max(size, 4) * e + 4 + size * e) if a.qk_norm else 0
+        if cp > 1:
+            gathered = 2 * (h if kv < h else kv) * e * cp
+            core = h * e + gathered + 2 * h * e + h  # q; k, v whole; chunk and merged outputs
+        return size * (cfg.d_model + core + tables) + norms
 
 
 @dataclass(frozen=True)
@@ -403,6 +431,20 @@ class WindowedAttention(Attention):
         assert a is not None and a.window is not None
         return Attention.flops_per_token(cfg, min(seq_len, a.window))
 
+
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1, cp: int = 1) -> float:
+        """:meth:`Attention.activation_bytes_per_token` plus, when the sequence is longer than
+        the window, the window's mask: on the CPU (and on CUDA without FlexAttention) a ``T x
+        T`` boolean mask becomes SDPA's float bias, kept for the backward and made per call
+        (``T`` per token in ``none``; recomputed when checkpointed). FlexAttention's block
+        mask (CUDA) keeps nothing that grows with ``T``."""
+        a = cfg.attention
+        assert a is not None and a.window is not None
+        base = Attention.activation_bytes_per_token(cfg, seq_len, ac, size, tp, cp)
+        masked = seq_len > a.window and cp == 1
+        return base + (size * seq_len if masked and ac == "none" else 0.0)
 
 KIND = LayerKind("*", "attention", Attention, "attention", AttentionConfig, validate_attention,
                  always=True)

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.cache import RecurrentState, Step, recurrent_state
-from composer.blocks.kind import LayerKind
+from composer.blocks.kind import LayerKind, cp_rows
 from composer.blocks.mamba2 import ALogInit, DtBiasInit
 from composer.blocks.ops import CausalConv, LinearRecurrence, keep_mask, step_docs
 from composer.blocks.plan import ONES, Divisible, Init, Normal, ParallelPlan, init_module
@@ -328,6 +328,89 @@ class GatedDeltaNet(nn.Module):
         chunked = padded * H * (4 * L * K + 2 * L * V + L * (K + V) + 6 * K * V)
         return 2 * proj + 2 * (2 * qk + vv) * d.d_conv + chunked // max(seq_len, 1)
 
+
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1, cp: int = 1) -> float:
+        """Saved for the backward per token of a ``seq_len``-token sequence on one of ``tp``
+        ranks (heads split over ``tp``), on the torch path (CPU: :func:`composer.kernels.gdn.
+        gdn_chunked`, plain autograd over chunks of ``L = min(chunk_size, T)`` steps, ``n`` of
+        them, padded by ``p = n L / T``). With ``G`` q/k heads, ``H`` v heads and ``X = 2 G K
+        + H V`` (conv channels), ``ac`` none keeps:
+
+        - the projections' input ``d`` (gathered over the sequence under sequence parallel),
+          the conv's input ``X``, its padded output ``X (T + K_conv - 1) / T`` and its SiLU
+          ``X``; the L2 norms' ``1/|q|``, ``1/|k|`` (``2 G``);
+        - ``beta = sigmoid(b)``, ``a + dt_bias``, its softplus and two broadcasts of ``beta``
+          (``5 H``), and the decays from and to the chunk ends in fp64 (``2 H`` of 8 bytes
+          per padded step);
+        - per padded step, five ``H x L`` matrices (the decay ``Γ``, ``I + A``, ``A``'s
+          product, ``q k^T`` and one chunk's slice of it) and the rule's key-sized operands
+          (k, ``k beta``, W, q, ``q e^c``, ``k e^{c_L - c}``: ``6 H K``) and ``U0`` (``H V``);
+          with more than one chunk the batched products copy four more key-sized operands and
+          keep each chunk's deltas (``4 H K + H V``);
+        - the state entering each chunk (``n H K V`` per sequence);
+        - the gated norm and o_proj: the rule's output, ``1/rms``, the scaled output, its
+          view, ``silu(z)``, the product and o_proj's input (``6 H V + H``);
+        - per call (per sequence, exact at micro-batch 1): the conv weight concatenated from
+          its parts (``X K_conv``) and the causal mask (``L^2`` booleans).
+
+        ``selective`` keeps the matmul outputs: the q, k, v, b, a and z projections (``2 G K
+        + 2 H V + 2 H``), ``k beta k^T`` and ``q k^T`` (``2 H L`` per padded step), the three
+        per-chunk ``H V`` products and the state update (``n H K V`` per sequence), and
+        o_proj's partial sum ``d``. ``full`` keeps nothing of its own.
+
+        On CUDA flash-linear-attention's chunked kernel keeps its inputs and recomputes the
+        chunk states and ``L x L`` matrices in the backward (not measured here). Everything
+        from the rule's inputs to the gated norm computes in at least fp32 (4 bytes under bf16);
+        the projections, the conv and o_proj's input are at ``size``.
+
+        Under context parallelism (``cp > 1``: ``seq_len`` is a rank's share, run as its two
+        chunks side by side, rows of ``T / 2``; :mod:`composer.parallel.context.recurrent`) the
+        conv and the rule count per row (chunks, padding, states), the conv's input is copied
+        with its halo and its output padded once more, every row starts from a passed state
+        (the batched products copy their operands as with several chunks), and the end-state
+        pass (:func:`composer.kernels.gdn.gdn_end_state`, plain autograd over the same chunks)
+        keeps eight ``H x L`` matrices and ten key-sized operands per padded step, two
+        broadcasts of ``beta`` and a decay in fp64, and the passed states (``2 cp - 1`` of ``H
+        K V`` per sequence, plus each row's start); ``selective`` keeps the
+        end-state pass's products besides (five ``H x L``, one key-sized per padded step, each
+        row's ``K x K`` transition and end state)."""
+        c = cfg.gdn
+        assert c is not None
+        if ac == "full":
+            return 0.0
+        d, T = cfg.d_model, max(seq_len, 1)
+        H, K, V = c.n_heads / tp, c.d_head_k, c.d_head_v
+        G = _n_kv_heads(c) / tp
+        X = 2 * G * K + H * V
+        rows, Tr = cp_rows(T, cp)  # the rank's two chunks under cp, each a row
+        L = max(1, min(c.chunk_size, Tr))
+        n = -(-Tr // L)
+        p = n * L / Tr
+        states = rows * n * H * K * V / T
+        passed = (2 * cp - 1 + rows) * H * K * V / T if cp > 1 else 0.0
+        wide = max(size, 4)  # the rule and the gated norm compute in >= fp32
+        if ac == "selective":
+            ends = ((5 * H * L + H * K) * p + rows * H * K * (K + V) / T) if cp > 1 else 0.0
+            products = 2 * H * L * p + 3 * H * V * p + states + ends
+            return size * (2 * G * K + 2 * H * V + 2 * H + d) + wide * products
+        copies = n > 1 or cp > 1  # several chunks or a passed start: operands copied
+        operands = 6 * H * K + H * V + (4 * H * K + H * V if copies else 0)
+        rule = 5 * H * L * p + operands * p + states
+        # the norm's input, 1/rms, scaled output, z's >= fp32 copy, silu(z), the product; and
+        # o_proj's input in the activation dtype
+        finish = wide * (5 * H * V + H) + size * H * V
+        per_call = X * c.d_conv / T
+        conv = X * (Tr + c.d_conv - 1) / Tr
+        fp64 = 2 * H * p  # the decays from and to the chunk ends, 8 bytes each
+        if cp > 1:
+            conv += X * (Tr + 2 * (c.d_conv - 1)) / Tr
+            rule += (8 * H * L + 10 * H * K) * p + 2 * H + passed
+            fp64 += H * p
+        # the rule's q, k, v (the activated conv output) in >= fp32, their norms, the gates
+        return (size * (d + X + conv + per_call) + wide * (X + 2 * G + 5 * H + rule) + finish
+                + 8 * fp64 + rows * L * L / T)
 
 def conv_silu_ref(x_BTX: torch.Tensor, weights: dict[str, torch.Tensor],
                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:

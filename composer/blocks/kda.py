@@ -56,7 +56,7 @@ from composer.blocks.gdn import (
     conv_silu_ref,
     l2norm_ref,
 )
-from composer.blocks.kind import LayerKind
+from composer.blocks.kind import LayerKind, cp_rows
 from composer.blocks.mamba2 import ALogInit, DtBiasInit
 from composer.blocks.ops import CausalConv
 from composer.blocks.plan import Divisible, Init, Normal, ParallelPlan
@@ -223,6 +223,48 @@ class KimiDeltaAttention(GatedDeltaNet):
         chunked = padded * H * (4 * L * K + 2 * L * K + L * 2 * K + 6 * K * K)
         return 2 * proj + 2 * 3 * X * d.d_conv + chunked // max(seq_len, 1)
 
+
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1, cp: int = 1) -> float:
+        """Saved for the backward per token of a ``seq_len``-token sequence on one of ``tp``
+        ranks (heads split over ``tp``; the gates' low-rank down-projections replicated), on
+        the torch path (the gated delta net's chunked rule with a decay per key channel,
+        chunks of ``L = min(chunk_size, T)``, ``n`` of them, padded by ``p``). With ``H`` heads
+        of width ``K`` (q, k and v alike), ``X = 3 H K`` and the gate rank ``R``, ``none``
+        keeps: the projections' input ``d``; the conv's input, padded output and SiLU (``3 X``
+        with padding); ``1/|q|``, ``1/|k|`` and ``beta`` (``3 H``); the forget gate's
+        down-projection ``R``, its up-projection plus bias and softplus (``2 H K``); the decays
+        to and from the chunk ends per channel in fp64 (``2 H K`` of 8 bytes per padded
+        step); per padded step the per-channel decay ``Γ`` and its two weighted products
+        (``3 H L K``: the dominant term), the summed key products ``H L``, seven key-sized
+        operands and solves, and the batched products' copies (``2 H K + H K + H L``); the
+        chunk states (``n H K K`` per sequence); the output gate's ``R`` and the gated norm
+        and o_proj (``5 H K + H``); per call the conv's concatenated weight and the causal
+        mask. ``selective`` keeps the matmul outputs: the projections (``X + H + 2 R + 2 H K``),
+        three key-sized products per padded step and the state updates of each chunk (the
+        per-channel key products are elementwise, recomputed), o_proj's partial sum ``d``;
+        ``full`` keeps nothing of its own. Context parallelism's end-state pass is not
+        counted (the rule counts per row of ``T / 2``)."""
+        k = cfg.kda
+        assert k is not None
+        if ac == "full":
+            return 0.0
+        d, T = cfg.d_model, max(seq_len, 1)
+        H, K, R = k.n_heads / tp, k.d_head, _rank(k)
+        X = 3 * H * K
+        rows, Tr = cp_rows(T, cp)  # the rank's two chunks under cp, each a row
+        L = max(1, min(k.chunk_size, Tr))
+        n = -(-Tr // L)
+        p = n * L / Tr
+        states = rows * n * H * K * K / T
+        if ac == "selective":
+            return size * (X + H + 2 * R + 2 * H * K + 3 * H * K * p + states + d)
+        rule = (3 * H * L * K + H * L + 7 * H * K + 3 * H * K + H * L) * p + states
+        tok = d + X + X * (Tr + k.d_conv - 1) / Tr + X + 3 * H + R + 2 * H * K
+        finish = R + 5 * H * K + H
+        return (size * (tok + rule + finish + X * k.d_conv / T) + 8 * 2 * H * K * p
+                + rows * L * L / T)
 
 def kda_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig,
             doc_ids: torch.Tensor | None = None) -> torch.Tensor:

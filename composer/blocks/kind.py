@@ -84,20 +84,34 @@ class LayerKind:
     def flops_per_token(self, cfg: Any, seq_len: int) -> int:
         return self.mixer.flops_per_token(cfg, seq_len)
 
-    def activation_bytes_per_token(self, cfg: Any, seq_len: int, ac: str,
-                                   size: int) -> int | None:
-        """Bytes one layer of this kind keeps for the backward per token of a micro-batch with
-        ``size``-byte activations, under activation checkpointing ``ac``; None when the mixer
-        declares no ``activation_bytes_per_token`` (``composer plan`` lists it as unknown).
-        The layer's own part: with ``ac`` none, its input and the pre-norm's scaled input
-        and ``1/rms`` (``2 d + 1``); checkpointed, its input (``d``), the mixer's recomputed."""
+    def activation_bytes_per_token(self, cfg: Any, seq_len: int, ac: str, size: int,
+                                   tp: int = 1, sequence_parallel: bool = True, cp: int = 1
+                                   ) -> float | None:
+        """Bytes one layer of this kind keeps for the backward per token of a rank's sequence
+        (``seq_len`` tokens: its share under context parallelism) with ``size``-byte
+        activations, under activation checkpointing ``ac``, on one of ``tp`` tensor-parallel
+        and one of ``cp`` context-parallel ranks; None when the mixer declares no
+        ``activation_bytes_per_token`` (``composer plan`` lists it as unknown).
+
+        The layer's own part is on the residual stream, cut over ``tp`` under sequence
+        parallel and whole without: with ``ac`` none the pre-norm's input (in at least fp32:
+        the norm computes there, so under bf16 an fp32 copy), ``1/rms`` (fp32) and its scaled
+        input (``2 d + 1`` in fp32; a sandwich norm on the mixer's output as much again);
+        checkpointed (selective or full) its input alone (``d``: the recompute's argument),
+        the norms recomputed. The mixer's part (its input gathered
+        over the sequence, so per token of the whole share) is what the mixer declares for
+        ``ac``, ``tp`` and ``cp``; under ``full`` that is only what its module holds beyond the
+        graph (RoPE tables), the rest recomputed."""
         mixer = declared(self.mixer, "activation_bytes_per_token")
         if mixer is None:
             return None
-        if ac == "full":
-            return size * cfg.d_model
-        own = 2 * cfg.d_model + 1 if ac == "none" else cfg.d_model
-        return size * own + mixer(cfg, seq_len, ac, size)
+        d = cfg.d_model
+        own = float(size * d)
+        if ac == "none":  # the norm computes in >= fp32: its input's fp32 copy and 1/rms
+            norm = max(size, 4) * d + 4 + size * d
+            own = norm * (2 if cfg.sandwich_norm else 1)  # the mixer output's norm alike
+        stream = tp if sequence_parallel else 1
+        return own / stream + mixer(cfg, seq_len, ac, size, tp, cp)
 
     def layout_rules(self, cfg: Any) -> list:
         rules = declared(self.mixer, "layout_rules")
@@ -130,6 +144,15 @@ class LayerKind:
         if not ops or any(op.context is None for _, op in ops):
             return None
         return tuple(op.context for _, op in ops)
+
+
+def cp_rows(seq_len: int, cp: int) -> tuple[int, int]:
+    """``(rows, row length)`` a rank's ``seq_len`` tokens run as in a recurrent kind's time
+    mixing: its two chunks of the 2N-chunk layout side by side under context parallelism
+    (:mod:`composer.parallel.context.recurrent`), one row without; for the activation
+    models' per-row terms (chunks, padding, states)."""
+    rows = 2 if cp > 1 else 1
+    return rows, max(seq_len // rows, 1)
 
 
 KINDS: dict[str, LayerKind] = {}

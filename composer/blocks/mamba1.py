@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.cache import RecurrentState, Step, recurrent_state
-from composer.blocks.kind import LayerKind
+from composer.blocks.kind import LayerKind, cp_rows
 from composer.blocks.mamba2 import DtBiasInit
 from composer.blocks.norm import RMSNorm
 from composer.blocks.ops import CausalConv, LinearRecurrence, keep_mask, step_docs
@@ -293,6 +293,44 @@ class Mamba1Mixer(nn.Module):
                 + (E + bias) * cfg.d_model)
         return 2 * proj + 2 * E * m.d_conv + 5 * E * N + 2 * E
 
+
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1, cp: int = 1) -> float:
+        """Saved for the backward per token of a ``seq_len``-token sequence (never split over
+        ``tp``: :class:`NoTensorParallel`), on the torch path (CPU: the scan in chunks of
+        :data:`composer.kernels.selective_scan.TORCH_CHUNK` steps, ``n`` of them, keeping only
+        each chunk's start state and recomputing the chunk in the backward). With ``E``
+        channels, ``N`` states and ``R = dt_rank``, ``none`` keeps: in_proj's input ``d`` and
+        output ``[x; z]`` (``2 E``); the conv's padded output (``E (T + K - 1) / T``) and its
+        contiguous SiLU (``E``: x_proj's input); x_proj's output (``R + 2 N``) and, with inner
+        norms, each norm's ``1/rms``, scaled input and output (learned: ``3 + 2 R + 4 N``;
+        weightless: no scaled input, ``3 + R + 2 N``); ``dt + bias`` and its softplus (``2
+        E``); the chunks' start states (``n E N`` per sequence); ``silu(z)``, the scan's output
+        and out_proj's input (``3 E``); per call (per sequence, exact at micro-batch 1)
+        in_proj's and the conv's concatenated weights and ``A = -exp(A_log)`` (``2 E d + E K +
+        2 E N``). ``selective`` keeps the matmul outputs: in_proj (``2 E``), x_proj (``R + 2
+        N``), dt_proj (``E``), out_proj (``d``) and each chunk's read-out (``E`` per
+        padded step); ``full`` keeps nothing of its own. Under
+        context parallelism the scan runs on two rows of ``T / 2`` (their chunk states) from
+        passed states; the end-state pass is not counted. The CUDA kernel (mamba_ssm's
+        selective scan) keeps its inputs and recomputes the states."""
+        from composer.kernels.selective_scan import TORCH_CHUNK
+
+        m = cfg.mamba1
+        assert m is not None
+        if ac == "full":
+            return 0.0
+        d, T, E, N, R, K = cfg.d_model, max(seq_len, 1), m.d_inner, m.d_state, m.dt_rank, m.d_conv
+        rows, Tr = cp_rows(T, cp)  # the rank's two chunks under cp, each a row
+        n = -(-Tr // TORCH_CHUNK)
+        if ac == "selective":  # and each chunk's read-out product (``E`` per padded step)
+            return size * (2 * E + R + 2 * N + E + d + E * n * min(TORCH_CHUNK, Tr) / Tr)
+        norms = {"learned": 3 + 2 * R + 4 * N, "weightless": 3 + R + 2 * N}.get(m.inner_norms, 0)
+        states = rows * n * E * N / T
+        per_call = (2 * E * d + E * K + 2 * E * N) / T
+        return size * (d + 2 * E + E * (Tr + K - 1) / Tr + E + R + 2 * N + norms + 2 * E
+                       + states + 3 * E + per_call)
 
 def mamba1_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig,
                doc_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.cache import RecurrentState, Step, recurrent_state
-from composer.blocks.kind import LayerKind
+from composer.blocks.kind import LayerKind, cp_rows
 from composer.blocks.norm import GatedRMSNorm, gated_rms_norm_ref
 from composer.blocks.ops import CausalConv, LinearRecurrence, keep_mask, step_docs
 from composer.blocks.plan import (
@@ -387,6 +387,86 @@ class Mamba2Mixer(nn.Module):
         ssd = padded * (2 * L * (G * N + H * P) + 4 * H * P * N) + n_chunks * 2 * H * P * N
         return 2 * (in_params + out_params) + 2 * conv_dim * m.d_conv + ssd // max(seq_len, 1)
 
+
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1, cp: int = 1) -> float:
+        """Saved for the backward per token of a ``seq_len``-token sequence on one of ``tp``
+        ranks (heads and groups split over ``tp``), on the torch path (CPU; the scan in chunks
+        of ``L = min(chunk_size, 64, seq_len)`` steps, ``n`` of them, padded to ``n L``). With
+        ``E = H P``, ``X = E + 2 G N`` (conv channels) and ``J = E + X + H`` (the fused
+        projection's output), ``ac`` none keeps:
+
+        - the projection's input ``d`` (gathered over the sequence under sequence parallel)
+          and output ``J`` (the conv reads a slice of it);
+        - the conv's output with its ``K - 1`` steps of padding (``X (T + K - 1) / T``) and
+          its activated, contiguous copy (``X``: the scan's x, B and C are views of it);
+        - ``dt + dt_bias``, its softplus and its clamp (``3 H``);
+        - the scan's own (:class:`composer.kernels.ssd._SSDScan`): the state entering each
+          chunk (``n H P N`` per sequence) and, with more than one chunk, the starting states'
+          read-out (``E`` per padded step);
+        - the gated norm: ``silu(z)``, the scan output, its grouped view, ``1/rms`` per group,
+          the normalised output, ``out_proj``'s input (``5 E + E / group``; without the norm
+          the product and its factors, ``3 E``);
+        - per call, not per token (counted per sequence: exact at micro-batch 1): the fused
+          projection and conv weights concatenated from their per-component parameters
+          (``d J + X K``).
+
+        ``selective`` keeps the matmul outputs: the projection (``J``), the scan's ``C B^T``
+        (``G L`` per padded step), its diagonal-block output (``E``), the starting states'
+        read-out (``E``, more than one chunk), the chunk states (``n H P N`` per sequence) and
+        ``out_proj``'s partial sum (``d``). ``full`` keeps nothing of its own.
+
+        On CUDA (mamba_ssm's ``mamba_chunk_scan_combined`` and causal-conv1d) the kernels keep
+        their inputs and output and the per-chunk cumulative decays instead of the padded conv
+        output, the chunk states and the read-out; that path is not measured here. The scan
+        and the gated norm compute in at least fp32: their tensors (x, B, C, dt, states,
+        read-out, the norm's) count 4 bytes under bf16.
+
+        Under context parallelism (``cp > 1``: ``seq_len`` is a rank's share, run as its two
+        chunks side by side, rows of ``T / 2``; :mod:`composer.parallel.context.recurrent`) the
+        conv and the scan count per row of ``T / 2`` (chunks, padding, states), the conv's
+        input is copied with its halo (``X (T / 2 + K - 1) / (T / 2)``) and its output padded
+        once more, every row starts from a passed state (the read-out is always kept), and the
+        end-state pass (:func:`composer.kernels.scan.ssd_end_state`) keeps the cumulative decay
+        (``H`` in fp64), ``dt`` again (``3 H``), the decay to the end and its weights (``2 H``),
+        its product operands (``E + G N``), and the passed states (``2 cp - 1`` of ``H P N``
+        per sequence, plus each row's start); ``selective`` keeps each row's end state (the
+        pass's product) besides."""
+        m = cfg.mamba
+        assert m is not None
+        if ac == "full":
+            return 0.0
+        d, T = cfg.d_model, max(seq_len, 1)
+        H, G, P, N, K = m.n_heads / tp, m.n_groups / tp, m.d_head, m.d_state, m.d_conv
+        E = H * P
+        X, J = E + 2 * G * N, 2 * E + 2 * G * N + H
+        rows, Tr = cp_rows(T, cp)  # the rank's two chunks under cp, each a row
+        L = max(1, min(m.chunk_size, 64, Tr))
+        n = -(-Tr // L)
+        padded = n * L / Tr
+        states = n * H * P * N / Tr
+        readout = E * padded if n > 1 or cp > 1 else 0.0
+        wide = max(size, 4)  # the scan and the gated norm compute in >= fp32
+        passing = 0.0
+        if cp > 1:  # the end-state pass and the states passed between the chunks
+            passing = wide * (5 * H + E + G * N + (2 * cp - 1 + rows) * H * P * N / T) + 8 * H
+        if ac == "selective":  # under cp also each row's end state (a batched product)
+            ends = rows * H * P * N / T if cp > 1 else 0.0
+            scan = G * L * padded + E * padded + readout + states + ends
+            return size * (J + d) + wide * scan
+        if m.gated_norm:  # z's copy in >= fp32 (bf16), silu(z), y and its views, 1/rms
+            gate = wide * (4 * E + E / _norm_group_size(m)) + size * E
+            gate += wide * E if size < 4 else 0
+        else:
+            gate = wide * 2 * E + size * E
+        per_call = (d * J + X * K) / T
+        conv = X * (Tr + K - 1) / Tr
+        if cp > 1:
+            conv += X * (Tr + 2 * (K - 1)) / Tr
+        # the scan's x, B and C (the activated conv output) in >= fp32, dt, states, read-out
+        scan = X + 3 * H + states + readout
+        return size * (d + J + conv + per_call) + wide * scan + gate + passing
 
 def mamba2_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig,
                doc_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -373,6 +373,73 @@ class MLA(nn.Module):
         return 2 * proj + 2 * h * (q + m.d_head_v) * seq_len
 
 
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1, cp: int = 1) -> float:
+        """Saved for the backward per token on one of ``tp`` ranks (heads split over ``tp``;
+        the down-projections, their norms and the shared RoPE key replicated). With ``Q = N +
+        R`` (no-RoPE and RoPE head dims), ``V``, the latent width ``C`` and the query LoRA rank
+        ``r``, ``ac`` none keeps: the projections' input ``d`` (gathered over the sequence
+        under sequence parallel); with a query LoRA its output, the norm's ``1/rms``, scaled
+        input and output (``3 r + 1``); the latent projection's output ``C + R``, its norm's
+        ``1/rms``, scaled input and output (``+ 1 + 2 C``); the RoPE tables (``2 R`` per
+        position, held by the mixer: see ``attention.py``); the per-head query and key after
+        RoPE (``2 H Q``), ``kv_b_proj``'s output (``H (N + V)``: the values are a view of it)
+        and ``o_proj``'s input (``H V``). The attention itself: where ``Q != V`` the CPU has no
+        flash kernel and SDPA's math path keeps the ``T x T`` probabilities (``H T`` per
+        token, causal rows full length); with ``Q == V`` (and on CUDA, whose efficient kernel
+        takes ``Q != V``) the output and its log-sum-exp instead (``H V + H``). The norms and
+        the math path compute in at least fp32: under bf16 they keep fp32 copies (of the
+        norms' inputs, q, k, v) and fp32 probabilities, and not the bf16 tensors they read.
+
+        ``selective`` keeps the matmul outputs: the query (LoRA ``r`` and ``H Q``, or ``H
+        Q``), the latent ``C + R``, ``kv_b_proj``'s ``H (N + V)``, the attention (math path:
+        the scores ``H T`` and the weighted sum ``H V``; flash: output and log-sum-exp) and
+        ``o_proj``'s partial sum ``d``, with the tables. ``full``: the tables only.
+
+        Under context parallelism (``cp > 1``, ``seq_len`` a rank's share; :class:`composer.
+        parallel.context.attention.GatheredLatent`) the normalised latents and RoPE keys of the
+        whole rows are gathered and expanded on every rank, and the CPU's unmasked path pads
+        q, k and v to one head width ``W = max(Q, V)`` for the flash kernel: ``none`` keeps the
+        gathered latent (``C cp``, ``kv_b_proj``'s input) in place of the local one, q (``H
+        Q``), the whole rows' keys and values (``2 H W cp``), the output and log-sum-exp (``H W
+        + H``) and ``o_proj``'s input; the tables are made per call (``none`` only).
+        ``selective``: the projections (``kv_b_proj``'s over the whole rows, ``H (N + V)
+        cp``), the flash blocks as for attention (``(H W + H) (4 cp - 1) / (2 cp)``) and
+        ``o_proj``'s ``d``."""
+        m = cfg.mla
+        assert m is not None
+        d, h, T = cfg.d_model, m.n_heads / tp, max(seq_len, 1)
+        N, R, V, C, r = m.d_head_nope, m.d_head_rope, m.d_head_v, m.kv_lora_rank, m.q_lora_rank
+        Q = N + R
+        tables = 2 * R if m.rope else 0
+        held = tables if cp == 1 else 0  # the Rotary's cached table; per call under cp
+        if ac == "full":
+            return size * held
+        W = max(Q, V)
+        if ac == "selective":
+            query = h * Q + (r or 0)
+            if cp > 1:
+                blocks = (h * W + h) * (4 * cp - 1) / (2 * cp)
+                return size * (query + C + R + h * (N + V) * cp + blocks + d)
+            attend = h * T + h * V if Q != V else h * V + h  # math path / flash-style kernel
+            return size * (held + query + C + R + h * (N + V) + attend + d)
+        query = 3 * r + 1 if r is not None else 0
+        if cp > 1:
+            latent = C + R + 1 + C + C * cp
+            core = h * Q + 2 * h * W * cp + h * W + h
+            return size * (d + query + latent + tables + core + h * V)
+        if Q != V:  # SDPA's math path on the CPU, and the norms, compute in >= fp32
+            wide = max(size, 4)
+            norm_q = wide * r + 4 + 2 * size * r if r is not None else 0
+            norm_in = size * (C + R) if size >= 4 else wide * C  # kv_a's output, or a copy
+            values = size * h * (N + V) if size >= 4 else wide * h * V  # kv_b's, or v's copy
+            return (size * (d + tables + h * V) + norm_q + norm_in + 4 + 2 * size * C
+                    + wide * (2 * h * Q + h * T) + values)
+        latent = C + R + 1 + 2 * C
+        return size * (d + query + latent + tables + 2 * h * Q + h * (N + V) + h * V + h * V
+                       + h)
+
 def mla_ref(x: torch.Tensor, w: dict[str, torch.Tensor], m: MLAConfig,
             doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-math twin of :class:`MLA`: per-head keys and values materialised from the latent,

@@ -153,13 +153,19 @@ class MLP(nn.Module):
         return 2 * n_proj * cfg.d_model * cfg.mlp.d_ff
 
     @staticmethod
-    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int) -> int:
-        """Saved for the backward per token (``ac``: none or selective; ``full`` keeps none):
-        the input of the projections and, gated, the gate and up outputs, the activation and
-        the product (``d + 4 d_ff``; ungated ``d + 2 d_ff``); ``selective`` keeps the matmul
-        outputs only (gate and up, down: ``2 d_ff + d``; ungated ``d_ff + d``)."""
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1, cp: int = 1) -> float:
+        """Saved for the backward per token on one of ``tp`` ranks (the same on the CPU and on
+        CUDA: matmuls and elementwise ops, no fused kernel). ``none``: the projections' input
+        (gathered over the sequence under sequence parallel: whole on every rank) and, with
+        the hidden units split over ``tp``, gated the gate and up outputs, the activation and
+        the product (``d + 4 d_ff / tp``; ungated ``d + 2 d_ff / tp``). ``selective`` keeps the
+        matmul outputs: gate and up (``2 d_ff / tp``; ungated ``d_ff / tp``) and down, a partial
+        sum of the whole width (``d``). ``full`` keeps nothing of its own."""
         assert cfg.mlp is not None
-        d, f, gated = cfg.d_model, cfg.mlp.d_ff, is_gated(cfg.mlp.activation)
+        d, f, gated = cfg.d_model, cfg.mlp.d_ff / tp, is_gated(cfg.mlp.activation)
+        if ac == "full":
+            return 0.0
         if ac == "selective":
             return size * ((2 if gated else 1) * f + d)
         return size * (d + (4 if gated else 2) * f)

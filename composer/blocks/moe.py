@@ -347,6 +347,59 @@ class MoE(nn.Module):
         return flops
 
 
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1, cp: int = 1) -> float:
+        """Saved for the backward per token on one of ``tp`` ranks, with uniform routing
+        (each rank's experts see ``top_k`` assignments per token on average, whatever ``ep``)
+        and the experts' hidden units split over ``tp``; everything else is whole on every rank
+        (the router is replicated, the experts' outputs are partial sums of the whole width).
+        With ``k = top_k``, ``F = d_ff / tp`` and ``n`` experts, ``ac`` none keeps:
+
+        - router: its input ``d`` (gathered over the sequence under sequence parallel; the
+          dispatch and the shared experts read the same tensor), the scores ``n``, the
+          renormalisation's sum (``1``) and the chosen weights ``k``;
+        - dispatch: the assignments' indices (top-k, sort order, token: ``3 k`` int64) and the
+          dispatched tokens (``k d``);
+        - experts, per assignment: gated the gate and up outputs, the activation and the
+          product (``4 F``), ungated ``2 F``;
+        - combine: the per-assignment weights (``k``), the experts' outputs and their weighted
+          copy (``2 k d``);
+        - shared experts: the MLP's hidden tensors (gated ``4 F_shared``, ungated ``2``).
+
+        The router and the combine run in at least fp32 (under bf16: an fp32 copy of the input,
+        fp32 scores, weights and weighted outputs; the shared experts then keep the input in
+        its own dtype besides); the dispatched rows and the experts' tensors are at ``size``.
+
+        ``selective`` keeps the matmul outputs: the router's scores (``n``), per assignment
+        the gate, up and down outputs (gated ``2 F + d``, ungated ``F + d``) and the shared
+        experts' likewise; ``full`` keeps nothing of its own. The same on CUDA with the
+        per-expert loop; with ``torch._grouped_mm`` (bf16 on CUDA) ``none`` keeps the same
+        tensors as one buffer per projection, but ``selective`` recomputes the experts
+        (``_grouped_mm`` is not among the ops it saves). Group-limited routing's indices and
+        the balance losses' statistics (a few numbers per token or per expert) are not
+        counted."""
+        moe = cfg.moe
+        assert moe is not None
+        if ac == "full":
+            return 0.0
+        d, k, n, gated = cfg.d_model, moe.top_k, moe.n_experts, is_gated(moe.activation)
+        F = moe.d_ff / tp
+        shared = d_ff_shared_of(moe) / tp if moe.n_shared_experts > 0 else 0.0
+        if ac == "selective":
+            experts = k * ((2 if gated else 1) * F + d)
+            if shared:
+                experts += (2 if gated else 1) * shared + d
+            return size * (n + experts)
+        hidden = 4 if gated else 2
+        wide = max(size, 4)  # the router and the combine compute in >= fp32
+        router = d + n + int(moe.renormalize) + k
+        combine = k + 2 * k * d
+        own = size * (k * d + k * hidden * F + hidden * shared) + 8 * 3 * k
+        if shared and size < 4:  # the shared experts read the input in its own dtype
+            own += size * d
+        return wide * (router + combine) + own
+
 # ---------------------------------------------------------------- plain-math twins
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from composer.blocks.cache import Step
-from composer.blocks.kind import LayerKind
+from composer.blocks.kind import LayerKind, cp_rows
 from composer.blocks.ops import CausalConv, step_docs
 from composer.blocks.plan import ZEROS, Divisible, Init, Normal, ParallelPlan, init_module
 from composer.blocks.split import SplitCausalConv1d, SplitLinear
@@ -151,6 +151,34 @@ class ShortConvMixer(nn.Module):
         d, bias = cfg.d_model, 1 if s.bias else 0
         return 2 * (d + bias) * 4 * d + 2 * d * s.d_conv + 2 * d
 
+
+    @staticmethod
+    def activation_bytes_per_token(cfg: ModelConfig, seq_len: int, ac: str, size: int,
+                                   tp: int = 1, cp: int = 1) -> float:
+        """Saved for the backward per token of a ``seq_len``-token sequence on one of ``tp``
+        ranks (channels split over ``tp``). ``none``: in_proj's input ``d`` (gathered over the
+        sequence under sequence parallel) and output ``[b; c; u]`` (``3 D``), the gated input
+        ``b u`` (the conv's input), the conv's output with its ``K - 1`` steps of padding
+        (``D (T + K - 1) / T``) and out_proj's input ``c y`` (``D``); per call (per sequence,
+        exact at micro-batch 1) in_proj's and the conv's weights concatenated from their parts
+        (``3 D d + D K``). Under context parallelism (``seq_len`` a rank's share: two rows of
+        ``T / 2``) the conv's input is copied with its halo and its output padded per row.
+        ``selective`` keeps in_proj's output and out_proj's partial sum ``d``; ``full`` keeps
+        nothing of its own. causal-conv1d on CUDA keeps its input instead of a padded
+        output."""
+        c = cfg.shortconv
+        assert c is not None
+        if ac == "full":
+            return 0.0
+        d, T, K = cfg.d_model, max(seq_len, 1), c.d_conv
+        D = d / tp
+        if ac == "selective":
+            return size * (3 * D + d)
+        rows, Tr = cp_rows(T, cp)  # the rank's two chunks under cp, each a row
+        conv = D * (Tr + K - 1) / Tr
+        if cp > 1:
+            conv += D * (Tr + 2 * (K - 1)) / Tr - D  # the halo'd copy replaces the input
+        return size * (d + 3 * D + D + conv + D + (3 * D * d + D * K) / T)
 
 def shortconv_ref(x: torch.Tensor, weights: dict[str, torch.Tensor], cfg: ModelConfig,
                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """The modelled part of a plan (docs/planning.md): activations, communication, step time.
 
-Activations: each layer's declared ``activation_bytes_per_token`` (its kind's record) times the
-tokens of a micro-batch, divided by tp under sequence parallel and by cp, times the micro-batches
-a stage holds at once (1F1B: ``pp - stage``; GPipe: all of them; no pipeline: one), plus the
-last stage's fp32 logits of one micro-batch (vocab-parallel: ``/ tp``) and an allocator reserve.
+Activations: each layer's declared ``activation_bytes_per_token`` (its kind's record: per token
+of a rank's ``seq_len / cp`` share on one tp rank, the residual stream cut by tp under sequence
+parallel and the mixer's own tensors by the heads or channels each rank holds) times the tokens
+of a micro-batch, times the micro-batches a stage holds at once (1F1B: ``pp - stage``; GPipe:
+all of them; no pipeline: one); under checkpointing, one layer's recompute at a time; plus the
+MoE dispatch buffer (:func:`dispatch_bytes`) and, on the last stage, the final norm (``2 d +
+1``) and the chunked loss (:func:`loss_bytes`), and an allocator reserve.
 Communication is :mod:`composer.plan.comm`'s. Step time: compute at peak plus the pipeline
 bubble; the lower bound adds only the communication that cannot overlap compute (all but data
 parallelism's), and is at least the time of the communication that can (data parallelism's);
@@ -37,24 +40,61 @@ def in_flight(stage: int, pp: int, n_micro: int, schedule: str | None) -> int:
 def activation_bytes(cfg: ModelConfig, kinds: list, dims: ParallelDims, seq_len: int,
                      micro: int, ac: str, size: int, held: int, last: bool
                      ) -> tuple[int, list[str]]:
-    """A stage's activation bytes, and the kinds it could not model."""
-    tokens = micro * seq_len // dims.cp
-    shard = dims.tp if dims.sequence_parallel else 1
-    per_token, unknown = 0, []
+    """A stage's activation bytes, and the kinds it could not model (module docstring)."""
+    local = seq_len // dims.cp  # each rank's share of a sequence
+    tokens = micro * local
+    sp = dims.sequence_parallel
+
+    def per_token(kind, mode: str) -> float | None:
+        return kind.activation_bytes_per_token(cfg, local, mode, size, dims.tp, sp, dims.cp)
+
+    layers, unknown = 0.0, []
     for kind in kinds:
-        b = kind.activation_bytes_per_token(cfg, seq_len, ac, size) if kind is not None else None
+        b = per_token(kind, ac) if kind is not None else None
         if b is None:
-            name = kind.name if kind is not None else "a layer"
-            unknown.append(f"activations of {name} layers (no activation_bytes_per_token)")
+            unknown.append(f"activations of {kind.name} layers (no activation_bytes_per_token)"
+                           if kind is not None else
+                           "activations of layers with no kind of their own (parallel groups)")
         else:
-            per_token += b
-    total = per_token * tokens // shard * held
+            layers += b
+    total = layers * tokens * held
     if ac != "none" and kinds:  # one layer recomputed at a time, whole
-        total += max((k.activation_bytes_per_token(cfg, seq_len, "none", size) or 0
-                      for k in kinds if k is not None), default=0) * tokens // shard
-    if last:
-        total += micro * seq_len // dims.cp * cfg.vocab_size * 4 // dims.tp  # fp32 logits
-    return total, sorted(set(unknown))
+        total += max((per_token(k, "none") or 0.0 for k in kinds if k is not None),
+                     default=0.0) * tokens
+    if any(k is not None and k.section == "moe" for k in kinds):
+        total += dispatch_bytes(cfg, dims, tokens, size)
+    if last:  # the final norm keeps its input, scaled input and 1/rms, then the loss
+        shard = dims.tp if sp else 1
+        total += held * tokens * (2 * cfg.d_model + 1) * size / shard
+        total += loss_bytes(cfg, dims, tokens, size, held)
+    return int(total), sorted(set(unknown))
+
+
+def dispatch_bytes(cfg: ModelConfig, dims: ParallelDims, tokens: int, size: int) -> int:
+    """The MoE dispatch buffer live during one MoE layer's forward and not saved: under expert
+    parallel the all-to-all's send copy of the routed rows (``top_k`` rows of ``d`` per token),
+    freed when the exchange ends, and later the experts' outputs on their way back (the same
+    size, not at the same time); without expert parallel the routed rows are indexed in place
+    and saved (counted in the layer). Uniform routing: a rank receives as many rows as it
+    sends."""
+    if dims.ep == 1 or cfg.moe is None:
+        return 0
+    return tokens * cfg.moe.top_k * cfg.d_model * size
+
+
+def loss_bytes(cfg: ModelConfig, dims: ParallelDims, tokens: int, size: int, held: int) -> int:
+    """The chunked head and loss (:mod:`composer.blocks.loss`; vocab-parallel:
+    :mod:`composer.parallel.vocab`): the gradients it forms in the forward and keeps for the
+    backward, per micro-batch in flight: ``dloss/dh`` (``tokens x d`` at ``size``) and the
+    head's ``dloss/dW`` (``V / tp x d`` in fp32); and one chunk of ``max(64, 2^23 // (V /
+    tp))`` rows of fp32 logits while it is worked on (and its gradient cast to ``size`` when
+    that is narrower). The whole ``tokens x V`` logits are never held."""
+    from composer.blocks.loss import CHUNK_ELEMENTS
+
+    vocab = -(-cfg.vocab_size // dims.tp)
+    rows = min(tokens, max(64, CHUNK_ELEMENTS // max(vocab, 1)))
+    chunk = rows * vocab * (4 + (size if size < 4 else 0))
+    return held * (tokens * cfg.d_model * size + vocab * cfg.d_model * 4) + chunk
 
 
 OVERLAPPED = ("fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_all_reduce", "dp_all_reduce")
