@@ -61,15 +61,15 @@ def _files(folder: Path) -> dict[str, bytes]:
             if p.is_file()}
 
 
-def _without_prefill(monkeypatch, src: Path, dst: Path, **kwargs) -> None:
+def _without_prefill(monkeypatch, src: Path, dst: Path, convert=from_hf, **kwargs) -> None:
     with monkeypatch.context() as m:
         m.setattr(api, "_start_prefill", lambda *a: None)
-        from_hf(src, dst, **kwargs)
+        convert(src, dst, **kwargs)
 
 
 def test_kept_copy_equals_the_planned_import_byte_for_byte(tmp_path, spy, monkeypatch):
-    """A sharded bf16 source into a sharded output: the copy is kept, and every file equals
-    the planned import's; the round trip is exact."""
+    """A sharded bf16 source into a sharded output, and back: each copy is kept, and every
+    file equals the planned conversion's; the round trip is exact, in the source's order."""
     src = _llama(tmp_path / "hf", max_shard_size="20KB")
     assert len(list(src.glob("*.safetensors"))) > 2
     from_hf(src, tmp_path / "fast", max_shard_bytes=30_000)
@@ -78,8 +78,18 @@ def test_kept_copy_equals_the_planned_import_byte_for_byte(tmp_path, spy, monkey
     fast, planned = _files(tmp_path / "fast"), _files(tmp_path / "planned")
     assert sum(n.startswith("model-") for n in fast) > 1
     assert fast == planned
-    to_hf(tmp_path / "fast", tmp_path / "back")
+    to_hf(tmp_path / "fast", tmp_path / "back", max_shard_bytes=40_000)
+    assert [p.kept for p in spy] == [True, True]
+    _without_prefill(monkeypatch, tmp_path / "fast", tmp_path / "back2", to_hf,
+                     max_shard_bytes=40_000)
+    assert _files(tmp_path / "back") == _files(tmp_path / "back2")
     assert_same_tensors(src, tmp_path / "back")
+
+    def order(folder: Path) -> list[str]:
+        infos = api.TensorSource(folder).tensors.values()
+        return [i.name for i in sorted(infos, key=lambda i: (str(i.file), i.start))]
+
+    assert order(tmp_path / "back") == order(src)
 
 
 def test_a_plan_that_is_not_the_copy_discards_it(tmp_path, spy, monkeypatch):

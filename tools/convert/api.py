@@ -102,6 +102,10 @@ class _Union:
 
     def locate(self, name: str) -> tuple[Path, int] | None:
         return self._by_name[name].locate(name)
+
+    def close(self) -> None:
+        for source in {id(s): s for s in self._by_name.values()}.values():
+            source.close()
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 Progress = Callable[[int], None]
@@ -445,7 +449,9 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
           force: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD,
           architecture: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Export a composer checkpoint at ``src`` as a Hugging Face folder at ``dst``: a portable
-    checkpoint, or a training checkpoint folder (exported to a temporary portable one first)."""
+    checkpoint, or a training checkpoint folder (exported to a temporary portable one first).
+    As in :func:`from_hf`, our tensors are copied while torch is imported and the export
+    planned, and the copy is kept only if the plan is that copy."""
     folder, dst = Path(src), Path(dst)
     check_destination(dst, force)
     if is_training_checkpoint(folder):
@@ -457,6 +463,37 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
             return to_hf(portable, dst, dtype, force, max_shard_bytes, architecture, progress)
     if not (folder / CONFIG_FILE).exists():
         raise ConfigError(f"{folder}: no {CONFIG_FILE}; not a composer checkpoint")
+    hf_dir = folder / HF_DIR
+    with atomic_folder(dst, force) as tmp:
+        prefill = _start_prefill(tmp, folder, dtype, max_shard_bytes)
+        try:
+            hf_cfg, targets, order, reader = _plan_export(folder, dtype, architecture)
+            by_name = {t.name: t for t in targets}
+            writer = ShardedWriter(tmp, plan_tensors(targets, order), max_shard_bytes,
+                                   header_reserve=_header_reserve(
+                                       lambda n: reader.tensors[by_name[n].pieces[0].source]))
+            if prefill is None or not prefill.adopt(writer, whole_copies(writer, targets,
+                                                                         reader), progress):
+                execute(targets, reader, writer, progress)
+            if hf_dir.exists():
+                for path in _extra_files(hf_dir):
+                    if path.name != CONVERSION_FILE:
+                        shutil.copy2(path, tmp / path.name)
+            (tmp / "config.json").write_text(json.dumps(encode_floats(hf_cfg), indent=2,
+                                                        sort_keys=True) + "\n")
+            reader.close()
+        finally:
+            if prefill is not None:
+                prefill.cancel()  # a no-op when its copy was kept
+    return hf_cfg
+
+
+def _plan_export(folder: Path, dtype: torch.dtype | None, architecture: str | None
+                 ) -> tuple[dict[str, Any], list[Target], list[str], Any]:
+    """The HF config, the tensors (in the order written: where their bytes lie in our files,
+    then those kept aside) and the reader of an export, checked (the work that needs torch)."""
+    from composer.portable import DTYPES
+
     cfg = ModelConfig.load(folder / CONFIG_FILE).validate()
     hf_dir = folder / HF_DIR
     base = load_hf_config(hf_dir / "config.json") if (hf_dir / "config.json").exists() else {}
@@ -483,25 +520,14 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
         t.dtype = _hf_dtype(t.name, [source.tensors[p.source] for p in t.pieces], recorded,
                             dtype, adapter)
     counts = Counter(t.dtype for t in targets)
-    from composer.portable import DTYPES
-
     main_dtype = DTYPES[counts.most_common(1)[0][0]]
+    order = _in_source_order(targets, source, [t.name for t in targets])
     reader: Any = source
     if (hf_dir / ASIDE_DIR).is_dir():  # written back as they came, after the model's tensors
         kept = TensorSource(hf_dir / ASIDE_DIR)
         targets += _identity_targets(kept.names(), kept, dtype)
+        order += kept.names()
         reader = _Union(source, kept)
     hf_cfg["dtype"] = str(main_dtype).removeprefix("torch.")
     hf_cfg.pop("torch_dtype", None)
-    with atomic_folder(dst, force) as tmp:
-        writer = ShardedWriter(tmp, plan_tensors(targets, [t.name for t in targets]),
-                               max_shard_bytes)
-        execute(targets, reader, writer, progress)
-        if hf_dir.exists():
-            for path in _extra_files(hf_dir):
-                if path.name != CONVERSION_FILE:
-                    shutil.copy2(path, tmp / path.name)
-        (tmp / "config.json").write_text(json.dumps(encode_floats(hf_cfg), indent=2,
-                                                    sort_keys=True) + "\n")
-    source.close()
-    return hf_cfg
+    return hf_cfg, targets, order, reader
