@@ -455,8 +455,11 @@ class Prefill:
     for the copies and writes the headers; otherwise, or on :meth:`cancel`, the copies stop
     and their files are removed."""
 
-    CHUNK = 64 * 2**20
-    """Bytes per kernel call: how soon a cancelled copy stops."""
+    CHUNK = 2**30
+    """Bytes per kernel call at most. Tensors that lie one after the other in both files are
+    copied by one call (a shard of data in a few): the thread needs the GIL only between calls,
+    and the importing thread holds it for long stretches (loading torch's libraries). A
+    cancelled copy stops after the call under way."""
 
     def __init__(self, writer: ShardedWriter, sources: list[tuple[Path, int]]) -> None:
         self.folder, self.files = writer.folder, list(writer.files)
@@ -481,9 +484,17 @@ class Prefill:
                 fds[path] = os.open(path, flags)
             return fds[path]
 
+        runs: list[list] = []  # [file, offset, source, source offset, bytes], merged
+        for (name, offset, nbytes), (path, start) in zip(self.layout, self.sources,
+                                                         strict=True):
+            last = runs[-1] if runs else None
+            if last and (last[0], last[1] + last[4], last[2], last[3] + last[4]) == \
+                    (name, offset, path, start):
+                last[4] += nbytes
+            else:
+                runs.append([name, offset, path, start, nbytes])
         try:
-            for (name, offset, nbytes), (path, start) in zip(self.layout, self.sources,
-                                                             strict=True):
+            for name, offset, path, start, nbytes in runs:
                 dst = fd(self.folder / name, os.O_WRONLY)
                 src = fd(path, os.O_RDONLY)
                 os.lseek(dst, offset, os.SEEK_SET)
