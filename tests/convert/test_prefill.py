@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 import composer.convert.api as api
 from composer.convert import CheckpointError, from_hf, to_hf
-from composer.portable import PlannedTensor, Prefill, ShardedWriter
+from composer.portable import PlannedTensor, ShardedWriter
+from composer.prefill import Prefill
 from tests.helpers import assert_same_tensors
 
 
@@ -168,7 +169,7 @@ def test_cancel_and_a_different_layout_remove_the_copy(tmp_path):
 SCRIPT = """
 import sys
 import composer.convert.api as api
-from composer.portable import Prefill
+from composer.prefill import Prefill
 seen = []
 class Seen(Prefill):
     def __init__(self, *args):

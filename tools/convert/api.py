@@ -53,7 +53,6 @@ from composer.portable import (
     DEFAULT_MAX_SHARD,
     CheckpointError,
     PlannedTensor,
-    Prefill,
     ShardedWriter,
     TensorInfo,
     TensorSource,
@@ -62,6 +61,7 @@ from composer.portable import (
     is_training_checkpoint,
     shard_header,
 )
+from composer.prefill import Prefill
 
 if TYPE_CHECKING:
     import torch
@@ -385,7 +385,7 @@ def _start_prefill(tmp: Path, folder: Path, dtype: torch.dtype | None,
         return None
     try:
         source = TensorSource(folder)
-    except (CheckpointError, OSError):
+    except Exception:  # whatever it is, the planned import reports it after the config's errors
         return None
     infos = sorted(source.tensors.values(), key=lambda i: (str(i.file), i.start))
     writer = ShardedWriter(tmp, [PlannedTensor(i.name, i.dtype, i.shape) for i in infos],
