@@ -75,9 +75,9 @@ names and dtypes, to be written back unchanged on export."""
 
 def _identity_targets(names: list[str], source: Any, dtype: torch.dtype | None = None) -> list:
     """Whole-tensor copies of ``names`` from ``source`` (in their dtype unless ``dtype``)."""
-    targets = []
     from composer.portable import DTYPE_NAMES
 
+    targets = []
     for name in names:
         info = source.tensors[name]
         shape = tuple(info.shape)
@@ -106,6 +106,8 @@ class _Union:
     def close(self) -> None:
         for source in {id(s): s for s in self._by_name.values()}.values():
             source.close()
+
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 Progress = Callable[[int], None]
