@@ -27,12 +27,14 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CONFIG_FILE = "config.yaml"
 ORIGIN_FILE = "origin.json"  # {"family": ...} of the zoo preset a checkpoint was built from
@@ -40,13 +42,25 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD = 50 * 10**9
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ITEMSIZE: dict[str, int] = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4,
+                            "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+"""Bytes per element of each safetensors dtype this format reads and writes: reading headers,
+planning and copying need no torch (``composer convert`` imports it only to compute)."""
+_TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (safetensors name -> torch dtype) and ``DTYPE_NAMES`` (the inverse), made on
+    first use: the rest of this module works without importing torch."""
+    if name not in ("DTYPES", "DTYPE_NAMES"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    dtypes = {k: getattr(torch, v) for k, v in _TORCH_NAMES.items()}
+    globals().update(DTYPES=dtypes, DTYPE_NAMES={v: k for k, v in dtypes.items()})
+    return globals()[name]
 
 
 class CheckpointError(ValueError):
@@ -65,7 +79,7 @@ class TensorInfo:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return __getattr__("DTYPES")[self.dtype]
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -89,11 +103,11 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         begin, end = meta["data_offsets"]
-        if meta["dtype"] not in DTYPES:
+        if meta["dtype"] not in ITEMSIZE:
             raise CheckpointError(f"{path.name}: tensor {name!r} has unsupported dtype "
                                   f"{meta['dtype']}")
         shape = tuple(meta["shape"])
-        expected = DTYPES[meta["dtype"]].itemsize * _numel(shape)
+        expected = ITEMSIZE[meta["dtype"]] * _numel(shape)
         if end - begin != expected:
             raise CheckpointError(f"{path.name}: tensor {name!r} spans {end - begin} bytes, its "
                                   f"shape {list(shape)} needs {expected}")
@@ -209,6 +223,8 @@ class TensorSource:
 
 
 def bytes_to_tensor(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    import torch
+
     if not buf:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
@@ -216,6 +232,8 @@ def bytes_to_tensor(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a tensor, without a copy when it is contiguous."""
+    import torch
+
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
@@ -253,17 +271,23 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        return DTYPES[self.dtype].itemsize * _numel(self.shape)
+        return ITEMSIZE[self.dtype] * _numel(self.shape)
 
 
 class ShardedWriter:
     """Write planned tensors in order into shards of at most ``max_shard_bytes`` each."""
 
     def __init__(self, folder: Path, plan: list[PlannedTensor], max_shard_bytes: int,
-                 metadata: dict[str, str] | None = None, prefix: str = "model") -> None:
+                 metadata: dict[str, str] | None = None, prefix: str = "model",
+                 header_reserve: Callable[[list[PlannedTensor]], int] | None = None) -> None:
+        """``header_reserve`` gives, for a shard's tensors, the bytes its header is padded to
+        with spaces (at least; a longer header is not cut): a
+        :class:`~composer.prefill.Prefill` copies the data to where such a header puts it
+        before the names of the header are known."""
         self.folder = folder
         self.plan = plan
         self.metadata = {"format": "pt", **(metadata or {})}
+        self.header_reserve = header_reserve
         self.shards = _split_into_shards(plan, max_shard_bytes)
         n = len(self.shards)
         self.files = ([f"{prefix}.safetensors"] if n == 1 else
@@ -282,15 +306,39 @@ class ShardedWriter:
 
     def _header(self, i: int) -> bytes:
         """Shard ``i``'s 8-byte header length and JSON header (safetensors' layout)."""
-        header: dict[str, object] = {"__metadata__": self.metadata}
-        offset = 0
-        for t in self.shards[i]:
-            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
-                              "data_offsets": [offset, offset + t.nbytes]}
-            offset += t.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned
-        return struct.pack("<Q", len(raw)) + raw
+        reserve = self.header_reserve(self.shards[i]) if self.header_reserve else 0
+        return shard_header(self.shards[i], self.metadata, reserve)
+
+    def data_layout(self) -> list[tuple[str, int, int]]:
+        """Where each tensor's bytes go, in :meth:`plan_order`: (file name, byte offset in it,
+        bytes)."""
+        out = []
+        for i, shard in enumerate(self.shards):
+            offset = len(self._header(i))
+            for t in shard:
+                out.append((self.files[i], offset, t.nbytes))
+                offset += t.nbytes
+        return out
+
+    def write_headers(self) -> None:
+        """Finish shards whose data is already in place (:class:`~composer.prefill.Prefill`):
+        check each file's size, write its header in front of the data, and the index; every
+        tensor counts as written."""
+        if self._next or self._written_in_tensor:
+            raise CheckpointError("write_headers() after tensors were written one by one")
+        for i, name in enumerate(self.files):
+            header = self._header(i)
+            size = len(header) + sum(t.nbytes for t in self.shards[i])
+            fd = os.open(self.folder / name, os.O_WRONLY)
+            try:
+                if os.fstat(fd).st_size != size:
+                    raise CheckpointError(f"{name}: {os.fstat(fd).st_size} bytes in place, its "
+                                          f"plan needs {size}")
+                os.pwrite(fd, header, 0)
+            finally:
+                os.close(fd)
+        self._next = len(self._order)
+        self._write_index()
 
     def _index(self) -> str | None:
         if len(self.files) == 1:
@@ -370,9 +418,28 @@ class ShardedWriter:
         for fd in self._sources.values():
             os.close(fd)
         self._sources.clear()
+        self._write_index()
+
+    def _write_index(self) -> None:
         index = self._index()
         if index is not None:
             (self.folder / INDEX_NAME).write_text(index)
+
+
+def shard_header(tensors: list[PlannedTensor], metadata: dict[str, str], reserve: int = 0
+                 ) -> bytes:
+    """A safetensors file's 8-byte header length and JSON header for ``tensors`` stored in this
+    order, padded with spaces to a multiple of 8 bytes (tensor data stays 8-byte aligned) and to
+    at least ``reserve`` bytes."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (max(reserve - len(raw), 0) + (-max(reserve, len(raw)) % 8))
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def _write_all(fd: int, data: memoryview) -> None:

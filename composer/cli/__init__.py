@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from composer.cli.base import (
@@ -48,13 +50,25 @@ def _progress_bar(total: int, label: str):
                 file=sys.stderr, dynamic_ncols=True, disable=not sys.stderr.isatty())
 
 
-def cmd_convert(args: argparse.Namespace) -> int:
-    import torch
+def _stored_params(src: str) -> int:
+    """Elements stored in a portable checkpoint's safetensors headers (no model built, no
+    torch); :func:`source_params` for anything else."""
+    from composer.portable import CheckpointError, TensorSource
 
+    try:
+        if (Path(src) / "config.yaml").is_file():
+            return sum(math.prod(i.shape) for i in TensorSource(Path(src)).tensors.values())
+    except (CheckpointError, OSError):
+        pass
+    return source_params(src)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
     from composer.config import ConfigError
     from composer.convert import from_hf, to_hf
     from composer.convert.infer import NoFamilyError
     from composer.portable import parse_size
+    from composer.threads import available_cpus, intra_op_threads
 
     if args.dtype not in DTYPE_NAMES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}; got {args.dtype!r}")
@@ -63,17 +77,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
         max_shard = parse_size(args.max_shard_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    kwargs = {"dtype": getattr(torch, dtype) if dtype else None, "force": args.force,
-              "max_shard_bytes": max_shard}
-    use_threads(source_params(args.src), 1)  # casts and copies: work in proportion to the size
+    kwargs: dict[str, Any] = {"force": args.force, "max_shard_bytes": max_shard}
+    if dtype:  # a cast: torch now (without one, from-hf copies before torch is imported)
+        import torch
+
+        kwargs["dtype"] = getattr(torch, dtype)
+    params = _stored_params(args.src)  # casts and copies: work in proportion to the size
     start = time.perf_counter()
     bar = _progress_bar(0, f"convert {args.direction}")
     kwargs["progress"] = bar.update
     try:
         if args.direction == "from-hf":
-            cfg = from_hf(args.src, args.dst, **kwargs)
+            threads = intra_op_threads(params, 1, available_cpus())  # set once torch is in
+            cfg = from_hf(args.src, args.dst, threads=threads, **kwargs)
             pattern = cfg.parsed.format()
         else:
+            use_threads(params, 1)
             hf = to_hf(args.src, args.dst, architecture=args.arch, **kwargs)
             pattern = None
             arch = hf["architectures"][0]

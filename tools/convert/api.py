@@ -17,11 +17,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from composer.build.builder import build_model, check_buildable, fp32_names
 from composer.config import ConfigError, ModelConfig
 from composer.convert.base import (
     Adapter,
@@ -48,21 +45,26 @@ from composer.convert.plan import (
     execute,
     part,
     plan_tensors,
+    whole_copies,
 )
 from composer.convert.sources import open_source, resolve_source
 from composer.portable import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD,
-    DTYPE_NAMES,
-    DTYPES,
     CheckpointError,
+    PlannedTensor,
     ShardedWriter,
     TensorInfo,
     TensorSource,
     atomic_folder,
     check_destination,
     is_training_checkpoint,
+    shard_header,
 )
+from composer.prefill import Prefill
+
+if TYPE_CHECKING:
+    import torch
 
 HF_DIR = "hf"
 CONVERSION_FILE = "conversion.json"
@@ -73,6 +75,8 @@ names and dtypes, to be written back unchanged on export."""
 
 def _identity_targets(names: list[str], source: Any, dtype: torch.dtype | None = None) -> list:
     """Whole-tensor copies of ``names`` from ``source`` (in their dtype unless ``dtype``)."""
+    from composer.portable import DTYPE_NAMES
+
     targets = []
     for name in names:
         info = source.tensors[name]
@@ -98,6 +102,12 @@ class _Union:
 
     def locate(self, name: str) -> tuple[Path, int] | None:
         return self._by_name[name].locate(name)
+
+    def close(self) -> None:
+        for source in {id(s): s for s in self._by_name.values()}.values():
+            source.close()
+
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 Progress = Callable[[int], None]
@@ -201,6 +211,11 @@ def _plan(adapter: Adapter, cfg: ModelConfig, hf_cfg: dict[str, Any], source: An
           names: set[str], dtype: torch.dtype | None, where: str) -> _Plan:
     """The whole import of ``cfg`` from ``source``, checked (strict: every tensor read, kept
     aside or ignored, every shape the config's), before anything is written."""
+    import torch
+
+    from composer.build.builder import build_model, fp32_names
+    from composer.portable import DTYPE_NAMES
+
     fused, links = _choose_layout(adapter, cfg, names)
     hf_shapes = {n: tuple(info.shape) for n, info in source.tensors.items()}
     layout = adapter.source_layout(cfg, hf_shapes)
@@ -228,7 +243,17 @@ def _plan(adapter: Adapter, cfg: ModelConfig, hf_cfg: dict[str, Any], source: An
         if t.name in keep32 and out.itemsize < 4 and out.is_floating_point:
             out = torch.float32
         t.dtype = DTYPE_NAMES[out]
-    return _Plan(cfg, fused, layout, targets, list(our_shapes), aside)
+    return _Plan(cfg, fused, layout, targets, _in_source_order(targets, source, our_shapes),
+                 aside)
+
+
+def _in_source_order(targets: list[Target], source: Any, names: Any) -> list[str]:
+    """``names`` (our model's order) sorted by where their bytes are stored in the source
+    (file, then offset; the first piece's): the order an import writes them in, so that a
+    checkpoint whose every tensor is a whole copy is laid out before its names are known
+    (:func:`_start_prefill`)."""
+    first = {t.name: source.tensors[t.pieces[0].source] for t in targets}
+    return sorted(names, key=lambda n: (str(first[n].file), first[n].start))
 
 
 def _plan_mtp_or_main(adapter: Adapter, cfg: ModelConfig, hf_cfg: dict[str, Any], source: Any,
@@ -261,14 +286,61 @@ def _stderr(message: str) -> None:
 
 def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
             force: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD,
-            progress: Progress | None = None, notify: Notify = _stderr) -> ModelConfig:
+            progress: Progress | None = None, notify: Notify = _stderr,
+            threads: int | None = None) -> ModelConfig:
     """Convert a Hugging Face folder (or hub id) into a composer checkpoint at ``dst``.
-    ``notify`` receives the one-line notices (default: printed on stderr)."""
+    ``notify`` receives the one-line notices (default: printed on stderr); ``threads``, when
+    given, is torch's intra-op thread count for the casts (set once torch is imported).
+
+    While torch is imported and the model checked, the source's tensors are already copied
+    into the output folder as if each became one of ours unchanged (:func:`_start_prefill`);
+    the copy is kept only if the checked plan is exactly that, else it is removed and the plan
+    executed. Nothing appears at ``dst`` before every check has passed."""
     dst = Path(dst)
     check_destination(dst, force)
     folder = resolve_source(str(src))
     hf_cfg = load_hf_config(folder / "config.json")
-    adapter = adapter_for_architecture(_architecture(hf_cfg, folder))
+    architecture = _architecture(hf_cfg, folder)
+    saved_threads: list[int] = []
+    with atomic_folder(dst, force) as tmp:
+        prefill = _start_prefill(tmp, folder, dtype, max_shard_bytes)
+        try:
+            plan, source = _plan_import(folder, hf_cfg, architecture, dtype, notify, threads,
+                                        saved_threads)
+            conversion = {
+                "architecture": architecture,
+                "fused_experts": plan.fused,
+                "source_dtypes": {n: source.tensors[n].dtype for n in sorted(source.tensors)},
+                "aside": plan.aside,
+            }
+            if plan.layout:
+                conversion["layout"] = plan.layout
+            _write_import(tmp, plan, source, folder, conversion, max_shard_bytes, progress,
+                          prefill)
+            source.close()
+        finally:
+            if prefill is not None:
+                prefill.cancel()  # a no-op when its copy was kept
+            if saved_threads:
+                import torch
+
+                torch.set_num_threads(saved_threads[0])
+    return plan.cfg
+
+
+def _plan_import(folder: Path, hf_cfg: dict[str, Any], architecture: str,
+                 dtype: torch.dtype | None, notify: Notify, threads: int | None,
+                 saved_threads: list[int]) -> tuple[_Plan, Any]:
+    """The checked plan of an import and the source it reads (the work that needs torch);
+    sets ``threads`` (appending the count it replaces to ``saved_threads``)."""
+    import torch
+
+    from composer.build.builder import check_buildable
+
+    if threads is not None:
+        saved_threads.append(torch.get_num_threads())
+        torch.set_num_threads(threads)
+    adapter = adapter_for_architecture(architecture)
     cfg = adapter.config_from_hf(hf_cfg)
     try:
         check_buildable(cfg)
@@ -286,40 +358,71 @@ def from_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
     source = adapter.derive_hf(source, hf_cfg, notify)
     plan = _plan_mtp_or_main(adapter, cfg, hf_cfg, source, set(source.names()), dtype,
                              str(folder), notify)
-    conversion = {
-        "architecture": _architecture(hf_cfg, folder),
-        "fused_experts": plan.fused,
-        "source_dtypes": {n: source.tensors[n].dtype for n in sorted(source.tensors)},
-        "aside": plan.aside,
-    }
-    if plan.layout:
-        conversion["layout"] = plan.layout
-    _write_import(dst, force, plan, source, folder, conversion, max_shard_bytes, progress)
-    source.close()
-    return plan.cfg
+    return plan, source
 
 
-def _write_import(dst: Path, force: bool, plan: _Plan, source: Any, folder: Path,
+def _header_reserve(info_of: Callable[[str], TensorInfo]) -> Callable[[list[Any]], int]:
+    """The header size an import pads each shard's header to: the header that lists the source
+    tensors of the shard's tensors (``info_of``: a tensor's first source) under their on-disk
+    names, plus a quarter and 256 bytes. The same for the copy started before the names are
+    known (:func:`_start_prefill`) and for the planned import, so both lay the data out alike;
+    our names are rarely longer than Hugging Face's, and a header that does not fit is written
+    whole (the copy is then not kept)."""
+    def reserve(shard: list[Any]) -> int:
+        infos = [info_of(t.name) for t in shard]
+        n = len(shard_header([PlannedTensor(i.name, i.dtype, i.shape) for i in infos], {}))
+        return n + n // 4 + 256
+
+    return reserve
+
+
+def _start_prefill(tmp: Path, folder: Path, dtype: torch.dtype | None,
+                   max_shard_bytes: int) -> Prefill | None:
+    """Copy every source tensor, in the order of the source files, to where the import puts it
+    if each becomes one of ours unchanged (the common case: a rename per tensor), before torch
+    is imported; None when that cannot be the case (``--dtype`` casts, ``.bin`` files) or the
+    source does not open (the planned import then reports why, in its place)."""
+    if dtype is not None or not (any(folder.glob("*.safetensors"))
+                                 or (folder / "model.safetensors.index.json").exists()):
+        return None
+    try:
+        source = TensorSource(folder)
+    except Exception:  # whatever it is, the planned import reports it after the config's errors
+        return None
+    infos = sorted(source.tensors.values(), key=lambda i: (str(i.file), i.start))
+    writer = ShardedWriter(tmp, [PlannedTensor(i.name, i.dtype, i.shape) for i in infos],
+                           max_shard_bytes, header_reserve=_header_reserve(
+                               lambda name: source.tensors[name]))
+    return Prefill(writer, [(i.file, i.start) for i in infos])
+
+
+def _write_import(tmp: Path, plan: _Plan, source: Any, folder: Path,
                   conversion: dict[str, Any], max_shard_bytes: int,
-                  progress: Progress | None) -> None:
-    with atomic_folder(dst, force) as tmp:
-        plan.cfg.save(tmp / CONFIG_FILE)
-        writer = ShardedWriter(tmp, plan_tensors(plan.targets, plan.order), max_shard_bytes)
+                  progress: Progress | None, prefill: Prefill | None) -> None:
+    plan.cfg.save(tmp / CONFIG_FILE)
+    by_name = {t.name: t for t in plan.targets}
+    writer = ShardedWriter(tmp, plan_tensors(plan.targets, plan.order), max_shard_bytes,
+                           header_reserve=_header_reserve(
+                               lambda name: source.tensors[by_name[name].pieces[0].source]))
+    if prefill is None or not prefill.adopt(writer, whole_copies(writer, plan.targets, source),
+                                            progress):
         execute(plan.targets, source, writer, progress)
-        (tmp / HF_DIR).mkdir()
-        if plan.aside:
-            (tmp / HF_DIR / ASIDE_DIR).mkdir()
-            kept_targets = _identity_targets(plan.aside, source)
-            execute(kept_targets, source, ShardedWriter(tmp / HF_DIR / ASIDE_DIR, plan_tensors(
-                kept_targets, plan.aside), max_shard_bytes), progress)
-        shutil.copy2(folder / "config.json", tmp / HF_DIR / "config.json")
-        for path in _extra_files(folder):
-            shutil.copy2(path, tmp / HF_DIR / path.name)
-        (tmp / HF_DIR / CONVERSION_FILE).write_text(json.dumps(conversion, indent=1) + "\n")
+    (tmp / HF_DIR).mkdir()
+    if plan.aside:
+        (tmp / HF_DIR / ASIDE_DIR).mkdir()
+        kept_targets = _identity_targets(plan.aside, source)
+        execute(kept_targets, source, ShardedWriter(tmp / HF_DIR / ASIDE_DIR, plan_tensors(
+            kept_targets, plan.aside), max_shard_bytes), progress)
+    shutil.copy2(folder / "config.json", tmp / HF_DIR / "config.json")
+    for path in _extra_files(folder):
+        shutil.copy2(path, tmp / HF_DIR / path.name)
+    (tmp / HF_DIR / CONVERSION_FILE).write_text(json.dumps(conversion, indent=1) + "\n")
 
 
 def _hf_dtype(name: str, ours: list[TensorInfo], recorded: dict[str, str],
               dtype: torch.dtype | None, adapter: Adapter) -> str:
+    from composer.portable import DTYPE_NAMES
+
     if dtype is not None:
         if name.endswith(adapter.hf_keep_fp32) and dtype.itemsize < 4:
             return "F32"
@@ -348,7 +451,9 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
           force: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD,
           architecture: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Export a composer checkpoint at ``src`` as a Hugging Face folder at ``dst``: a portable
-    checkpoint, or a training checkpoint folder (exported to a temporary portable one first)."""
+    checkpoint, or a training checkpoint folder (exported to a temporary portable one first).
+    As in :func:`from_hf`, our tensors are copied while torch is imported and the export
+    planned, and the copy is kept only if the plan is that copy."""
     folder, dst = Path(src), Path(dst)
     check_destination(dst, force)
     if is_training_checkpoint(folder):
@@ -360,6 +465,37 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
             return to_hf(portable, dst, dtype, force, max_shard_bytes, architecture, progress)
     if not (folder / CONFIG_FILE).exists():
         raise ConfigError(f"{folder}: no {CONFIG_FILE}; not a composer checkpoint")
+    hf_dir = folder / HF_DIR
+    with atomic_folder(dst, force) as tmp:
+        prefill = _start_prefill(tmp, folder, dtype, max_shard_bytes)
+        try:
+            hf_cfg, targets, order, reader = _plan_export(folder, dtype, architecture)
+            by_name = {t.name: t for t in targets}
+            writer = ShardedWriter(tmp, plan_tensors(targets, order), max_shard_bytes,
+                                   header_reserve=_header_reserve(
+                                       lambda n: reader.tensors[by_name[n].pieces[0].source]))
+            if prefill is None or not prefill.adopt(writer, whole_copies(writer, targets,
+                                                                         reader), progress):
+                execute(targets, reader, writer, progress)
+            if hf_dir.exists():
+                for path in _extra_files(hf_dir):
+                    if path.name != CONVERSION_FILE:
+                        shutil.copy2(path, tmp / path.name)
+            (tmp / "config.json").write_text(json.dumps(encode_floats(hf_cfg), indent=2,
+                                                        sort_keys=True) + "\n")
+            reader.close()
+        finally:
+            if prefill is not None:
+                prefill.cancel()  # a no-op when its copy was kept
+    return hf_cfg
+
+
+def _plan_export(folder: Path, dtype: torch.dtype | None, architecture: str | None
+                 ) -> tuple[dict[str, Any], list[Target], list[str], Any]:
+    """The HF config, the tensors (in the order written: where their bytes lie in our files,
+    then those kept aside) and the reader of an export, checked (the work that needs torch)."""
+    from composer.portable import DTYPES
+
     cfg = ModelConfig.load(folder / CONFIG_FILE).validate()
     hf_dir = folder / HF_DIR
     base = load_hf_config(hf_dir / "config.json") if (hf_dir / "config.json").exists() else {}
@@ -387,22 +523,13 @@ def to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
                             dtype, adapter)
     counts = Counter(t.dtype for t in targets)
     main_dtype = DTYPES[counts.most_common(1)[0][0]]
+    order = _in_source_order(targets, source, [t.name for t in targets])
     reader: Any = source
     if (hf_dir / ASIDE_DIR).is_dir():  # written back as they came, after the model's tensors
         kept = TensorSource(hf_dir / ASIDE_DIR)
         targets += _identity_targets(kept.names(), kept, dtype)
+        order += kept.names()
         reader = _Union(source, kept)
     hf_cfg["dtype"] = str(main_dtype).removeprefix("torch.")
     hf_cfg.pop("torch_dtype", None)
-    with atomic_folder(dst, force) as tmp:
-        writer = ShardedWriter(tmp, plan_tensors(targets, [t.name for t in targets]),
-                               max_shard_bytes)
-        execute(targets, reader, writer, progress)
-        if hf_dir.exists():
-            for path in _extra_files(hf_dir):
-                if path.name != CONVERSION_FILE:
-                    shutil.copy2(path, tmp / path.name)
-        (tmp / "config.json").write_text(json.dumps(encode_floats(hf_cfg), indent=2,
-                                                    sort_keys=True) + "\n")
-    source.close()
-    return hf_cfg
+    return hf_cfg, targets, order, reader

@@ -15,17 +15,14 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from composer.config import (
-    AttentionConfig,
-    ConfigError,
-    MambaConfig,
-    ModelConfig,
-    RopeScaling,
-    d_head_of,
-)
+from composer import config
+from composer.config import ConfigError, ModelConfig
 from composer.convert.plan import Link
+
+if TYPE_CHECKING:  # the sections live in their block files, which import torch: read on use
+    from composer.config import AttentionConfig, MambaConfig, RopeScaling
 
 HF_ACT_TO_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
                    "gelu_pytorch_tanh": "geglu_tanh"}
@@ -215,9 +212,9 @@ def rope_scaling_from_hf(params: dict[str, Any]) -> RopeScaling | None:
     if rope_type == "default":
         return None
     if rope_type == "linear":
-        return RopeScaling(rope_type="linear", factor=float(params["factor"]))
+        return config.RopeScaling(rope_type="linear", factor=float(params["factor"]))
     if rope_type == "llama3":
-        return RopeScaling(factor=float(params["factor"]),
+        return config.RopeScaling(factor=float(params["factor"]),
                            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
                            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
                            original_max_position=int(params["original_max_position_embeddings"]))
@@ -225,7 +222,7 @@ def rope_scaling_from_hf(params: dict[str, Any]) -> RopeScaling | None:
         def opt(key: str) -> float | None:
             return None if params.get(key) is None else float(params[key])
 
-        return RopeScaling(rope_type="yarn", factor=float(params["factor"]),
+        return config.RopeScaling(rope_type="yarn", factor=float(params["factor"]),
                            original_max_position=int(params["original_max_position_embeddings"]),
                            beta_fast=float(params.get("beta_fast") or 32.0),
                            beta_slow=float(params.get("beta_slow") or 1.0),
@@ -264,7 +261,7 @@ def attention_from_hf(hf: dict[str, Any], *, qk_norm: bool = False, position: st
     params = rope_parameters(hf)
     scaling = rope_scaling_from_hf(params) if position == "rope" else None
     bias = bool(hf.get("attention_bias", False))
-    return AttentionConfig(
+    return config.AttentionConfig(
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         d_head=hf.get("head_dim") or d_model // n_heads,
@@ -318,7 +315,7 @@ def rotary_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
     if "partial_rotary_factor" in out:
         out["partial_rotary_factor"] = a.rotary_fraction
     if "rotary_dim" in out:
-        out["rotary_dim"] = int(d_head_of(cfg) * a.rotary_fraction)
+        out["rotary_dim"] = int(config.d_head_of(cfg) * a.rotary_fraction)
 
 
 def gated_activation(hf_act: str, field: str = "hidden_act") -> str:

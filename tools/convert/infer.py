@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from composer.config import MOE_TRAINING_ONLY, ConfigError, ModelConfig, config_diff
+from composer import config
+from composer.config import ConfigError, ModelConfig, config_diff
 from composer.convert.base import Adapter, without_mtp
 from composer.portable import ORIGIN_FILE
 
@@ -53,7 +54,7 @@ def round_trip_problem(adapter: Adapter, cfg: ModelConfig, base: dict[str, Any])
     if not cfg.parsed.mtp:  # declared MTP layers without their tensors are not built on import
         back = without_mtp(back)
     if cfg.moe is not None and back.moe is not None:  # no HF field, no change to the forward
-        for name in MOE_TRAINING_ONLY:
+        for name in config.MOE_TRAINING_ONLY:
             setattr(back.moe, name, getattr(cfg.moe, name))
     diff = config_diff(cfg.canonical(), back.canonical())
     return f"the HF config would change {diff}" if diff else None

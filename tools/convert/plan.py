@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-
-import torch
+from pathlib import Path
 
 from composer.portable import (
-    DTYPE_NAMES,
-    DTYPES,
+    ITEMSIZE,
     CheckpointError,
     PlannedTensor,
     ShardedWriter,
@@ -202,36 +200,55 @@ def execute(targets: list[Target], source: TensorSource, writer: ShardedWriter,
     buffer = memoryview(bytearray(CHUNK_BYTES))  # reused: fresh memory per chunk costs faults
     for planned in writer.plan_order():
         target = by_name[planned.name]
-        out_dtype = DTYPES[target.dtype]
+        out_size = ITEMSIZE[target.dtype]
         for p in target.pieces:
-            in_dtype = source.tensors[p.source].torch_dtype
+            in_dtype = source.tensors[p.source].dtype
+            in_size = ITEMSIZE[in_dtype]
             # bytes that do not change are copied file to file by the kernel
-            stored = source.locate(p.source) if out_dtype == in_dtype else None
-            step = max(1, CHUNK_BYTES // in_dtype.itemsize)
+            stored = source.locate(p.source) if target.dtype == in_dtype else None
+            step = max(1, CHUNK_BYTES // in_size)
             for start in range(0, p.numel, step):
                 n = min(step, p.numel - start)
-                offset = (p.offset + start) * in_dtype.itemsize
+                offset = (p.offset + start) * in_size
                 if stored is not None:
-                    writer.copy(target.name, stored[0], stored[1] + offset, n * in_dtype.itemsize)
+                    writer.copy(target.name, stored[0], stored[1] + offset, n * in_size)
                     if progress is not None:
-                        progress(n * out_dtype.itemsize)
+                        progress(n * out_size)
                     continue
-                chunk = buffer[:n * in_dtype.itemsize]
+                chunk = buffer[:n * in_size]
                 source.read_into(p.source, offset, chunk)
-                if out_dtype == in_dtype:
+                if target.dtype == in_dtype:
                     writer.write(target.name, chunk)
-                else:
-                    t = torch.frombuffer(chunk, dtype=in_dtype, count=n).to(out_dtype)
-                    writer.write(target.name, tensor_bytes(t))
+                else:  # a cast: the one place a conversion computes with torch
+                    import torch
+
+                    from composer.portable import DTYPES
+
+                    t = torch.frombuffer(chunk, dtype=DTYPES[in_dtype], count=n)
+                    writer.write(target.name, tensor_bytes(t.to(DTYPES[target.dtype])))
                 if progress is not None:
-                    progress(n * out_dtype.itemsize)
+                    progress(n * out_size)
     writer.close()
+
+
+def whole_copies(writer: ShardedWriter, targets: list[Target], source: TensorSource
+                 ) -> list[tuple[Path, int] | None]:
+    """For each tensor of ``writer`` (in its order), where the stored bytes it is a whole,
+    unchanged copy of lie (``(file, offset)``: one piece, the whole source tensor, its dtype);
+    None for a tensor assembled, cut or cast (:class:`~composer.portable.Prefill` keeps its
+    copy only where every tensor is such a copy)."""
+    by_name = {t.name: t for t in targets}
+    out: list[tuple[Path, int] | None] = []
+    for planned in writer.plan_order():
+        t = by_name[planned.name]
+        info = source.tensors[t.pieces[0].source] if len(t.pieces) == 1 else None
+        whole = info is not None and t.pieces[0].offset == 0 and info.dtype == t.dtype \
+            and ITEMSIZE[info.dtype] * t.pieces[0].numel == info.nbytes
+        out.append(source.locate(t.pieces[0].source) if whole else None)
+    return out
 
 
 def plan_tensors(targets: list[Target], order: list[str]) -> list[PlannedTensor]:
     by_name = {t.name: t for t in targets}
     return [PlannedTensor(n, by_name[n].dtype, by_name[n].shape) for n in order]
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return DTYPE_NAMES[dtype]

@@ -8,10 +8,12 @@ import json
 import pickle
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from composer.portable import CheckpointError, TensorInfo, TensorSource
 
-from composer.portable import DTYPE_NAMES, CheckpointError, TensorInfo, TensorSource
+if TYPE_CHECKING:
+    import torch
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
@@ -43,6 +45,10 @@ class BinSource(TensorSource):
     """Tensors of PyTorch ``.bin`` files, loaded with ``weights_only=True`` (no code runs)."""
 
     def __init__(self, folder: Path, files: list[Path]) -> None:
+        import torch
+
+        from composer.portable import DTYPE_NAMES
+
         self.folder = folder
         self.tensors = {}
         self._data: dict[str, torch.Tensor] = {}
@@ -75,6 +81,8 @@ class BinSource(TensorSource):
         return None
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        import torch
+
         t = self._data[name].reshape(-1).view(torch.uint8)
         out[:] = t[offset:offset + out.nbytes].numpy().tobytes()
 
