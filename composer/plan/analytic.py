@@ -62,14 +62,15 @@ class Rule:
 REPLICATED = Rule()
 
 
-def _layer_rules(layer: nn.Module) -> dict[str, Rule]:
-    """Rules of a layer's parameters (names relative to the layer); the outer plan wins."""
+def _layer_rules(owner: nn.Module, top: nn.Module) -> dict[str, Rule]:
+    """Rules of the parameters of ``top``'s modules (a layer's mixer, a shared part), names
+    relative to ``owner`` (the layer, the part); the outer plan wins."""
     from composer.blocks.protocol import plan_of
     from composer.parallel.tensor import PARTIAL
 
     rules: dict[str, Rule] = {}
-    names = {id(m): n for n, m in layer.named_modules()}
-    for module in layer.mixer.modules():
+    names = {id(m): n for n, m in owner.named_modules()}
+    for module in top.modules():
         plan = plan_of(module)
         if plan is None:
             continue
@@ -78,7 +79,7 @@ def _layer_rules(layer: nn.Module) -> dict[str, Rule]:
 
         def put(name: str, rule: Rule, base: str = base, own: set = own) -> None:
             if name in own:
-                rules.setdefault(f"{base}.{name}", rule)
+                rules.setdefault(f"{base}.{name}" if base else name, rule)
 
         for name in plan.colwise:
             put(f"{name}.weight", Rule(0))
@@ -128,6 +129,7 @@ class PlainModel:
         from composer.blocks.kind import KINDS
         from composer.blocks.model import named_layers
         from composer.blocks.protocol import declared
+        from composer.blocks.shared import SharedLayer
         from composer.build.builder import build_model
         from composer.parallel.tensor import PARTIAL, PARTIAL_IF_SP
         from composer.plan.comm_parts import layer_comm
@@ -145,7 +147,7 @@ class PlainModel:
         self.layers = {}
         """Each layer's :class:`~composer.plan.comm_parts.LayerComm`, by prefix, in order."""
         for prefix, layer in layers:
-            rules.update({f"{prefix}.{n}": r for n, r in _layer_rules(layer).items()})
+            rules.update({f"{prefix}.{n}": r for n, r in _layer_rules(layer, layer.mixer).items()})
             self.kinds[prefix] = by_mixer.get(type(layer.mixer))
             self.layers[prefix] = layer_comm(layer)
             # the norms replicated over tp (composer.parallel.tensor._shard_layers): the
@@ -156,6 +158,13 @@ class PlainModel:
         for name in ("embed.weight", "lm_head.weight"):
             rules[name] = Rule(0)
         rules["final_norm.weight"] = Rule(grad=PARTIAL_IF_SP)
+        for label, part in (getattr(model, "shared", None) or {}).items():
+            if not isinstance(part, SharedLayer):  # _shard_shared_parts (a whole shared
+                # layer is placed with its first use, above)
+                rules.update({f"shared.{label}.{n}": r
+                              for n, r in _layer_rules(part, part).items()})
+        self.shared_label = {prefix: getattr(layer, "shared_label", None)
+                             for prefix, layer in layers}
         self.mtp_depths = len(getattr(model, "mtp", None) or ())
         for d in range(self.mtp_depths):  # apply_mtp_tp
             for leaf in ("norm_h", "norm_e", "final_norm", "proj"):
@@ -246,6 +255,7 @@ class PlainModel:
         keep = {f"layers.{i}" for s in stages for i in groups[s]}
         first, last = 0 in stages, len(groups) - 1 in stages
         embed = bool(set(stages) & set(self._embed_stages(groups)))
+        used = {self.shared_label[q] for q in keep}
 
         def held(p: Param) -> bool:
             top = p.name.split(".")[0]
@@ -257,8 +267,9 @@ class PlainModel:
                 return first
             if top in ("final_norm", "lm_head", "mtp"):
                 return last
-            return True  # shared parts (model.shared): on every stage, an over-count on those
-            # whose layers use none (prune keeps the ones used)
+            if top == "shared":  # the parts the stages' layers use (prune)
+                return p.name.split(".")[1] in used
+            return True
 
         chosen = [p for p in self.params if held(p)]
         kinds = [self.kinds[u] for u in dict.fromkeys(p.unit for p in chosen if p.unit)]
