@@ -13,9 +13,13 @@ parallelism: over ``dp_outer``, on dim 0 when the local experts divide, else dim
 ``shard_experts`` does; left alone when they are not sharded). The result is a
 :class:`~composer.plan.ranks.StageParts` (same shape rules, same torch DTensor arithmetic),
 so that its bytes, units in flight and gathered sizes are computed by the same code as the
-exact ones. Which parameters a stage holds mirrors ``composer.parallel.pipeline.prune``.
+exact ones. Which parameters a stage holds mirrors ``composer.parallel.pipeline.prune``
+(shared parts where the stage's layers use them). Its ``comm`` is a
+:class:`~composer.plan.comm_parts.CommParts` built from the same placements
+(:meth:`PlainModel.comm_parts`), so the estimate's collectives are the exact formulas'.
 
-The estimate equals the exact construction on the debug presets (``tests/plan/test_search``);
+The estimate (bytes and communication parts) equals the exact construction on the debug
+presets (``tests/plan/test_search``);
 where a model departs from these rules (a kind placed some other way, a construction that
 refuses the layout), only the exact build of the printed candidates knows it.
 """
