@@ -205,9 +205,11 @@ class PlainModel:
         as the exact parts are read). Units: one per layer (its experts apart, or their own
         unit), the root; the gathered bytes each parameter's padded ``Shard`` chunk (FSDP2
         pads the first chunk of the tensor-parallel local tensor) times the shard ranks.
-        Approximated: a pipeline rank holding several stages counts one root for them (the
-        construction has one per stage: the same bytes, more gathers), and the shared parts
-        (``model.shared``) sit in that root on every stage."""
+        Approximated: a pipeline rank whose several (virtual) stages each hold parameters
+        outside their layers (the embedding's copies where layers read it, the head) counts
+        one root unit for them; the construction has one per stage, with the same bytes and,
+        every root gathering as often, the same collectives' bytes (only the units' count
+        differs, which the communication does not read)."""
         from composer.parallel.tensor import PARTIAL, PARTIAL_IF_SP
         from composer.plan.comm_parts import put_layers
 

@@ -46,12 +46,14 @@ def test_analytic_estimate_with_muon(preset, world, layout):
 # what the communication parts read beyond CASES: Zamba2's shared parts (their own plans,
 # partial sums inside, embeddings read, the tied embedding's copies over pp), Gemma 3's
 # sandwich norms, Falcon-H1's parallel branches and convolution halos under cp, multi-token
-# prediction (DeepSeek-V3's ``/+E``: its norms, projection, layer and readout on the last stage)
+# prediction (DeepSeek-V3's ``/+E``: its norms, projection, layer and readout on the last
+# stage), virtual stages (two per pipeline rank, the tied embedding on both ends)
 MORE = [
     ("zamba2-debug", 8, {"tp": 2, "pp": 2}),
     ("gemma3-debug", 8, {"tp": 2, "pp": 2}),
     ("falcon-h1-debug", 8, {"tp": 2, "cp": 2}),
-    ("deepseek-v3-debug/+E", 16, {"tp": 2, "pp": 2, "ep": 2}),
+    ("deepseek-v3-debug=(+-)x1(+E)x2/+E", 16, {"tp": 2, "pp": 2, "ep": 2}),
+    ("qwen3-debug=*-|*-|*-|*-", 8, {"tp": 2, "pp": 2}),
 ]
 
 
@@ -62,16 +64,16 @@ def test_analytic_communication_parts(preset, world, layout):
 
 def check_estimate(preset: str, world: int, layout: dict, optimizer: str) -> None:
     """Bytes, gathered parameters, layer kinds and communication parts of every stage;
-    ``preset/SUFFIX``: the preset's pattern with ``/SUFFIX`` appended."""
+    ``preset=PATTERN``: the preset with that pattern."""
     import dataclasses
 
     from composer.build.stages import stage_layers
     from composer.parallel.pipeline import rank_stages
 
-    preset, _, suffix = preset.partition("/")
+    preset, _, pattern = preset.partition("=")
     cfg = get_preset(preset).config()
-    if suffix:
-        cfg = dataclasses.replace(cfg, pattern=f"{cfg.pattern}/{suffix}")
+    if pattern:
+        cfg = dataclasses.replace(cfg, pattern=pattern)
     pc = ParallelConfig(**layout)
     stages = []
     classes = rank_classes(cfg, pc, world, "bf16", optimizer, stages)
