@@ -6,6 +6,7 @@ stages. :mod:`composer.plan.comm` turns them into bytes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,19 +118,12 @@ def _units(roots: list[nn.Module], expert_mesh: Any = None) -> list[Unit]:
     return out
 
 
-def _halo(mixer: nn.Module, coords: dict[str, int]) -> int:
-    """``(kernel - 1) x`` channels of the mixer's convolutions, this rank's tensor-parallel
-    part (their weights ``[C, 1, K]`` with data parallelism's shards gathered)."""
+def _convs(mixer: nn.Module) -> tuple[tuple[int, tuple[torch.Tensor, ...]], ...]:
+    """The mixer's convolutions: each one's kernel and ``[C, 1, K]`` weights."""
     from composer.blocks.split import SplitCausalConv1d
-    from composer.plan.ranks import shape_of
 
-    out = 0
-    for conv in mixer.modules():
-        if isinstance(conv, SplitCausalConv1d):
-            weights = [p for p in conv.parameters(recurse=False) if p.ndim == 3]
-            channels = sum(shape_of(w).numel_at(coords, gathered=True) for w in weights)
-            out += (conv.kernel - 1) * channels // conv.kernel
-    return out
+    return tuple((conv.kernel, tuple(p for p in conv.parameters(recurse=False) if p.ndim == 3))
+                 for conv in mixer.modules() if isinstance(conv, SplitCausalConv1d))
 
 
 def _mixer_modules(mixer: nn.Module) -> list[nn.Module]:
@@ -144,14 +138,55 @@ def _mixer_modules(mixer: nn.Module) -> list[nn.Module]:
     return out
 
 
-def comm_parts(model: nn.Module, dims: ParallelDims) -> CommParts:
-    """The parts of an (impersonated) rank's parallelised model that its collectives need."""
+@dataclass(frozen=True)
+class LayerComm:
+    """What one layer's collectives depend on, read from its modules (parallelised or plain:
+    the same fields either way; :func:`layer_comm`)."""
+
+    section: str | None
+    """Its mixer's kind section (None: unregistered)."""
+    branches: tuple[str | None, ...]
+    """The sections of the mixers it runs (:attr:`CommParts.branches`)."""
+    convs: tuple[tuple[int, tuple[torch.Tensor, ...]], ...]
+    """Its convolutions: kernel and ``[C, 1, K]`` weights (their halos)."""
+    partial_sums: int
+    embedding_reads: int
+
+
+def layer_comm(layer: nn.Module) -> LayerComm:
     from composer.blocks.kind import KINDS
     from composer.blocks.plan import PartialSum
     from composer.blocks.protocol import declared
+
+    by_mixer = {kind.mixer: kind for kind in KINDS.values()}
+    mixer = layer.mixer
+    inner = [by_mixer[type(m)].section for m in mixer.modules()
+             if type(m) in by_mixer]  # the mixer first, then any branches
+    own = type(mixer) in by_mixer
+    return LayerComm(inner[0] if own else None,
+                     tuple(inner[:1] if own else inner or [None]), _convs(mixer),
+                     sum(isinstance(m, PartialSum) for m in _mixer_modules(mixer)),
+                     int(bool(declared(mixer, "uses_embeddings"))))
+
+
+def put_layers(parts: CommParts, layers: list[LayerComm],
+               channels: Callable[[torch.Tensor], int]) -> None:
+    """Fill ``parts``' per-layer fields from the rank's layers in order; ``channels``: a
+    convolution weight's elements on this rank, tensor parallel's part with data parallelism's
+    shards gathered (its halo: ``(kernel - 1) x`` channels)."""
+    parts.sections = [layer.section for layer in layers]
+    parts.branches = [b for layer in layers for b in layer.branches]
+    parts.halos = [sum((kernel - 1) * sum(channels(w) for w in weights) // kernel
+                       for kernel, weights in layer.convs) for layer in layers]
+    parts.partial_sums = sum(layer.partial_sums for layer in layers)
+    parts.embedding_reads = sum(layer.embedding_reads for layer in layers)
+
+
+def comm_parts(model: nn.Module, dims: ParallelDims) -> CommParts:
+    """The parts of an (impersonated) rank's parallelised model that its collectives need."""
     from composer.parallel.data import experts_sharded
     from composer.parallel.tensor import PARTIAL, PARTIAL_IF_SP, expert_params
-    from composer.plan.ranks import rank_coords
+    from composer.plan.ranks import rank_coords, shape_of
 
     def nbytes(p: torch.Tensor) -> int:
         return _local(p).numel() * _local(p).element_size()
@@ -165,21 +200,11 @@ def comm_parts(model: nn.Module, dims: ParallelDims) -> CommParts:
             kind = tp.grad_kinds.get(name)
             if kind in (PARTIAL, PARTIAL_IF_SP) and p.requires_grad:
                 parts.tp_grad_bytes[kind] = parts.tp_grad_bytes.get(kind, 0) + nbytes(p)
-    by_mixer = {kind.mixer: kind for kind in KINDS.values()}
     layers = list(model.all_layers())
-    parts.sections = [getattr(by_mixer.get(type(layer.mixer)), "section", None)
-                      for layer in layers]
-    for layer in layers:
-        inner = [by_mixer[type(m)].section for m in layer.mixer.modules()
-                 if type(m) in by_mixer]  # the mixer first, then any branches
-        parts.branches += inner[:1] if type(layer.mixer) in by_mixer else inner or [None]
     coords = rank_coords(dist.get_rank() if dist.is_initialized() else 0, dims)
-    parts.halos = [_halo(layer.mixer, coords) for layer in layers]
+    put_layers(parts, [layer_comm(layer) for layer in layers],
+               lambda w: shape_of(w).numel_at(coords, gathered=True))
     parts.mtp_depths = len(getattr(model, "mtp", None) or ())
-    parts.partial_sums = sum(isinstance(m, PartialSum) for layer in layers
-                             for m in _mixer_modules(layer.mixer))
-    parts.embedding_reads = sum(bool(declared(layer.mixer, "uses_embeddings"))
-                                for layer in layers)
     if dims.ep > 1 and dims.dp_outer > 1 and not experts_sharded(dims):
         parts.expert_grad_bytes = sum(nbytes(p) for layer in layers
                                       for p in expert_params(layer.mixer) if p.requires_grad)

@@ -55,7 +55,8 @@ def assemble_plan(recipe: Any, cfg: Any, world: int, hw: GPU, checked: tuple,
                   stats: Any = None, times: dict[str, float] | None = None) -> dict[str, Any]:
     """The plan object from a checked layout (:func:`check`'s ``dims, micro, schedule``) and its
     rank classes with their stages' parts (exact: :func:`~composer.plan.ranks.rank_classes`;
-    the search also gives estimated ones, :mod:`composer.plan.analytic`). ``stats``: the
+    the search also gives estimated ones, :mod:`composer.plan.analytic`, their communication
+    parts included). ``stats``: the
     model's :class:`~composer.build.builder.ModelStats` at the sequence length (computed if
     None). ``times``: filled with the step time's parts (``compute``, ``bubble``, the bounds)."""
     from composer.build.builder import build_model, model_stats
@@ -89,11 +90,8 @@ def assemble_plan(recipe: Any, cfg: Any, world: int, hw: GPU, checked: tuple,
     w = classes[worst]
     grad_sync = resolve_grad_sync(dims, n_micro, 4 * stages[w.stage].unsharded_params(
         w.example_rank), hw.mem_bytes)
-    if stages[w.stage].comm is not None:
-        comm, unknown = communication(cfg, dims, stages[w.stage].comm, seq, micro, n_micro,
-                                      size, hw.per_node, grad_sync, schedule)
-    else:  # an estimate without the construction's parts (the search's ranking)
-        comm, unknown = [], ["communication (the estimate reads no collectives)"]
+    comm, unknown = communication(cfg, dims, stages[w.stage].comm, seq, micro, n_micro, size,
+                                  hw.per_node, grad_sync, schedule)
     unknowns += [u for u in unknown if u not in unknowns]
     exactness = {**EXACTNESS, "comm": comm_exactness(comm, unknown)}
     comms = [{"kind": c.kind, "group": c.group, "bytes_per_step": c.bytes_per_step,

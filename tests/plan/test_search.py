@@ -43,11 +43,37 @@ def test_analytic_estimate_with_muon(preset, world, layout):
     check_estimate(preset, world, layout, "muon")
 
 
+# what the communication parts read beyond CASES: Zamba2's shared parts (their own plans,
+# partial sums inside, embeddings read, the tied embedding's copies over pp), Gemma 3's
+# sandwich norms, Falcon-H1's parallel branches and convolution halos under cp, multi-token
+# prediction (DeepSeek-V3's ``/+E``: its norms, projection, layer and readout on the last
+# stage), virtual stages (two per pipeline rank, the tied embedding on both ends)
+MORE = [
+    ("zamba2-debug", 8, {"tp": 2, "pp": 2}),
+    ("gemma3-debug", 8, {"tp": 2, "pp": 2}),
+    ("falcon-h1-debug", 8, {"tp": 2, "cp": 2}),
+    ("deepseek-v3-debug=(+-)x1(+E)x2/+E", 16, {"tp": 2, "pp": 2, "ep": 2}),
+    ("qwen3-debug=*-|*-|*-|*-", 8, {"tp": 2, "pp": 2}),
+]
+
+
+@pytest.mark.parametrize(("preset", "world", "layout"), MORE)
+def test_analytic_communication_parts(preset, world, layout):
+    check_estimate(preset, world, layout, "adamw")
+
+
 def check_estimate(preset: str, world: int, layout: dict, optimizer: str) -> None:
+    """Bytes, gathered parameters, layer kinds and communication parts of every stage;
+    ``preset=PATTERN``: the preset with that pattern."""
+    import dataclasses
+
     from composer.build.stages import stage_layers
     from composer.parallel.pipeline import rank_stages
 
+    preset, _, pattern = preset.partition("=")
     cfg = get_preset(preset).config()
+    if pattern:
+        cfg = dataclasses.replace(cfg, pattern=pattern)
     pc = ParallelConfig(**layout)
     stages = []
     classes = rank_classes(cfg, pc, world, "bf16", optimizer, stages)
@@ -61,6 +87,26 @@ def check_estimate(preset: str, world: int, layout: dict, optimizer: str) -> Non
         assert parts.unsharded_params(s * per_stage) == stages[s].unsharded_params(s * per_stage)
         for c in (c for c in classes if c.stage == s):
             assert parts.bytes_at(rank_coords(c.example_rank, dims)) == c.bytes, (s, c)
+        check_comm(cfg, dims, parts.comm, stages[s].comm, s)
+
+
+def check_comm(cfg, dims, estimated, exact, stage: int) -> None:
+    """The analytic :class:`CommParts` equal the construction's field by field (the units as
+    FSDP2 holds them, in its order: the layers', then the root), so each collective of
+    ``communication()`` is the same, at two micro-batch counts, both gradient syncs and the
+    pipeline's schedules."""
+    from composer.plan.comm import communication
+
+    by_key = {k: v for k, v in vars(exact).items() if k != "units"}
+    assert {k: v for k, v in vars(estimated).items() if k != "units"} == by_key, stage
+    assert sorted(map(repr, estimated.units)) == sorted(map(repr, exact.units)), stage
+    schedules = ["1f1b", "gpipe"] if dims.pp > 1 else [None]
+    for n_micro, sync, schedule in [(1, "every", schedules[0]), (4, "last", schedules[-1]),
+                                    (4, "every", schedules[0])]:
+        args = (cfg, dims, None, 64, 2, n_micro, 2, 8, sync, schedule)
+        got = communication(*args[:2], estimated, *args[3:])
+        want = communication(*args[:2], exact, *args[3:])
+        assert got == want, (stage, n_micro, sync, schedule)
 
 
 def run_plan(argv, capsys):
