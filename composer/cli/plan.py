@@ -133,6 +133,8 @@ def print_plan(plan: dict) -> None:
               + " ".join(f"{g:>10.3f}" for g in gib) + ("  worst" if c["worst"] else ""))
     print(f"(GiB; GPU {plan['gpu']}: {plan['gpu_mem_bytes'] / 2**30:.1f} GiB; "
           f"{'fits' if plan['feasible'] else 'does NOT fit'})")
+    if plan["layout"]["pp"] > 1:
+        print(f"comm of stage {plan['comm_stage']} (the slowest step of the stages):")
     for c in plan["comm"]:
         where = "intra-node" if c["intra_node"] else "inter-node"
         print(f"comm {c['kind']:<30} over {c['group']:<6} {c['bytes_per_step'] / 2**30:>10.3f}"

@@ -183,10 +183,10 @@ def unit_gathers(root: bool, n_micro: int, order: list[str] | None) -> int:
 def _data_parallel(parts: CommParts, n_micro: int, grad_sync: str, add: Any,
                    order: list[str] | None) -> None:
     reductions = n_micro if grad_sync == "every" else 1
+    gathers = {root: unit_gathers(root, n_micro, order) for root in (True, False)}
     for u in parts.units:
         if u.gather_bytes:
-            add("fsdp_all_gather", u.group, u.gather_bytes * unit_gathers(u.root, n_micro, order),
-                u.size)
+            add("fsdp_all_gather", u.group, u.gather_bytes * gathers[u.root], u.size)
             add("fsdp_reduce_scatter", u.group, u.reduce_bytes * reductions, u.size)
             if u.replicate_group is not None:
                 add("fsdp_all_reduce", u.replicate_group, u.shard_bytes * reductions,

@@ -15,6 +15,8 @@ EXACTNESS = {"params_bytes": "exact", "grads_bytes": "exact", "optimizer_bytes":
              "feasible": "model", "flops_per_token": "exact", "comm": "model",
              "step_time_s": "model", "tokens_per_s_per_gpu": "model", "mfu": "model"}
 """``buffers_bytes``: the units' sizes are exact, that two are in flight is the model.
+``comm`` and the step time are the slowest stage's (``comm_stage``): each stage's collectives
+at its first rank, its step time from them.
 ``comm`` is exact where every collective is counted and none depends on routing
 (:func:`comm_exactness`)."""
 
@@ -90,15 +92,24 @@ def assemble_plan(recipe: Any, cfg: Any, world: int, hw: GPU, checked: tuple,
     w = classes[worst]
     grad_sync = resolve_grad_sync(dims, n_micro, 4 * stages[w.stage].unsharded_params(
         w.example_rank), hw.mem_bytes)
-    comm, unknown = communication(cfg, dims, stages[w.stage].comm, seq, micro, n_micro, size,
-                                  hw.per_node, grad_sync, schedule)
-    unknowns += [u for u in unknown if u not in unknowns]
-    exactness = {**EXACTNESS, "comm": comm_exactness(comm, unknown)}
-    comms = [{"kind": c.kind, "group": c.group, "bytes_per_step": c.bytes_per_step,
-              "intra_node": c.intra_node} for c in comm]
     tokens = recipe.global_batch_size * seq
     flops_rank = stats.training_flops_per_token(dims.ac) * tokens / world  # recompute included
-    t = step_time(flops_rank, comm, dims, n_micro, hw, precision)
+    # every stage's collectives (at its first rank class): the step takes the slowest stage's
+    per_stage, comm_unknown = [], []
+    for c in classes:
+        if per_stage and per_stage[-1][0] == c.stage:
+            continue
+        comm, unknown = communication(cfg, dims, stages[c.stage].comm, seq, micro, n_micro, size,
+                                      hw.per_node, grad_sync, schedule)
+        comm_unknown += [u for u in unknown if u not in comm_unknown]
+        per_stage.append((c.stage, comm, step_time(flops_rank, comm, dims, n_micro, hw,
+                                                   precision)))
+    slowest, comm, t = max(per_stage, key=lambda s: (s[2]["lower"], s[2]["upper"]))
+    unknowns += [u for u in comm_unknown if u not in unknowns]
+    exactness = {**EXACTNESS, "comm": comm_exactness(
+        [c for _, cs, _ in per_stage for c in cs], comm_unknown)}
+    comms = [{"kind": c.kind, "group": c.group, "bytes_per_step": c.bytes_per_step,
+              "intra_node": c.intra_node} for c in comm]
     if times is not None:
         times.update(t)
     tps = {k: tokens / (t[k] * world) for k in ("lower", "upper")}
@@ -110,6 +121,7 @@ def assemble_plan(recipe: Any, cfg: Any, world: int, hw: GPU, checked: tuple,
             "feasible": out_classes[worst]["total_bytes"] <= hw.mem_bytes,
             "gpu": hw.name, "gpu_mem_bytes": hw.mem_bytes,
             "flops_per_token": fpt, "rank_classes": out_classes, "comm": comms,
+            "comm_stage": slowest,
             "step_time_s": {"lower": t["lower"], "upper": t["upper"]},
             "tokens_per_s_per_gpu": {"lower": tps["upper"], "upper": tps["lower"]},
             "mfu": {"lower": mfu["upper"], "upper": mfu["lower"]},

@@ -5,8 +5,9 @@ world within a node (``<= gpus_per_node``), ``pp``, ``cp`` and ``ep`` over the d
 is left (``ep`` of ``dp``), and the micro-batch size (given, or :data:`MICRO_SIZES`); ``dp``
 fills the rest, ``dp_mode`` is the recipe's (``shard`` by default). Each goes through train's
 own checks (:func:`composer.plan.report.check`); a refused one is dropped. The others are
-estimated (:mod:`composer.plan.analytic`: the exact parameter bytes without a construction,
-one plain meta model for the whole search) and ranked by the step-time lower bound among those
+estimated (:mod:`composer.plan.analytic`: the exact parameter bytes and the collectives'
+parts without a construction, one plain meta model for the whole search; the step time is the
+slowest stage's, as in the exact plan) and ranked by the step-time lower bound among those
 whose worst rank fits; then, best first, each is planned exactly (the construction of
 :mod:`composer.plan.ranks`, cached per layout: the micro-batch size does not change it) until
 ``top`` fit, so the printed bytes are the exact ones.
