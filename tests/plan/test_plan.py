@@ -10,7 +10,7 @@ from composer.parallel.layout import ParallelConfig
 from composer.plan.ranks import build_rank, impersonate, rank_bytes, rank_classes
 from composer.zoo import get_preset
 
-# (preset, world, layout): tp, pp, ep, cp and both dp modes at worlds 8 and 64, HSDP
+# (preset, world, layout): tp, pp, ep, cp and both dp modes at worlds 8, 64 and 2,048, HSDP
 CASES = [
     ("llama-debug", 8, {"tp": 2}),
     ("llama-debug", 64, {"tp": 2, "pp": 2, "dp_mode": "replicate"}),
@@ -27,6 +27,12 @@ CASES = [
     ("nemotron-h-debug", 64, {"cp": 2, "dp_replicate": 4}),
     ("llama-debug", 12, {"dp_replicate": 2}),
     ("qwen3-moe-debug", 16, {"ep": 2, "dp_replicate": 2, "pp": 2}),
+    # world 2,048 (the debug presets' few experts cannot be sharded over dp_outer that wide:
+    # FSDP refuses it, test_a_layout_the_construction_refuses_is_one_line; they replicate)
+    ("llama-debug", 2048, {"tp": 2, "pp": 2}),
+    ("qwen3-moe-debug", 2048, {"ep": 4, "tp": 2, "dp_mode": "replicate"}),
+    ("nemotron-h-debug", 2048, {"cp": 2, "tp": 2, "dp_mode": "replicate"}),
+    ("deepseek-v3-debug", 2048, {"pp": 2, "ep": 8, "dp_mode": "replicate"}),
 ]
 
 
@@ -99,13 +105,20 @@ def test_fsdp_closed_form_and_units_in_flight():
     assert classes[0].bytes.buffers == 2 * sum(sorted([root, *layers], reverse=True)[:2])
 
 
-# one training step on 2 gloo ranks: (preset, layout and recipe values)
+# one training step on 2 and on 4 gloo ranks: (preset, layout and recipe values)
 STEPPED = [
     ("llama-debug", {"dp_mode": "shard"}),
     ("llama-debug", {"tp": 2, "optimizer": "muon"}),
     ("qwen3-moe-debug", {"ep": 2}),
     ("deepseek-v3-debug", {"pp": 2, "global_batch_size": 4, "micro_batch_size": 1}),
     ("nemotron-h-debug", {"cp": 2, "dp_mode": "replicate"}),
+]
+STEPPED_4 = [  # groups that differ: tp x dp, experts sharded over dp_outer, pp x dp, HSDP, cp x dp
+    ("llama-debug", {"tp": 2, "global_batch_size": 4}),
+    ("qwen3-moe-debug", {"ep": 2, "global_batch_size": 4}),
+    ("deepseek-v3-debug", {"pp": 2, "ep": 2, "global_batch_size": 4, "micro_batch_size": 1}),
+    ("llama-debug", {"dp_replicate": 2, "global_batch_size": 4}),
+    ("nemotron-h-debug", {"cp": 2, "global_batch_size": 4}),
 ]
 
 
@@ -134,16 +147,17 @@ def held_after_a_step(cases: list) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_plan_equals_what_gloo_ranks_hold_after_a_step():
+@pytest.mark.parametrize(("world", "cases"), [(2, STEPPED), (4, STEPPED_4)], ids=["2", "4"])
+def test_plan_equals_what_gloo_ranks_hold_after_a_step(world, cases):
     from composer.parallel.launch import run_distributed
 
-    held = run_distributed(held_after_a_step, 2, STEPPED)
+    held = run_distributed(held_after_a_step, world, cases)
     layout_keys = set(ParallelConfig.__dataclass_fields__)
-    for i, (preset, values) in enumerate(STEPPED):
+    for i, (preset, values) in enumerate(cases):
         pc = ParallelConfig(**{k: v for k, v in values.items() if k in layout_keys})
-        planned = rank_bytes(get_preset(preset).config(), pc, 2, precision="fp32",
+        planned = rank_bytes(get_preset(preset).config(), pc, world, precision="fp32",
                              optimizer=values.get("optimizer", "adamw"))
-        for rank in range(2):
+        for rank in range(world):
             b = planned[rank][1]
             assert {"params": b.params, "grads": b.grads, "optimizer": b.optimizer} == \
                 held[rank][i], (preset, values, rank)
