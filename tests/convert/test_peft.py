@@ -658,7 +658,17 @@ def test_fused_hf_projections_of_gated_delta_net(family, tmp_path):
     with torch.no_grad():
         expected = model(ids).logits
     lora = load_peft(tmp_path / "made", lmap, adapter)
-    assert rel_err(ours_logits(tmp_path / "ours", lora, ids), expected) < FP32_PARITY
+    assert rel_err(ours_logits(tmp_path / "ours", lora, ids), expected) < GDN_LORA_PARITY
+
+
+GDN_LORA_PARITY = 4e-4
+"""The bound for a peft-made adapter (every A and B entry N(0, 0.3^2), so the update of the
+fused projection is as large as its weight) on gated delta nets: the larger q, k and gates make
+the chunked delta rule's solve worse conditioned than on the base model, and the two sides'
+different summation orders (ours: the tap-by-tap CPU convolution, a blocked solve) differ by
+7.6e-5 (with torch's mkldnn depthwise convolution) and 1.1e-4 (the tap-by-tap one) on
+Qwen3-Next's config here, 5e-6 on Qwen3.5's. 4e-4 keeps 3.5x over the worst measured; a wrong
+mapping of the fused projection's rows moves the logits by O(1)."""
 
 
 def test_train_starts_from_a_peft_adapter(llama_hf, tmp_path):
