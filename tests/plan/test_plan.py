@@ -225,3 +225,34 @@ def test_a_layout_the_construction_refuses_is_one_line(capsys):
     assert err.startswith("composer: error: rank 128 cannot be built: FSDP does not support "
                           "uneven sharding"), err
     assert "\n" not in err
+
+
+def test_comm_and_step_time_are_the_slowest_stages(monkeypatch, capsys):
+    """Each pipeline stage's collectives are timed (at its first rank); the plan reports the
+    slowest stage's step and its collectives (``comm_stage``), here a dense stage and a MoE
+    stage whose all-to-alls only it runs."""
+    import json
+
+    from composer.cli import main
+    from composer.plan import report
+
+    timed = []
+
+    def recording(flops, comm, *args):
+        t = step_time(flops, comm, *args)
+        timed.append((t, {c.kind for c in comm}))
+        return t
+
+    step_time = report.step_time
+    monkeypatch.setattr(report, "step_time", recording)
+    argv = ["plan", "qwen3-moe-debug", "--set", "pattern=*-*-|*E*E", "--set", "mlp.d_ff=128",
+            "--gpus", "8", "--gpu", "h100", "--tp", "1", "--cp", "1", "--pp", "2", "--ep", "2",
+            "--seq-len", "64", "--global-batch-size", "16", "--micro-batch-size", "1", "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert len(timed) == 2  # one per stage
+    assert "ep_all_to_all" in timed[1][1] and "ep_all_to_all" not in timed[0][1]
+    slowest = max(range(2), key=lambda s: (timed[s][0]["lower"], timed[s][0]["upper"]))
+    assert plan["comm_stage"] == slowest
+    assert plan["step_time_s"] == {k: timed[slowest][0][k] for k in ("lower", "upper")}
+    assert {c["kind"] for c in plan["comm"]} == timed[slowest][1]
