@@ -10,6 +10,7 @@ computes, which first sets its thread count from the size of its work (:mod:`com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -55,11 +56,9 @@ def _stored_params(src: str) -> int:
     torch); :func:`source_params` for anything else."""
     from composer.portable import CheckpointError, TensorSource
 
-    try:
+    with contextlib.suppress(CheckpointError, OSError):  # unreadable: the general count says why
         if (Path(src) / "config.yaml").is_file():
             return sum(math.prod(i.shape) for i in TensorSource(Path(src)).tensors.values())
-    except (CheckpointError, OSError):
-        pass
     return source_params(src)
 
 

@@ -15,6 +15,7 @@ whose worst rank fits; then, best first, each is planned exactly (the constructi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -212,10 +213,8 @@ def worst_bytes(plan: dict[str, Any]) -> int:
 def no_fit(s: Search, estimated: list, hw: GPU) -> str:
     """The one line when no layout fits: the closest one (the smallest worst rank)."""
     _, _, _, worst, _, r, checked = min(estimated, key=lambda e: e[3])
-    try:
+    with contextlib.suppress(LayoutError):  # refused by the construction: the estimate's bytes
         worst = worst_bytes(s.exact(r, checked))
-    except LayoutError:
-        pass
     dims, micro, _ = checked
     layout = {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep, "dp": dims.dp,
               "micro_batch_size": micro}
