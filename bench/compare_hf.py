@@ -9,7 +9,9 @@ model from a config (its own seeded init, fp32), saves it, converts the folder w
    from transformers-in-fp64 than transformers' own fp32 logits) and skips the family with a
    message if they do not;
 2. times ``forward`` (``eval()``, ``no_grad``) and ``train`` (``zero_grad``, forward with labels,
-   ``backward``, AdamW ``step``; one optimizer per side) at batch 4 x 256 tokens and, for the
+   ``backward``, AdamW ``step``; one optimizer per side, torch's fused AdamW on both as each
+   side's own trainer defaults to, ``--adamw for-loop`` for the plain one: :func:`make_step`)
+   at batch 4 x 256 tokens and, for the
    Mamba families, 1 x 2048. ``--warmup`` untimed steps per side, then ``--iters`` timed steps
    per side, interleaved (ours, theirs, ours, theirs, ...) so that drift of the machine hits
    both. Reported: median tokens/s with min and max, and ours / theirs of the medians;
@@ -34,8 +36,8 @@ otherwise (SDPA attention, its default experts implementation; the Mamba2 and Ne
 path, as ``mamba_ssm`` is not installed). Qwen3-MoE sets ``output_router_logits=True`` so that
 both sides compute the load-balancing loss, as training does. All cores, fp32.
 
-Targets (train step, ours / theirs): Mamba2 and Nemotron-H >= 2.0, Qwen3-MoE >= 1.5,
-Llama >= 1.2; forward >= 1.0 everywhere; peak memory no higher than transformers'.
+Targets (train step, ours / theirs; issue 29's): Mamba2 >= 2.0, Nemotron-H >= 1.6, Qwen3-MoE
+>= 1.5, Llama >= 1.1; forward >= 1.0 everywhere; peak memory no higher than transformers'.
 
     python bench/compare_hf.py                       # everything (< 15 min on 2 cores)
     python bench/compare_hf.py --wait-quiet 300      # the same on a machine shared with others
@@ -126,7 +128,7 @@ QUICK_SHORT, QUICK_LONG = Shape(2, 64), Shape(1, 256)
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "LlamaForCausalLM", "LlamaConfig",
            dict(DECODER, intermediate_size=2048, rope_theta=500000.0),
-           (SHORT,), (QUICK_SHORT,), 1.2),
+           (SHORT,), (QUICK_SHORT,), 1.1),
     Family("qwen3-moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
            dict(DECODER, intermediate_size=2048, moe_intermediate_size=256, num_experts=8,
                 num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
@@ -143,7 +145,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                 intermediate_size=1024, mlp_hidden_act="relu2", mamba_num_heads=16,
                 mamba_head_dim=64, n_groups=2, ssm_state_size=128, chunk_size=128,
                 conv_kernel=4, tie_word_embeddings=False),
-           (SHORT, LONG), (QUICK_SHORT, QUICK_LONG), 2.0),
+           (SHORT, LONG), (QUICK_SHORT, QUICK_LONG), 1.6),
 )}
 
 
@@ -200,9 +202,15 @@ def load_side(side: str, folder: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-def make_step(model: torch.nn.Module, side: str, mode: str,
-              ids: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """One forward or one train step of ``model``; returns the logits or the loss."""
+def make_step(model: torch.nn.Module, side: str, mode: str, ids: torch.Tensor,
+              adamw: str = "fused") -> Callable[[], torch.Tensor]:
+    """One forward or one train step of ``model``; returns the logits or the loss.
+
+    ``adamw``: ``"fused"`` (default) is the optimizer each side's own trainer takes by default,
+    the same kernel for both: transformers' ``Trainer`` defaults to ``adamw_torch_fused`` on
+    torch >= 2.8 (``TrainingArguments.optim``), composer's engine to torch's fused AdamW
+    (``composer/train/optim.py``). ``"for-loop"`` is torch's plain CPU default (``fused`` and
+    ``foreach`` unset), what this benchmark used before 2026-12-04."""
     if mode == "forward":
         model.eval()
 
@@ -214,8 +222,8 @@ def make_step(model: torch.nn.Module, side: str, mode: str,
 
         return forward
     model.train()
-    # One optimizer per side and mode; the default (for-loop) AdamW on CPU, the same for both.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    # One optimizer per side and mode, the same implementation for both.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True if adamw == "fused" else None)
 
     def train() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
@@ -418,7 +426,8 @@ def probe(spec: dict[str, Any]) -> dict[str, float]:
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()
-    step = make_step(model, spec["side"], spec["mode"], token_ids(Shape.parse(spec["shape"])))
+    step = make_step(model, spec["side"], spec["mode"], token_ids(Shape.parse(spec["shape"])),
+                     spec["adamw"])
     gc.collect()
     loaded_kb, hwm_before_kb = status_kb("VmRSS"), status_kb("VmHWM")
     # Reset the high-water mark to the current RSS: the peak is then that of the steps alone.
@@ -436,10 +445,10 @@ def probe(spec: dict[str, Any]) -> dict[str, float]:
 
 
 def run_probe(side: str, mode: str, shape: Shape, folder: Path,
-              threads: int) -> dict[str, float]:
+              threads: int, adamw: str) -> dict[str, float]:
     # Two train steps: the second holds the AdamW state, the gradients and the activations.
     spec = dict(side=side, mode=mode, shape=str(shape), folder=str(folder), threads=threads,
-                steps=2 if mode == "train" else 1)
+                steps=2 if mode == "train" else 1, adamw=adamw)
     out = subprocess.run([sys.executable, __file__, "--probe", json.dumps(spec)],
                          capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
@@ -447,7 +456,7 @@ def run_probe(side: str, mode: str, shape: Shape, folder: Path,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def probe_rows(rows: list[Row], folders: dict[str, Path], jobs: int) -> None:
+def probe_rows(rows: list[Row], folders: dict[str, Path], jobs: int, adamw: str) -> None:
     """Fill ``row.memory``: one process per (row, side), ``jobs`` at a time. Parallel probes
     share the cores (``cpu_count // jobs`` threads each, so no OpenMP oversubscription); they
     measure memory only, which the thread count barely changes, and no timing runs meanwhile."""
@@ -455,7 +464,7 @@ def probe_rows(rows: list[Row], folders: dict[str, Path], jobs: int) -> None:
     work = [(row, side) for row in rows for side in SIDES]
     with ThreadPoolExecutor(jobs) as pool:
         results = pool.map(lambda rs: run_probe(rs[1], rs[0].mode, rs[0].shape,
-                                                folders[rs[1]], threads), work)
+                                                folders[rs[1]], threads, adamw), work)
         for (row, side), result in zip(work, results, strict=True):
             row.memory[side] = result
 
@@ -496,7 +505,8 @@ def time_row(family: Family, models: dict[str, torch.nn.Module], mode: str, shap
         if attempt:
             wait_quiet(args.wait_quiet)
         t0, load = time.perf_counter(), OtherLoad()
-        steps = {side: make_step(models[side], side, mode, token_ids(shape)) for side in SIDES}
+        steps = {side: make_step(models[side], side, mode, token_ids(shape), args.adamw)
+                 for side in SIDES}
         rates, first = time_interleaved(steps, shape.tokens, args.warmup, args.iters)
         row = Row(family.name, mode, shape,
                   family.train_target if mode == "train" else FORWARD_TARGET,
@@ -534,7 +544,8 @@ def bench_family(family: Family, shapes: tuple[Shape, ...], args: argparse.Names
         # --quick probes only the train step of the first shape: a check that probing works.
         probed = [r for r in rows if r.shape == shapes[0] and r.mode == "train"] \
             if args.quick else rows
-        probe_rows(probed, {side: workdir / side for side in SIDES}, args.probe_jobs)
+        probe_rows(probed, {side: workdir / side for side in SIDES}, args.probe_jobs,
+                   args.adamw)
         print(f"   memory probes: {time.perf_counter() - t0:.0f} s", flush=True)
     return rows, info
 
@@ -602,7 +613,7 @@ def write_results(path: Path, text: str, rows: list[Row], infos: list[str],
         f"**Machine**: {machine()}.\n",
         f"**Code**: {git_state()}.\n",
         f"**Command**: `{command}` ({run}; {args.warmup} warm-up + {args.iters} timed steps per "
-        "side, interleaved).\n",
+        f"side, interleaved; train steps with {args.adamw} AdamW on both sides).\n",
         "**Models** (fp32, transformers' own init, converted with `from_hf`):\n",
         *[f"- {info}" for info in infos], "",
         f"fp32 matmul peak (2048^3 `torch.mm`, best of 5): {peaks[0] / 1e9:.1f} GFLOP/s at the "
@@ -638,7 +649,8 @@ def profile(spec: str, args: argparse.Namespace, workdir: Path) -> None:
     name, mode, shape_text = spec.split(":")
     family, shape = resize(FAMILIES[name], args.size, None), Shape.parse(shape_text)
     models, _, _ = prepare(family, workdir)
-    steps = {side: make_step(models[side], side, mode, token_ids(shape)) for side in SIDES}
+    steps = {side: make_step(models[side], side, mode, token_ids(shape), args.adamw)
+             for side in SIDES}
     for _ in range(args.warmup):
         for side in SIDES:
             steps[side]()
@@ -673,6 +685,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed steps per side (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per side (default 2)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory probes")
+    p.add_argument("--adamw", choices=("fused", "for-loop"), default="fused",
+                   help="the AdamW of the train steps, the same on both sides (make_step)")
     p.add_argument("--size", choices=("small", "base", "large"), default="base",
                    help="model size: ~14-23M, ~44-58M (default) or ~100-111M parameters")
     p.add_argument("--shapes", type=lambda t: tuple(Shape.parse(x) for x in t.split(",")),

@@ -20,9 +20,10 @@ Every product is a batched matmul; the only ``L x L`` elementwise work is the de
 (:class:`_SSDScan`): it recomputes the decay instead of saving ``L x L`` tensors and keeps only
 the chunks' starting states and their read-out ``C · start`` (the size of ``y``), so the scan's
 training cost is a few matmuls per chunk plus a handful of ``L x L`` passes. Within a chunk the
-decay is a difference of cumulative sums, as in mamba_ssm's kernels, with the sums and their
-differences in fp64 (rounded once to the compute dtype: the ``[B, T, H]`` sums are cheap, and
-two large fp32 sums would lose digits to cancellation).
+decay is a difference of cumulative sums, as in mamba_ssm's kernels, with the sums in fp64 (the
+``[B, T, H]`` sums are cheap, and two large fp32 sums would lose digits to cancellation); the
+``[B, T, H]`` differences are taken in fp64 and rounded once, the ``L x L`` ones from a two-term
+(``hi + lo``) split of the sums, as accurate at compute-dtype cost (:meth:`_Chunked.decay`).
 
 Padded steps get ``dt = 0``: they neither decay the state (``exp(0) = 1``) nor feed it, so the
 final state is exact for any ``T``.
@@ -102,8 +103,7 @@ class _Chunked:
         self.B_BKGLN = _to_chunks(B_BTGN, pad, L).transpose(2, 3)
         self.C_BKGLN = _to_chunks(C_BTGN, pad, L).transpose(2, 3)
         # The cumulative decay in fp64 (a [B, T, H] tensor: cheap): exp(cs_l - cs_s) of two
-        # large fp32 sums would lose digits to cancellation; differences are taken in fp64 and
-        # rounded once.
+        # large fp32 sums would lose digits to cancellation (see decay() for the L x L ones).
         self.dtype = x_BTHP.dtype
         self.cs64_BKLGR = (self.dt_BKLGR.double() * self.A_GR.double()).cumsum(2)
         # Decay from each step to the chunk's end, from its start to each step, over the chunk.
@@ -160,10 +160,20 @@ class _Chunked:
                                          out=self.new_natural()))
 
     def decay(self) -> torch.Tensor:
-        """``exp(cs_l - cs_s)`` for ``s <= l``, else 0: ``[B, K, G, R, L, S]``, contiguous."""
-        cs_BKGRL = self.cs64_BKLGR.permute(0, 1, 3, 4, 2).contiguous()
-        # fp64 difference, then one rounding (a mixed-dtype ``out=`` would not vectorise)
-        diff_BKGRLS = (cs_BKGRL[..., :, None] - cs_BKGRL[..., None, :]).to(self.dtype)
+        """``exp(cs_l - cs_s)`` for ``s <= l``, else 0: ``[B, K, G, R, L, S]``, contiguous.
+
+        The ``L x L`` difference is taken in the compute dtype from a two-term split of the fp64
+        sums, ``cs = hi + lo`` (``hi`` = ``cs`` rounded, ``lo`` the rounding error, rounded):
+        ``(hi_l - hi_s) + lo_l - lo_s``. A difference of two floats is correctly rounded, so the
+        only digits lost to cancellation are those of ``lo``, which are ``eps`` below ``hi``'s:
+        the result is within a few ``eps`` of the fp64 difference (relative), as good as rounding
+        that once, at three cheap compute-dtype passes instead of an fp64 pass and a conversion.
+        """
+        cs64_BKGRL = self.cs64_BKLGR.permute(0, 1, 3, 4, 2).contiguous()
+        hi_BKGRL = cs64_BKGRL.to(self.dtype)
+        lo_BKGRL = (cs64_BKGRL - hi_BKGRL).to(self.dtype)
+        diff_BKGRLS = hi_BKGRL[..., :, None] - hi_BKGRL[..., None, :]
+        diff_BKGRLS.add_(lo_BKGRL[..., :, None]).sub_(lo_BKGRL[..., None, :])
         if self.same_BKLS is not None:  # exp(-inf) = 0 across a document boundary
             diff_BKGRLS.masked_fill_(~self.same_BKLS[:, :, None, None], float("-inf"))
         return diff_BKGRLS.exp_().tril_()

@@ -140,3 +140,33 @@ def test_gradcheck() -> None:
         return ssd_scan(x, dt, A, B, C, 4, initial_state_BHPN=h, return_final_state=True)
 
     assert torch.autograd.gradcheck(fn, (*inp.values(), h0))
+
+
+def test_fp32_decay_keeps_its_digits_behind_a_large_cumulative_sum() -> None:
+    """The ``L x L`` decay ``exp(cs_l - cs_s)`` in fp32 stays within a few ``eps`` (relative) of
+    the fp64 one when the cumulative sums are large and their differences small: a first step
+    that decays by ``exp(-5000)`` puts every later sum near -5000, where fp32 spacing is 5e-4.
+    Subtracting the two sums rounded to fp32 would be off by up to that in the exponent, i.e. a
+    relative error of ~5e-4 on decays near 1 (checked below, so that this test can fail)."""
+    from composer.kernels.ssd import _Chunked
+
+    g = torch.Generator().manual_seed(3)
+    b, T, H, P, G, N, L = 1, 32, 2, 2, 1, 2, 32
+    dt64 = torch.rand(b, T, H, generator=g, dtype=F64) * 0.01 + 0.001
+    dt64[:, 0] = 5000.0
+    A64 = -torch.ones(H, dtype=F64)
+    x = torch.randn(b, T, H, P, generator=g)
+    Bm, Cm = torch.randn(b, T, G, N, generator=g), torch.randn(b, T, G, N, generator=g)
+    dt32 = dt64.float()
+    c = _Chunked(x, dt32, A64.float(), Bm, Cm, L)
+    got = c.decay()
+    cs_BTH = (dt32.double() * A64).cumsum(1)  # the fp64 sums of the same fp32 steps
+    cs_BHL = cs_BTH.permute(0, 2, 1)
+    exact = torch.exp(cs_BHL[..., :, None] - cs_BHL[..., None, :]).tril()
+    exact = exact.view(b, 1, G, H, L, L)
+    live = exact > 1e-30
+    rel = ((got.double() - exact).abs() / exact.clamp_min(1e-300))[live]
+    assert rel.max() < 8 * torch.finfo(torch.float32).eps, rel.max()
+    naive = torch.exp(cs_BHL.float()[..., :, None] - cs_BHL.float()[..., None, :]).tril()
+    naive_rel = ((naive.double().view_as(exact) - exact).abs() / exact.clamp_min(1e-300))[live]
+    assert naive_rel.max() > 1e-5  # the plain fp32 difference does lose digits here
