@@ -23,8 +23,9 @@ model from a config (its own seeded init, fp32), saves it, converts the folder w
    ``peak`` is the process's ``VmHWM`` during the steps (peak RSS; read from ``/proc`` rather
    than ``ru_maxrss``, which after ``exec`` still holds the high-water mark of the process that
    forked it), ``+run`` that peak minus the RSS after loading;
-4. measures this machine's fp32 matmul peak (best of a few 2048^3 ``torch.mm``, at the start
-   and the end of the run) and reports each model's achieved FLOP/s as a fraction of it (MFU).
+4. measures this machine's fp32 matmul peak (best of a few 2048^3 products by MKL's
+   ``torch.mm`` and by oneDNN, at the start and the end of the run) and reports each model's
+   achieved FLOP/s as a fraction of it (MFU).
    FLOPs per token are ``composer.model_stats(ours, T).forward_flops_per_token`` (2 per
    multiply-add of every matmul incl. the LM head, plus the attention and SSD scan terms), x3
    for a train step; the same count serves both sides (same architecture). These are model
@@ -247,15 +248,23 @@ def token_ids(shape: Shape, seed: int = 1) -> torch.Tensor:
 
 
 def matmul_peak(n: int = 2048, reps: int = 5) -> float:
-    """Best fp32 ``torch.mm`` rate in FLOP/s (a multiply-add is 2 FLOPs)."""
+    """Best fp32 ``n^3`` matmul rate in FLOP/s (a multiply-add is 2 FLOPs) of the two GEMM
+    libraries in torch's CPU build: ``torch.mm`` (MKL) and, where present, oneDNN (what our
+    projections use on the CPU, ``composer.kernels.linear``; the faster of the two here)."""
+    from composer.kernels.linear import onednn_present
+
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
-    torch.mm(a, b, out=out)
+    products = [lambda: torch.mm(a, b, out=out)]
+    if onednn_present():
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
     best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best = min(best, time.perf_counter() - t0)
+    for product in products:
+        product()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
 
 
@@ -616,7 +625,8 @@ def write_results(path: Path, text: str, rows: list[Row], infos: list[str],
         f"side, interleaved; train steps with {args.adamw} AdamW on both sides).\n",
         "**Models** (fp32, transformers' own init, converted with `from_hf`):\n",
         *[f"- {info}" for info in infos], "",
-        f"fp32 matmul peak (2048^3 `torch.mm`, best of 5): {peaks[0] / 1e9:.1f} GFLOP/s at the "
+        f"fp32 matmul peak (2048^3, best of 5 by `torch.mm` and by oneDNN): "
+        f"{peaks[0] / 1e9:.1f} GFLOP/s at the "
         f"start, {peaks[1] / 1e9:.1f} at the end; MFU uses the larger. Peak MB: peak RSS of a "
         "separate process per row and side during its steps (both import torch, transformers and "
         "composer; transformers' modeling modules, imported by its side only, add ~90 MB); +run: "

@@ -57,6 +57,7 @@ from composer.blocks.rope import (  # noqa: F401  (re-exported: the rotary code 
     rotate_pairs_ref,
 )
 from composer.config import ConfigError, ModelConfig, positive
+from composer.kernels.linear import Linear
 
 # ---------------------------------------------------------------- the kind's config section
 
@@ -176,10 +177,10 @@ class Attention(nn.Module):
         self.output_gate = a.output_gate
         self.key_multiplier = float(a.key_multiplier)
         q_rows = self.n_heads * self.d_head * (2 if a.output_gate else 1)
-        self.q_proj = nn.Linear(d_in, q_rows, bias=a.qkv_bias)
-        self.k_proj = nn.Linear(d_in, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
-        self.v_proj = nn.Linear(d_in, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.d_head, cfg.d_model, bias=a.out_bias)
+        self.q_proj = Linear(d_in, q_rows, bias=a.qkv_bias)
+        self.k_proj = Linear(d_in, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
+        self.v_proj = Linear(d_in, self.n_kv_heads * self.d_head, bias=a.qkv_bias)
+        self.o_proj = Linear(self.n_heads * self.d_head, cfg.d_model, bias=a.out_bias)
         self.qk_norm = a.qk_norm
         self.qk_norm_all = a.qk_norm and a.qk_norm_scope == "all"
         if a.qk_norm:

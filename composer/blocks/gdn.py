@@ -60,6 +60,7 @@ from composer.blocks.plan import ONES, Divisible, Init, Normal, ParallelPlan, in
 from composer.blocks.split import SplitCausalConv1d
 from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels.gdn import gated_delta_rule, gdn_end_state, gdn_recurrent_ref, gdn_step
+from composer.kernels.linear import Linear
 
 L2_EPS = 1e-6
 """transformers' and fla's ``l2norm`` epsilon (inside the square root, added to the sum)."""
@@ -205,17 +206,17 @@ class GatedDeltaNet(nn.Module):
         self.init_std = cfg.init_std
         qk, vv = _sizes(d)
         D = cfg.d_model
-        self.q_proj = nn.Linear(D, qk, bias=False)
-        self.k_proj = nn.Linear(D, qk, bias=False)
-        self.v_proj = nn.Linear(D, vv, bias=False)
-        self.z_proj = nn.Linear(D, vv, bias=False)
-        self.b_proj = nn.Linear(D, d.n_heads, bias=False)
-        self.a_proj = nn.Linear(D, d.n_heads, bias=False)
+        self.q_proj = Linear(D, qk, bias=False)
+        self.k_proj = Linear(D, qk, bias=False)
+        self.v_proj = Linear(D, vv, bias=False)
+        self.z_proj = Linear(D, vv, bias=False)
+        self.b_proj = Linear(D, d.n_heads, bias=False)
+        self.a_proj = Linear(D, d.n_heads, bias=False)
         self.conv1d = SplitCausalConv1d({"q": qk, "k": qk, "v": vv}, d.d_conv, bias=d.conv_bias)
         self.A_log = nn.Parameter(torch.empty(d.n_heads))
         self.dt_bias = nn.Parameter(torch.empty(d.n_heads))
         self.norm = HeadGatedRMSNorm(d.d_head_v, d.norm_eps)
-        self.o_proj = nn.Linear(vv, D, bias=False)
+        self.o_proj = Linear(vv, D, bias=False)
         self.conv = CausalConv()  # the time-mixing ops (parameterless; cp swaps them)
         self.rule = DeltaRule()
 

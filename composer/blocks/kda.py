@@ -63,6 +63,7 @@ from composer.blocks.plan import Divisible, Init, Normal, ParallelPlan
 from composer.blocks.split import SplitCausalConv1d
 from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels.gdn import gdn_recurrent_ref
+from composer.kernels.linear import Linear
 
 # ---------------------------------------------------------------- the kind's config section
 
@@ -122,19 +123,19 @@ class KimiDeltaAttention(GatedDeltaNet):
         self.init_std = cfg.init_std
         D, H, K, R = cfg.d_model, d.n_heads, d.d_head, _rank(d)
         X = H * K
-        self.q_proj = nn.Linear(D, X, bias=False)
-        self.k_proj = nn.Linear(D, X, bias=False)
-        self.v_proj = nn.Linear(D, X, bias=False)
+        self.q_proj = Linear(D, X, bias=False)
+        self.k_proj = Linear(D, X, bias=False)
+        self.v_proj = Linear(D, X, bias=False)
         self.conv1d = SplitCausalConv1d({"q": X, "k": X, "v": X}, d.d_conv, bias=False)
-        self.f_a_proj = nn.Linear(D, R, bias=False)
-        self.f_b_proj = nn.Linear(R, X, bias=False)
+        self.f_a_proj = Linear(D, R, bias=False)
+        self.f_b_proj = Linear(R, X, bias=False)
         self.A_log = nn.Parameter(torch.empty(H))
         self.dt_bias = nn.Parameter(torch.empty(X))
-        self.b_proj = nn.Linear(D, H, bias=False)
-        self.g_a_proj = nn.Linear(D, R, bias=False)
-        self.g_b_proj = nn.Linear(R, X, bias=False)
+        self.b_proj = Linear(D, H, bias=False)
+        self.g_a_proj = Linear(D, R, bias=False)
+        self.g_b_proj = Linear(R, X, bias=False)
         self.norm = HeadGatedRMSNorm(K, d.norm_eps, gate="sigmoid")
-        self.o_proj = nn.Linear(X, D, bias=False)
+        self.o_proj = Linear(X, D, bias=False)
         self.conv = CausalConv()  # the time-mixing ops (parameterless; cp swaps them)
         self.rule = DeltaRule()
 

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from composer.kernels.linear import mm_nn, mm_nt
+
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 23
 """Logits per chunk (32 MiB in fp32): ``max(64, CHUNK_ELEMENTS // V)`` rows at a time."""
@@ -74,7 +76,7 @@ def _chunks(h_ND: torch.Tensor, w_VD: torch.Tensor, target_N: torch.Tensor, scal
     for start in range(0, h_ND.shape[0], rows):
         h_nD = h_ND[start:start + rows]
         t_n, valid_n = target_N[start:start + rows], valid_N[start:start + rows]
-        z_nV = (h_nD @ w_VD.T).to(math)
+        z_nV = mm_nt(h_nD, w_VD).to(math)
         if scale != 1.0:
             z_nV.mul_(scale)
         part, lse_n = _chunk_loss(z_nV, t_n, valid_n)
@@ -89,7 +91,7 @@ def _chunks(h_ND: torch.Tensor, w_VD: torch.Tensor, target_N: torch.Tensor, scal
             dz_nV[(~valid_n).nonzero()[:, 0]] = 0.0  # row indices: no pass over the chunk
         dz_nV = dz_nV.to(h_ND.dtype)
         if dh_ND is not None:
-            torch.mm(dz_nV, w_VD, out=dh_ND[start:start + rows])
+            dh_ND[start:start + rows] = mm_nn(dz_nV, w_VD)
         if dw_VD is not None:
             _add_product(dw_VD, dz_nV.T, h_nD, first=start == 0)
     return total / n_valid, dh_ND, dw_VD, n_valid

@@ -55,6 +55,7 @@ from composer.blocks.ops import CausalConv, LinearRecurrence, keep_mask, step_do
 from composer.blocks.plan import ONES, ZEROS, Init, Normal, Uniform, init_module
 from composer.blocks.split import SplitCausalConv1d, SplitLinear
 from composer.config import ConfigError, ModelConfig, positive
+from composer.kernels.linear import Linear
 from composer.kernels.selective_scan import (
     selective_end_state,
     selective_scan,
@@ -205,11 +206,11 @@ class Mamba1Mixer(nn.Module):
         # x and z as parts of one fused in_proj.weight (transformers' [x; z] rows)
         self.in_proj = SplitLinear(cfg.d_model, {"x": E, "z": E}, bias=m.proj_bias)
         self.conv1d = SplitCausalConv1d({"x": E}, m.d_conv, bias=m.conv_bias)
-        self.x_proj = nn.Linear(E, R + 2 * N, bias=False)
-        self.dt_proj = nn.Linear(R, E, bias=True)
+        self.x_proj = Linear(E, R + 2 * N, bias=False)
+        self.dt_proj = Linear(R, E, bias=True)
         self.A_log = nn.Parameter(torch.empty(E, N))
         self.D = nn.Parameter(torch.empty(E))
-        self.out_proj = nn.Linear(E, cfg.d_model, bias=m.proj_bias)
+        self.out_proj = Linear(E, cfg.d_model, bias=m.proj_bias)
         if m.inner_norms == "learned":
             self.dt_layernorm = RMSNorm(R, self.norm_eps)
             self.b_layernorm = RMSNorm(N, self.norm_eps)

@@ -58,6 +58,7 @@ from composer.blocks.plan import (
 from composer.blocks.split import SplitCausalConv1d, SplitLinear
 from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import mamba_scan
+from composer.kernels.linear import Linear
 from composer.kernels.packing import doc_segments
 from composer.kernels.scan import NO_LIMIT, ssd_end_state, ssd_step
 from composer.kernels.ssd import ssd_scan_ref
@@ -246,7 +247,7 @@ class Mamba2Mixer(nn.Module):
         if m.gated_norm:
             self.norm = GatedRMSNorm(d_inner, _norm_group_size(m), eps=cfg.norm_eps,
                                      norm_before_gate=m.norm_before_gate)
-        self.out_proj = nn.Linear(d_inner, cfg.d_model, bias=out_bias_of(m))
+        self.out_proj = Linear(d_inner, cfg.d_model, bias=out_bias_of(m))
         self.conv = CausalConv()  # the time-mixing ops (parameterless; cp swaps them)
         self.scan = SSDScan()
 

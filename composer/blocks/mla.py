@@ -63,6 +63,7 @@ from composer.blocks.rope import yarn_frequencies, yarn_gain, yarn_mscale
 from composer.config import ConfigError, ModelConfig, positive
 from composer.kernels import sdpa_context
 from composer.kernels.flex import Visible, flex_attend
+from composer.kernels.linear import Linear
 from composer.kernels.sdpa import doc_sdpa
 
 # ---------------------------------------------------------------- the kind's config section
@@ -287,15 +288,15 @@ class MLA(nn.Module):
         self.init_std = cfg.init_std
         d, h = cfg.d_model, m.n_heads
         if m.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, h * self.d_qk, bias=False)
+            self.q_proj = Linear(d, h * self.d_qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(d, m.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(d, m.q_lora_rank, bias=False)
             self.q_a_norm = RMSNorm(m.q_lora_rank, m.norm_eps)
-            self.q_b_proj = nn.Linear(m.q_lora_rank, h * self.d_qk, bias=False)
-        self.kv_a_proj = nn.Linear(d, m.kv_lora_rank + self.d_rope, bias=False)
+            self.q_b_proj = Linear(m.q_lora_rank, h * self.d_qk, bias=False)
+        self.kv_a_proj = Linear(d, m.kv_lora_rank + self.d_rope, bias=False)
         self.kv_a_norm = RMSNorm(m.kv_lora_rank, m.norm_eps)
-        self.kv_b_proj = nn.Linear(m.kv_lora_rank, h * (self.d_nope + self.d_v), bias=False)
-        self.o_proj = nn.Linear(h * self.d_v, d, bias=False)
+        self.kv_b_proj = Linear(m.kv_lora_rank, h * (self.d_nope + self.d_v), bias=False)
+        self.o_proj = Linear(h * self.d_v, d, bias=False)
         self.rotary = Rotary(*mla_rope(m)) if m.rope else None
         self.scale = mla_softmax_scale(m)
         self.core = LatentAttention(m.max_dense_len)

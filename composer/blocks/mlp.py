@@ -21,6 +21,7 @@ from torch import nn
 from composer.blocks.kind import LayerKind
 from composer.blocks.plan import ZEROS, Divisible, Init, Normal, ParallelPlan, init_module
 from composer.config import ConfigError, ModelConfig, positive
+from composer.kernels.linear import Linear
 
 # ---------------------------------------------------------------- the kind's config section
 
@@ -107,9 +108,9 @@ class MLP(nn.Module):
         self.gated = is_gated(self.activation)
         self.act = ACTIVATIONS[self.activation]
         if self.gated:
-            self.gate_proj = nn.Linear(cfg.d_model, d_ff, bias=bias)
-        self.up_proj = nn.Linear(cfg.d_model, d_ff, bias=bias)
-        self.down_proj = nn.Linear(d_ff, cfg.d_model, bias=bias)
+            self.gate_proj = Linear(cfg.d_model, d_ff, bias=bias)
+        self.up_proj = Linear(cfg.d_model, d_ff, bias=bias)
+        self.down_proj = Linear(d_ff, cfg.d_model, bias=bias)
 
     def init_rules(self) -> dict[str, Init]:
         # "*_proj.": a glob that reached below the projections would also name the LoRA

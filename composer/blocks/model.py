@@ -60,6 +60,7 @@ from composer.blocks.plan import Init, Normal
 from composer.blocks.protocol import declared, has_cache
 from composer.blocks.vlm import VisionInputs
 from composer.config import ModelConfig
+from composer.kernels.linear import Linear
 from composer.kernels.packing import doc_starts
 
 
@@ -203,7 +204,7 @@ class HybridModel(VisionInputs, nn.Module):
         self.shared = nn.ModuleDict(shared) if shared else None
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.mtp = MultiTokenPrediction(cfg, [MTPDepth(cfg, part) for part in mtp_layers]) \
             if mtp_layers else None
         _set_zero_centered(self, cfg.norm_zero_centered)

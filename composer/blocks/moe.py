@@ -80,6 +80,7 @@ from composer.blocks.router import (
     within_capacity,
 )
 from composer.config import ConfigError, ModelConfig, positive
+from composer.kernels.linear import Linear
 
 # ---------------------------------------------------------------- the kind's config section
 
@@ -204,7 +205,7 @@ class MoE(nn.Module):
         else:
             self.shared_experts = None
         if moe.shared_expert_gate:
-            self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False)
+            self.shared_expert_gate = Linear(cfg.d_model, 1, bias=False)
         # the load-balancing statistics pass through it: the global batch's under parallelism
         self.token_sum = TokenSum()
         # the sequence-wise statistics: this rank's own sequences (whole on every tp rank)

@@ -60,6 +60,7 @@ from composer.blocks.loss import IGNORE_INDEX
 from composer.blocks.norm import RMSNorm, rms_norm_ref
 from composer.blocks.plan import Init, Normal, SequenceChunk
 from composer.config import ModelConfig
+from composer.kernels.linear import Linear
 from composer.kernels.packing import doc_segments
 
 
@@ -94,7 +95,7 @@ class MTPDepth(nn.Module):
         self.init_std = cfg.init_std
         self.norm_h = RMSNorm(d, cfg.norm_eps)
         self.norm_e = RMSNorm(d, cfg.norm_eps)
-        self.proj = nn.Linear(2 * d, d, bias=False)
+        self.proj = Linear(2 * d, d, bias=False)
         self.layers = nn.ModuleDict({str(j): layer for j, layer in layers.items()})
         self.final_norm = RMSNorm(d, cfg.norm_eps)
         self.keep = SequenceChunk()

@@ -36,6 +36,7 @@ from composer.blocks.plan import ZEROS, Divisible, Init, Normal, ParallelPlan, i
 from composer.blocks.split import SplitCausalConv1d, SplitLinear
 from composer.config import ModelConfig, positive
 from composer.kernels.conv import keep_window
+from composer.kernels.linear import Linear
 
 # ---------------------------------------------------------------- the kind's config section
 
@@ -105,7 +106,7 @@ class ShortConvMixer(nn.Module):
         # channels (split.py): a rank then holds the b, c and u of the same channels.
         self.in_proj = SplitLinear(d, {"b": d, "c": d, "u": d}, bias=s.bias)
         self.conv1d = SplitCausalConv1d({"u": d}, s.d_conv, bias=s.bias)
-        self.out_proj = nn.Linear(d, d, bias=s.bias)
+        self.out_proj = Linear(d, d, bias=s.bias)
         self.conv = GatedConv()  # the time-mixing op (parameterless; cp swaps it)
 
     def init_rules(self) -> dict[str, Init]:

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from composer.blocks.plan import Init, Uniform, init_module
 from composer.kernels.conv import causal_conv1d, causal_conv1d_docs
+from composer.kernels.linear import linear
 
 
 class SplitParams(nn.Module):
@@ -149,7 +149,7 @@ class SplitLinear(SplitParams):
         super().__init__(sizes, (d_in,), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.fused_weight(), self.fused_bias())
+        return linear(x, self.fused_weight(), self.fused_bias())
 
 
 class SplitCausalConv1d(SplitParams):

@@ -47,6 +47,7 @@ from composer.blocks.norm import RMSNorm
 from composer.blocks.plan import Init, Inside, Normal, ParallelPlan, PartialSum, init_module
 from composer.blocks.split import SplitLinear
 from composer.config import ConfigError, ModelConfig, positive
+from composer.kernels.linear import Linear
 
 # ---------------------------------------------------------------- the kind's config section
 
@@ -90,8 +91,8 @@ class LowRank(nn.Module):
     def __init__(self, d_in: int, rank: int, d_out: int,
                  parts: dict[str, int] | None = None) -> None:
         super().__init__()
-        self.down = nn.Linear(d_in, rank, bias=False)
-        self.up: nn.Module = (nn.Linear(rank, d_out, bias=False) if parts is None
+        self.down = Linear(d_in, rank, bias=False)
+        self.up: nn.Module = (Linear(rank, d_out, bias=False) if parts is None
                               else SplitLinear(rank, parts, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +156,7 @@ class ZambaMixer(nn.Module):
         d, r = cfg.d_model, z.adapter_rank
         self.init_std = cfg.init_std
         self.block = SharedBlock(cfg)
-        self.linear = nn.Linear(d, d, bias=False)
+        self.linear = Linear(d, d, bias=False)
         self.mamba = Mamba2Mixer(cfg, layer_idx)
         self.adapters = nn.ModuleDict()
         if z.attention_adapters:

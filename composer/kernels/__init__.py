@@ -11,13 +11,15 @@
 | ``gated_delta_rule`` (GDN)    | ``chunk_gated_delta_rule`` (fla)            | ``kernels.gdn``   |
 | ``gated_delta_rule`` (KDA)    | ``chunk_kda`` (fla, ``fla_kda``)            | ``kernels.gdn``   |
 | ``GatedRMSNorm`` (Mamba-2)    | ``rmsnorm_fn`` (mamba_ssm, ``mamba_gated_norm``) | the block's  |
+| ``linear`` (projections, CPU) | oneDNN in torch (``onednn``; CPU tensors)   | ``F.linear``      |
 
 Rules: nothing optional is imported when ``composer`` is; a CPU tensor always takes the torch path
-and never triggers an import; a kernel is used only when its import succeeds (any ``Exception``
-means "absent") and ``COMPOSER_DISABLE_KERNELS`` (names or ``all``) does not name it. Each hook
-keeps the block's parameters and keys; each wrapper translates the kernel's argument conventions
-and is tested against the torch path with stand-in modules (``tests/kernels``) and on a GPU by
-``bench/gpu_check.py``. The device rule lives in one function, ``probe.on_gpu``.
+(or ``onednn``, part of torch) and never triggers an import; a kernel is used only when its import
+succeeds (any ``Exception`` means "absent") and ``COMPOSER_DISABLE_KERNELS`` (names or ``all``)
+does not name it. Each hook keeps the block's parameters and keys; each wrapper translates the
+kernel's argument conventions and is tested against the torch path with stand-in modules
+(``tests/kernels``) and on a GPU by ``bench/gpu_check.py``. The device rule lives in one function,
+``probe.on_gpu``.
 
 Packed documents (``doc_ids``, :mod:`composer.kernels.packing`): ``mamba_scan`` and ``conv_silu``
 take ``doc_ids`` and hand the kernels ``seq_idx``; their torch paths isolate the documents

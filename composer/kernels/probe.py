@@ -4,7 +4,8 @@ docs/kernels.md: optional kernels are looked up on first use, never at import, a
 call by the tensors' device. On a machine without CUDA, ``transformer_engine`` installs as a shell
 whose import raises ``RuntimeError`` and ``mamba_ssm`` / ``causal_conv1d`` install without their
 CUDA parts, so a probe catches every ``Exception``. Callers test :func:`on_gpu` first, so a CPU
-tensor never even triggers a probe (and never imports an optional package).
+tensor never even triggers a probe (and never imports an optional package). The one CPU kernel,
+``onednn`` (:mod:`composer.kernels.linear`), is part of the torch build: nothing is imported.
 
 ``COMPOSER_DISABLE_KERNELS`` (comma-separated names from :data:`KERNELS`, or ``all``) forces the
 torch path. Probe results, the variable included, are cached for the life of the process; call
@@ -30,10 +31,15 @@ KERNELS: dict[str, str | None] = {
     "transformer_engine": "transformer_engine.pytorch",  # te.Linear (cuBLASLt, FP8)
     "flash": None,  # torch's own fused SDPA kernels: nothing to import, only a switch
     "flex": "torch.nn.attention.flex_attention",  # masked attention by block masks (torch)
+    "onednn": None,  # fp32 CPU linears by oneDNN inside torch (kernels.linear): the CPU's one
     "fla": "fla.ops.gated_delta_rule",  # the chunked gated delta rule (Triton)
     "fla_kda": "fla.ops.kda",  # the chunked Kimi delta attention (Triton)
 }
 """Kernel name -> the module whose successful import makes it available."""
+
+CPU_KERNELS = frozenset({"onednn"})
+"""The kernels for CPU tensors (part of the torch build): probed on a CPU call, importing
+nothing; every other kernel is probed only for CUDA tensors (:func:`on_gpu`)."""
 
 _available: dict[str, bool] = {}
 _modules: dict[str, ModuleType] = {}
@@ -72,6 +78,13 @@ def _probe(name: str) -> bool:
         _errors[name] = f"disabled by {ENV_DISABLE}"
         return False
     path = KERNELS[name]
+    if name == "onednn":  # part of the torch build, not a package: present or not
+        from composer.kernels.linear import onednn_present
+
+        if not onednn_present():
+            _errors[name] = "this torch build has no oneDNN (torch.backends.mkldnn)"
+            return False
+        return True
     if path is None:
         return True
     try:

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from composer.blocks.plan import ParallelPlan, PartialSum, SequenceChunk
 from composer.blocks.protocol import declared, plan_of
 from composer.blocks.shared import SharedLayer
+from composer.kernels.linear import Linear
 from composer.parallel.comm import all_gather, all_reduce_coalesced, reduce_scatter
 from composer.parallel.vocab import VocabParallelEmbedding, VocabParallelReadout
 
@@ -266,7 +267,7 @@ def _swap_linear(module: nn.Module, name: str, cls: type, **context: object) -> 
     linear = module.get_submodule(name)
     if isinstance(linear, cls):
         return linear
-    if type(linear) is not nn.Linear:
+    if type(linear) not in (nn.Linear, Linear):  # a plain projection, not a wrapper
         raise TypeError(f"cannot make {type(linear).__name__} a {cls.__name__}")
     new = cls(linear, **context)
     replace_submodule(module, name, new)

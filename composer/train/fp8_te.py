@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from composer.config import ConfigError
+from composer.kernels.linear import Linear
 
 FP8_MULTIPLE = 16
 """FP8 GEMMs need both dimensions of each operand divisible by this."""
@@ -60,7 +61,7 @@ def check_layout(tp: int, lora_rank: int) -> None:
 
 
 def _keep(name: str, module: nn.Module) -> bool:
-    return (type(module) is nn.Linear and "lm_head" not in name
+    return (type(module) in (nn.Linear, Linear) and "lm_head" not in name
             and module.in_features % FP8_MULTIPLE == 0
             and module.out_features % FP8_MULTIPLE == 0)
 

@@ -59,6 +59,7 @@ from composer.blocks.protocol import TimeMixingOp
 from composer.blocks.split import SplitLinear
 from composer.config import VisionConfig, validate_vision
 from composer.kernels import sdpa_context
+from composer.kernels.linear import Linear
 
 # ---------------------------------------------------------------- the config section
 
@@ -166,7 +167,7 @@ class VisionAttention(nn.Module):
         # parts so that tensor parallelism splits each by heads (composer/blocks/split.py); the
         # state dict shows one fused qkv_proj.weight, transformers' layout
         self.qkv_proj = SplitLinear(d, {"q": d, "k": d, "v": d}, bias=True)
-        self.o_proj = nn.Linear(d, d, bias=True)
+        self.o_proj = Linear(d, d, bias=True)
         self.core = SegmentAttention()
 
     def init_rules(self) -> dict[str, Init]:
@@ -208,8 +209,8 @@ class VisionMLP(nn.Module):
         d_in = d_in or v.d_model
         self.init_std = v.init_std
         self.act = ACTIVATIONS[activation or v.activation]
-        self.up_proj = nn.Linear(d_in, d_ff or v.d_ff, bias=True)
-        self.down_proj = nn.Linear(d_ff or v.d_ff, d_out or d_in, bias=True)
+        self.up_proj = Linear(d_in, d_ff or v.d_ff, bias=True)
+        self.down_proj = Linear(d_ff or v.d_ff, d_out or d_in, bias=True)
 
     def init_rules(self) -> dict[str, Init]:
         return {"*_proj.weight": Normal(self.init_std), "*_proj.bias": ZEROS}
