@@ -105,12 +105,16 @@ def build_optimizers(model: nn.Module, kind: str, lr: float, weight_decay: float
             decay.append(p)
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                           {"params": flat, "weight_decay": 0.0}) if g["params"]]
+    if kind not in ("adamw", "muon"):
+        raise ValueError(f"--optimizer must be adamw or muon; got {kind!r}")
+    if not groups and not hidden:
+        raise ValueError("no trainable parameters: every parameter has requires_grad=False")
     adam_params = [p for g in groups for p in g["params"]]
-    opts: list[torch.optim.Optimizer] = [torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
-                                                           fused=_fused_ok(adam_params) or None)]
+    opts: list[torch.optim.Optimizer] = []
+    if groups:  # empty when Muon takes every trainable matrix (e.g. LoRA's A and B)
+        opts.append(torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
+                                      fused=_fused_ok(adam_params) or None))
     if kind == "muon" and hidden:
         opts.append(ShardedMuon(hidden, lr=lr, weight_decay=weight_decay,
                                 adjust_lr_fn="match_rms_adamw"))
-    elif kind not in ("adamw", "muon"):
-        raise ValueError(f"--optimizer must be adamw or muon; got {kind!r}")
     return Optimizers(opts)

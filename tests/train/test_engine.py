@@ -192,6 +192,27 @@ def test_weight_decay_skips_1d_parameters():
     assert not flat & decayed
 
 
+def test_muon_with_only_matrices_trainable_has_no_empty_adamw():
+    """LoRA + Muon: every trainable parameter is a 2-D adapter matrix, so AdamW gets none (it
+    used to be built anyway and refuse an empty parameter list); nothing trainable is an error."""
+    from torch import nn
+
+    from composer.train.optim import ShardedMuon, build_optimizers
+
+    model = nn.Sequential(nn.Linear(8, 4, bias=False), nn.Linear(4, 8))
+    model[1].bias.requires_grad_(False)
+    opt = build_optimizers(model, "muon", 1e-2, 0.0, (0.9, 0.95), 1e-8)
+    assert [type(o) for o in opt.opts] == [ShardedMuon]
+    model(torch.randn(3, 8)).sum().backward()
+    before = model[0].weight.detach().clone()
+    opt.step()
+    assert not torch.equal(model[0].weight, before)
+    for q in model.parameters():
+        q.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        build_optimizers(model, "adamw", 1e-2, 0.0, (0.9, 0.95), 1e-8)
+
+
 def test_a_bf16_source_trains_with_fp32_masters(tmp_path):
     assert main(["build", "--preset", "llama-debug", "--out", str(tmp_path / "src")]) == 0
     assert main(["convert", "to-hf", str(tmp_path / "src"), str(tmp_path / "hf"),
