@@ -84,7 +84,7 @@ def test_equals_f_linear_where_it_falls_back(calls, monkeypatch) -> None:
 
 def test_a_tensor_subclass_takes_f_linear(calls) -> None:
     class Tagged(torch.Tensor):
-        pass
+        """Computes as a tensor, but is not one by type (as DTensor and float8 weights)."""
 
     x = torch.randn(2, 8).as_subclass(Tagged)
     kl.linear(x, torch.randn(4, 8))
