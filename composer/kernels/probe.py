@@ -64,6 +64,12 @@ def disabled_names() -> set[str]:
     return raw & set(KERNELS)
 
 
+def onednn_present() -> bool:
+    """This torch build has oneDNN and its linear op (``composer.kernels.linear``)."""
+    return bool(torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
 def available(name: str) -> bool:
     """Whether kernel ``name`` imports here and is not disabled (cached after the first call)."""
     if name not in KERNELS:
@@ -78,13 +84,9 @@ def _probe(name: str) -> bool:
         _errors[name] = f"disabled by {ENV_DISABLE}"
         return False
     path = KERNELS[name]
-    if name == "onednn":  # part of the torch build, not a package: present or not
-        from composer.kernels.linear import onednn_present
-
-        if not onednn_present():
-            _errors[name] = "this torch build has no oneDNN (torch.backends.mkldnn)"
-            return False
-        return True
+    if name == "onednn" and not onednn_present():  # part of the torch build, not a package
+        _errors[name] = "this torch build has no oneDNN (torch.backends.mkldnn)"
+        return False
     if path is None:
         return True
     try:
